@@ -1,0 +1,5 @@
+import sys
+
+from forerun.cli import main
+
+sys.exit(main())

@@ -1,0 +1,3 @@
+from forerun.backends.base import Backend, ForwardOutput
+
+__all__ = ["Backend", "ForwardOutput"]

@@ -1,0 +1,64 @@
+"""The interface the engine drives. Every model (target or draft) sits behind it.
+
+A backend owns one sequence's KV cache. ``forward(tokens, pos)`` runs ``tokens`` at
+positions ``pos .. pos + T - 1``, attending to cached positions ``0 .. pos - 1``;
+afterwards the cache holds ``pos + T`` positions. Positions past ``pos`` that were
+cached earlier (rejected drafts) are simply overwritten or dropped: rollback is
+bookkeeping, see ``truncate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [T, vocab], float32
+    hidden: torch.Tensor | None = None  # [T, hidden] last hidden state (pre-norm), when asked for
+
+
+class Backend(Protocol):
+    vocab_size: int
+    max_context: int
+    num_layers: int
+    device: torch.device
+
+    @property
+    def length(self) -> int:
+        """Number of positions currently held in the KV cache."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        pos: int,
+        *,
+        skip_layers: Sequence[int] = (),
+        return_hidden: bool = False,
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        """Run tokens at positions pos..pos+T-1. ``last_only`` returns logits for the last position only."""
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached positions."""
+
+    def reset(self) -> None:
+        """Drop the whole cache (a new sequence starts)."""
+
+    def fork(self) -> "Backend":
+        """A second backend over the same weights with its own empty cache."""
+
+
+class BackendBase:
+    """Shared bookkeeping for backends."""
+
+    supports_layer_skip = False
+
+    def _check_forward(self, tokens: torch.Tensor, pos: int) -> None:
+        if pos > self.length:
+            raise ValueError(f"forward at position {pos} but only {self.length} positions are cached")
+        if pos + tokens.numel() > self.max_context:
+            raise ValueError(f"position {pos + tokens.numel()} is past the context limit {self.max_context}")

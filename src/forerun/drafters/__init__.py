@@ -1,0 +1,44 @@
+"""Drafters, one module each, and the factory that builds one by method name."""
+
+from __future__ import annotations
+
+from forerun.drafters.base import Draft, Drafter
+from forerun.errors import ForerunError
+
+METHODS = ("none", "ngram", "draft", "layerskip")
+
+
+def check_vocab(target, draft) -> None:
+    """A draft model must share the target's vocabulary: token ids mean the same thing."""
+    tv, dv = target.backend.vocab_size, draft.backend.vocab_size
+    if tv != dv:
+        raise ForerunError(f"draft model vocabulary ({dv} tokens) differs from the target's ({tv} tokens)")
+    ttok, dtok = target.tokenizer, draft.tokenizer
+    if ttok is not None and dtok is not None and ttok.get_vocab() != dtok.get_vocab():
+        raise ForerunError("draft model tokenizer differs from the target's (same size, different tokens)")
+
+
+def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1):
+    """Build the drafter for ``method`` (None for plain decoding)."""
+    if method not in METHODS:
+        raise ForerunError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
+    if method == "none":
+        return None
+    if method == "ngram":
+        from forerun.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
+    if method == "draft":
+        from forerun.drafters.draft_model import DraftModelDrafter
+
+        if draft_model is None:
+            raise ForerunError("method draft needs a draft model (--draft MODEL)")
+        check_vocab(target, draft_model)
+        return DraftModelDrafter(draft_model.backend)
+    from forerun.drafters.layer_skip import LayerSkipDrafter, default_skip_layers
+
+    layers = skip_layers if skip_layers is not None else default_skip_layers(target)
+    return LayerSkipDrafter(target.backend, layers)
+
+
+__all__ = ["Draft", "Drafter", "METHODS", "make_drafter", "check_vocab"]

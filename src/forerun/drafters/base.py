@@ -1,0 +1,43 @@
+"""The drafter interface: every drafting method is one small class behind it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forerun.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [k] int64, k may be smaller than asked (even 0)
+    q: torch.Tensor | None = None  # [k, vocab] draft probs; None = deterministic (one-hot) proposals
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+class Drafter:
+    """Proposes tokens that the target then verifies.
+
+    Lifecycle for one generation: ``begin`` once, then per step ``propose`` followed by
+    ``accepted`` with the verified outcome. ``tokens`` is always the whole committed
+    sequence (prompt and output); its last token has not been run through the target yet.
+    """
+
+    name = "base"
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.params = params
+        self.generator = generator
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        raise NotImplementedError
+
+    def accepted(self, tokens: list[int], num_accepted: int) -> None:
+        """Called after a verify pass; ``tokens`` now holds the accepted drafts and the new token."""
+
+
+def empty_draft() -> Draft:
+    return Draft(tokens=torch.zeros(0, dtype=torch.long))

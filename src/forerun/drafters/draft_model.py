@@ -1,0 +1,55 @@
+"""An independent small model with the target's tokenizer drafts autoregressively."""
+
+from __future__ import annotations
+
+import torch
+
+from forerun.drafters.base import Draft, Drafter
+from forerun.sampling import logits_to_probs, sample
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+
+    def __init__(self, backend):
+        self.backend = backend  # its own KV cache, kept in step with the committed tokens
+
+    def begin(self, prompt, params, generator):
+        super().begin(prompt, params, generator)
+        self.backend.reset()
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        be = self.backend
+        # Catch up on tokens the draft has not seen (the last one, plus any correction/bonus).
+        start = min(be.length, len(tokens) - 1)
+        feed = torch.tensor(tokens[start:], dtype=torch.long)
+        return autoregressive_draft(be, feed, start, k, self.params, self.generator)
+
+    def accepted(self, tokens: list[int], num_accepted: int) -> None:
+        # Cached positions are valid up to the last accepted draft; the new token is fed next time.
+        self.backend.truncate(min(self.backend.length, len(tokens) - 1))
+
+
+def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=None, **fwd) -> Draft:
+    """Run ``feed`` at ``pos``, then draft k tokens one at a time. Shared by model-based drafters.
+
+    ``vocab_map`` [n] (optional): the forward returns logits over these token ids only.
+    """
+    out, qs = [], []
+    for _ in range(k):
+        logits = backend.forward(feed, pos, last_only=True, **fwd).logits[-1]
+        pos += feed.numel()
+        if params.greedy:
+            tok = logits.argmax(-1)
+            if vocab_map is not None:
+                tok = vocab_map[tok]
+        else:
+            q = logits_to_probs(logits, params)
+            if vocab_map is not None:  # q is zero outside the draft vocabulary
+                q = torch.zeros(backend.vocab_size, device=q.device).scatter_(0, vocab_map, q)
+            tok = sample(q, generator)
+            qs.append(q)
+        out.append(tok)
+        feed = tok.view(1)
+    tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long)
+    return Draft(tokens=tokens.cpu(), q=torch.stack(qs) if qs else None)

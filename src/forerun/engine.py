@@ -1,0 +1,168 @@
+"""The speculative decoding loop, written once for every drafter and backend.
+
+Invariant between steps: ``tokens`` holds the committed sequence; the target's KV cache
+holds every position except the last token, which is run at the start of the next verify
+pass together with the drafts. Plain decoding is the same loop with an empty draft.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from forerun.draft_length import MAX_K, make_policy
+from forerun.drafters.base import Draft, Drafter, empty_draft
+from forerun.errors import ForerunError
+from forerun.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample
+from forerun.stats import GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens) or "context" (context limit)
+    text: str = ""
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]  # tokens committed by this step
+    finish_reason: str | None
+
+
+def check_k(k) -> int | str:
+    if k == "auto":
+        return k
+    try:
+        k = int(k)
+    except (TypeError, ValueError):
+        raise ForerunError(f"--k must be an integer in 1..{MAX_K} or 'auto', got {k!r}") from None
+    if not 1 <= k <= MAX_K:
+        raise ForerunError(f"--k must be in 1..{MAX_K} or 'auto', got {k}")
+    return k
+
+
+class Engine:
+    def __init__(self, target, drafter: Drafter | None = None, eos_token_ids=()):
+        self.target = target  # a Backend
+        self.drafter = drafter
+        self.eos = set(int(i) for i in eos_token_ids)
+
+    def stream(
+        self,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        k: int | str = 4,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[StepOutput]:
+        """Yield the tokens committed by each step; ``stats`` is filled in as it goes."""
+        if not prompt:
+            raise ForerunError("empty prompt")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ForerunError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.target.max_context
+        if len(prompt) >= limit:
+            raise ForerunError(f"prompt is {len(prompt)} tokens; the context limit is {limit} (room for at least one new token is needed)")
+        k = check_k(k) if self.drafter is not None else 1
+        policy = make_policy(k)
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(prompt)
+        device = getattr(self.target, "device", torch.device("cpu"))
+        generator = None if params.greedy else params.generator(device)
+        t_start = time.perf_counter()
+
+        # Prefill: everything but the last prompt token, which the first verify pass runs.
+        target = self.target
+        target.reset()
+        tokens = list(prompt)
+        if len(tokens) > 1:
+            target.forward(torch.tensor(tokens[:-1], dtype=torch.long), 0, last_only=True)
+        stats.prefill_s = time.perf_counter() - t_start
+        if self.drafter is not None:
+            self.drafter.begin(tokens, params, generator)
+
+        produced = 0
+        while True:
+            # Never overshoot max_new_tokens or the context, even mid-draft.
+            room = min(max_new_tokens - produced, limit - len(tokens))
+            want = 0 if self.drafter is None else min(policy.next_k(), room - 1)
+
+            # 1. Draft.
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(tokens, want) if want > 0 else empty_draft()
+            draft = _clip(draft, want)
+            t1 = time.perf_counter()
+
+            # 2. Verify every draft position (and one more) in one target pass.
+            n_draft = len(draft)
+            feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
+            logits = target.forward(feed, len(tokens) - 1).logits  # [n_draft + 1, vocab]
+            t2 = time.perf_counter()
+
+            # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.
+            out, n_acc = self._accept(draft, logits, params, generator)
+            new = out[: n_acc + 1]
+            finish = None
+            for i, tok in enumerate(new):  # EOS inside an accepted run ends the output there
+                if tok in self.eos:
+                    new, finish = new[: i + 1], "stop"
+                    break
+            n_acc = min(n_acc, len(new) - 1) if finish else n_acc
+            tokens.extend(new)
+            produced += len(new)
+
+            # 4. Roll back: the cache keeps the positions of accepted tokens only.
+            target.truncate(len(tokens) - 1)
+            if self.drafter is not None:
+                self.drafter.accepted(tokens, n_acc)
+            t3 = time.perf_counter()
+
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.record_step(n_draft, n_acc)
+            stats.new_tokens = produced
+            policy.observe(n_draft, n_acc, t1 - t0, t2 - t1)
+            if finish is None and produced >= max_new_tokens:
+                finish = "length"
+            if finish is None and len(tokens) >= limit:
+                finish = "context"
+            stats.wall_s = time.perf_counter() - t_start
+            yield StepOutput(tokens=new, finish_reason=finish)
+            if finish is not None:
+                return
+
+    def generate(self, prompt: list[int], **kw) -> GenerationResult:
+        stats = GenerationStats()
+        out: list[int] = []
+        finish = "length"
+        for step in self.stream(prompt, stats=stats, **kw):
+            out.extend(step.tokens)
+            finish = step.finish_reason or finish
+        return GenerationResult(token_ids=out, stats=stats, finish_reason=finish)
+
+    @staticmethod
+    def _accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator):
+        k = len(draft)
+        d = draft.tokens.to(logits.device)[None]  # [1, k]
+        if params.greedy:
+            out, n = greedy_verify(d, logits[None])
+        else:
+            p = logits_to_probs(logits, params)[None]  # [1, k + 1, vocab]
+            if draft.q is not None:
+                q = draft.q.to(p.device)[None]
+            else:  # deterministic drafter: q is one-hot on its proposal
+                q = torch.zeros_like(p[:, :k]).scatter_(-1, d[..., None], 1.0)
+            out, n = rejection_sample(d, q, p, generator)
+        return out[0].tolist(), int(n[0])
+
+
+def _clip(draft: Draft, k: int) -> Draft:
+    if len(draft) <= k:
+        return draft
+    return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k])

