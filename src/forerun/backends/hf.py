@@ -31,7 +31,8 @@ class HFBackend(BackendBase):
     def truncate(self, length: int) -> None:
         length = max(0, length)
         if self._cache is not None and length < self._len:
-            self._cache.crop(length)
+            # A negative argument removes that many tokens, in old and new transformers alike.
+            self._cache.crop(-(self._len - length))
         self._len = min(self._len, length)
 
     def reset(self) -> None:

@@ -1,0 +1,309 @@
+"""``forerun bench``: methods and peers side by side, same process, same model, same dtype."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from forerun.errors import ForerunError
+
+PEERS = ("hf", "hf-lookup")
+
+
+def load_prompts(path: str, categories=None, limit_per_category=None) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        raise ForerunError(f"prompts file not found: {path}")
+    rows = []
+    with open(p) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                text = obj["turns"][0]
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise ForerunError(f"{path}:{i}: expected a JSON object with a non-empty 'turns' list") from None
+            rows.append({"id": obj.get("question_id", i), "category": obj.get("category", "default"), "text": text})
+    if categories:
+        known = {r["category"] for r in rows}
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ForerunError(f"unknown categories {unknown}; the file has {sorted(known)}")
+        rows = [r for r in rows if r["category"] in categories]
+    if limit_per_category is not None:
+        if limit_per_category < 1:
+            raise ForerunError("--limit-per-category must be >= 1")
+        seen: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            if seen.get(r["category"], 0) < limit_per_category:
+                seen[r["category"]] = seen.get(r["category"], 0) + 1
+                kept.append(r)
+        rows = kept
+    if not rows:
+        raise ForerunError(f"no prompts selected from {path}")
+    return rows
+
+
+def machine_info(dtype) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def verify_cost_ratios(backend, context: int = 256, ks=range(1, 9), reps: int = 7) -> dict:
+    """Median time of a (K+1)-token forward over a 1-token step, at a fixed context length."""
+    ids = torch.randint(10, min(backend.vocab_size, 20000), (context + 10,), generator=torch.Generator().manual_seed(0))
+    backend.reset()
+    backend.forward(ids[:context], 0, last_only=True)
+
+    def timed(n):
+        ts = []
+        for _ in range(reps):
+            backend.truncate(context)
+            t = time.perf_counter()
+            backend.forward(ids[context : context + n], context)
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[reps // 2]
+
+    timed(1)
+    one = timed(1)
+    out = {"step_ms": one * 1000}
+    out.update({str(k): timed(k + 1) / one for k in ks})
+    backend.reset()
+    return out
+
+
+def _hf_generate(model, ids, max_new, eos, lookup: bool):
+    inp = torch.tensor([ids], device=model.device)
+    kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0],
+              attention_mask=torch.ones_like(inp), top_p=None, top_k=None, temperature=None)
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = 10
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inp, **kw)
+    wall = time.perf_counter() - t
+    return out[0, len(ids):].tolist(), wall
+
+
+def _summarise(records, names, by_cat=True):
+    def agg(rs):
+        new = sum(r["new_tokens"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        passes = sum(r.get("target_passes", 0) for r in rs)
+        drafted = sum(r.get("drafted", 0) for r in rs)
+        acc = sum(r.get("accepted", 0) for r in rs)
+        return {
+            "tokens_per_s": new / wall if wall else 0.0,
+            "new_tokens": new,
+            "wall_s": wall,
+            "mean_accepted_len": (acc + passes) / passes if passes else None,
+            "acceptance_rate": acc / drafted if drafted else None,
+            "greedy_equal": sum(1 for r in rs if r["equal_none"]),
+            "prompts": len(rs),
+        }
+
+    out = {}
+    for name in names:
+        rs = [r for r in records if r["method"] == name]
+        if not rs:
+            continue
+        m = agg(rs)
+        m["draft_s"] = sum(r.get("draft_s", 0.0) for r in rs)
+        m["verify_s"] = sum(r.get("verify_s", 0.0) for r in rs)
+        m["prefill_s"] = sum(r.get("prefill_s", 0.0) for r in rs)
+        dpp = [0] * 32
+        app = [0] * 32
+        for r in rs:
+            for i, (d, a) in enumerate(zip(r.get("drafted_per_position", []), r.get("accepted_per_position", []))):
+                dpp[i] += d
+                app[i] += a
+        m["acceptance_per_position"] = [a / d for a, d in zip(app, dpp) if d]
+        m["by_category"] = {}
+        for cat in sorted({r["category"] for r in rs}):
+            m["by_category"][cat] = agg([r for r in rs if r["category"] == cat])
+        out[name] = m
+    # Speedups, overall and per category.
+    for ref in ("none", "hf", "hf-lookup"):
+        if ref not in out:
+            continue
+        key = "speedup_vs_" + ref.replace("-", "_")
+        for name, m in out.items():
+            m[key] = m["tokens_per_s"] / out[ref]["tokens_per_s"] if out[ref]["tokens_per_s"] else None
+            for cat, c in m["by_category"].items():
+                rc = out[ref]["by_category"].get(cat)
+                c[key] = c["tokens_per_s"] / rc["tokens_per_s"] if rc and rc["tokens_per_s"] else None
+    return out
+
+
+def _predicted_speedup(m: dict, ratios: dict, k: float) -> float | None:
+    """Leviathan et al. with measured acceptance, measured draft cost and the measured verify cost ratio."""
+    a = m.get("acceptance_rate")
+    if a is None or not ratios or m.get("new_tokens", 0) == 0:
+        return None
+    passes_tokens = m["mean_accepted_len"]  # measured tokens per pass (for reference)
+    step = ratios["step_ms"] / 1000
+    gamma = max(1, round(k))
+    r = ratios.get(str(min(gamma, 8)), 1.0)
+    drafted_per_pass = (passes_tokens - 1) / a if a > 0 else gamma
+    c = (m["draft_s"] / max(1e-9, drafted_per_pass * (m["new_tokens"] / passes_tokens))) / step if passes_tokens else 0
+    a = min(a, 0.999)
+    expected = (1 - a ** (gamma + 1)) / (1 - a)
+    return expected / (gamma * c + r)
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    methods = results["methods"]
+    cats = sorted({c for m in methods.values() for c in m["by_category"]})
+    lines = [f"# forerun bench — {results['machine']['date']}", ""]
+    mc = results["machine"]
+    cfg = results["config"]
+    lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
+                 f"dtype {mc['dtype']}. Model: {cfg['model']}. Greedy, max_new_tokens={cfg['max_new_tokens']}, "
+                 f"k={cfg['k']}, {cfg['prompts']} prompts.")
+    lines.append("")
+    lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | tau | acceptance | greedy = none |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for name, m in methods.items():
+        lines.append(f"| {name} | {f(m['tokens_per_s'])} | {f(m.get('speedup_vs_none'))}x | {f(m.get('speedup_vs_hf'))}x | "
+                     f"{f(m.get('speedup_vs_hf_lookup'))}x | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
+                     f"{m['greedy_equal']}/{m['prompts']} |")
+    lines += ["", "Tokens/s by category (speedup over our `none` in brackets):", ""]
+    lines.append("| category | " + " | ".join(methods) + " |")
+    lines.append("|---|" + "---|" * len(methods))
+    for cat in cats:
+        cells = []
+        for m in methods.values():
+            c = m["by_category"].get(cat)
+            cells.append("-" if c is None else f"{c['tokens_per_s']:.1f} ({f(c.get('speedup_vs_none'))}x, tau {f(c['mean_accepted_len'])})")
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    vr = results.get("verify_cost_ratio")
+    if vr:
+        lines += ["", f"Verify cost ratio (time of a K+1-token pass over a 1-token step of {vr['step_ms']:.1f} ms, context 256):", ""]
+        ks = [k for k in vr if k != "step_ms"]
+        lines.append("| K | " + " | ".join(ks) + " |")
+        lines.append("|---|" + "---|" * len(ks))
+        lines.append("| ratio | " + " | ".join(f"{vr[k]:.2f}" for k in ks) + " |")
+    pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
+    if pred:
+        lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
+        for n, p in pred.items():
+            m = methods[n]
+            app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
+            lines.append(f"| {n} | {f(m.get('speedup_vs_none'))}x | {p:.2f}x | {app} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_bench(args) -> dict:
+    from tqdm import tqdm
+
+    from forerun.drafters import METHODS, make_drafter
+    from forerun.engine import Engine
+    from forerun.models import load_model
+    from forerun.sampling import SamplingParams
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ForerunError(f"unknown method {m!r} (choose {', '.join(METHODS)})")
+    for p in peers:
+        if p not in PEERS:
+            raise ForerunError(f"unknown peer {p!r} (choose {', '.join(PEERS)})")
+    if args.max_new_tokens < 1:
+        raise ForerunError("--max-new-tokens must be >= 1")
+    if "none" not in methods:
+        methods.insert(0, "none")  # the reference for speedups and greedy equality
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    prompts = load_prompts(args.prompts, cats, args.limit_per_category)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend) if "draft" in methods else None
+    skip = [int(x) for x in args.skip_layers.split(",")] if getattr(args, "skip_layers", None) else None
+    drafters = {m: make_drafter(m, target, draft_model=draft, skip_layers=skip) for m in methods}
+    engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
+    params = SamplingParams()
+    tok = target.tokenizer
+    limit = target.backend.max_context - args.max_new_tokens
+    encoded = []
+    for p in prompts:
+        ids = tok(p["text"]).input_ids
+        if len(ids) > limit:
+            ids = ids[-limit:]  # keep the end: the instruction usually closes the prompt
+        encoded.append(ids)
+
+    # Warm up every path once (allocations, oneDNN packing, caches).
+    warm = encoded[0][:32]
+    for m, e in engines.items():
+        e.generate(warm, max_new_tokens=8, params=params, k=args.k)
+    for p in peers:
+        _hf_generate(target.hf_model, warm, 8, target.eos_token_ids, p == "hf-lookup")
+
+    names = methods + peers
+    config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
+              "methods": methods, "peers": peers, "k": args.k, "max_new_tokens": args.max_new_tokens, "greedy": True,
+              "prompts": len(prompts), "skip_layers": getattr(drafters.get("layerskip"), "skip", None)}
+    results = {"machine": machine_info(target.hf_model.dtype), "config": config}
+    records = []
+    bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
+    for p, ids in zip(prompts, encoded):
+        ref = None
+        for name in names:  # every method on the same prompt back to back: machine noise hits all alike
+            bar.set_postfix_str(f"{p['category']}:{name}")
+            if name in engines:
+                res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
+                out, rec = res.token_ids, res.stats.to_dict()
+            else:
+                out, wall = _hf_generate(target.hf_model, ids, args.max_new_tokens, target.eos_token_ids, name == "hf-lookup")
+                rec = {"new_tokens": len(out), "wall_s": wall}
+            if name == "none":
+                ref = out
+            rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids), equal_none=out == ref)
+            records.append(rec)
+            bar.update(1)
+        results["methods"] = _summarise(records, names)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
+    bar.close()
+
+    results["verify_cost_ratio"] = verify_cost_ratios(target.backend)
+    for name, m in results["methods"].items():
+        if name in engines and name != "none":
+            k = sum(r.get("mean_k", 0) for r in records if r["method"] == name) / max(1, m["prompts"])
+            m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["verify_cost_ratio"], k)
+    results["records"] = records
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_markdown(results, out_dir / "results.md")
+    print((out_dir / "results.md").read_text())
+    return results

@@ -1,0 +1,94 @@
+"""Tiny random models for fast tests, and the bundled model for integration tests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+VOCAB = 96
+
+
+def tiny_gemma(seed: int = 0, vocab: int = VOCAB, layers: int = 4, sliding_window: int = 8):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=sliding_window,
+        max_position_embeddings=256, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"][:layers],
+        pad_token_id=0, bos_token_id=2, eos_token_id=1, initializer_range=0.3,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    return model
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.3)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def word_tokenizer(vocab: int = VOCAB):
+    """A word-level tokenizer: 'w5 w17' -> [2, 5, 17] (BOS = 2, EOS = 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    words.update({f"w{i}": i for i in range(4, vocab)})
+    tk = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+
+
+def wrap(model, backend="auto", name="tiny"):
+    from forerun.models import wrap_model
+
+    return wrap_model(name, model, word_tokenizer(model.config.vocab_size), backend=backend)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    return wrap(tiny_gemma(0))
+
+
+@pytest.fixture(scope="session")
+def gemma_draft():
+    return wrap(tiny_gemma(1, layers=2), name="tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return wrap(tiny_llama(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny Gemma 3 saved as an HF folder with a tokenizer, for CLI tests."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_gemma(0).save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    from forerun.models import load_model
+
+    return load_model("bundled")
+
+
+def spec_bench_prompts(category: str, n: int) -> list[str]:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+    if not path.exists():
+        pytest.skip("Spec-Bench prompts not present beside the checkout")
+    rows = [json.loads(line) for line in path.open()]
+    return [r["turns"][0] for r in rows if r["category"] == category][:n]

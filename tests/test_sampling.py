@@ -1,0 +1,116 @@
+import math
+
+import pytest
+import torch
+
+from forerun.errors import ForerunError
+from forerun.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, sample
+
+
+def test_temperature_top_k_top_p_hand_built():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(p, torch.tensor([[0.5, 0.25, 0.15, 0.10]]), atol=1e-6)
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]), atol=1e-6)
+    # top-p 0.7: 0.5 alone is below 0.7, 0.5 + 0.25 reaches it -> keep two tokens.
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]), atol=1e-6)
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.allclose(p, torch.tensor([[1.0, 0, 0, 0]]), atol=1e-6)
+    # Temperature 0.5 squares the probabilities before normalising.
+    p = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    sq = torch.tensor([0.5, 0.25, 0.15, 0.10]) ** 2
+    assert torch.allclose(p[0], sq / sq.sum(), atol=1e-6)
+    # Greedy is one-hot on the argmax.
+    assert logits_to_probs(logits, SamplingParams()).tolist() == [[1.0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+def test_bad_params(kw):
+    with pytest.raises(ForerunError):
+        SamplingParams(**kw)
+
+
+def test_greedy_verify_cases():
+    V = 6
+    target = torch.tensor([[3, 1, 4, 1, 5]])  # argmax tokens at the k + 1 positions
+    logits = torch.nn.functional.one_hot(target, V).float()
+    out, n = greedy_verify(torch.tensor([[3, 1, 4, 1]]), logits)
+    assert n.tolist() == [4] and out[0].tolist() == [3, 1, 4, 1, 5]  # all accepted + bonus
+    out, n = greedy_verify(torch.tensor([[3, 2, 4, 1]]), logits)
+    assert n.tolist() == [1] and out[0, 1].item() == 1  # mismatch at 2: target's own token
+    out, n = greedy_verify(torch.tensor([[0, 1, 4, 1]]), logits)
+    assert n.tolist() == [0] and out[0, 0].item() == 3
+
+
+def test_rejection_sampler_exact_cases():
+    V = 4
+    p = torch.tensor([[[0, 1.0, 0, 0], [0, 0, 1.0, 0]]])
+    q = torch.tensor([[[0, 1.0, 0, 0]]])
+    out, n = rejection_sample(torch.tensor([[1]]), q, p)
+    assert n.item() == 1 and out[0].tolist() == [1, 2]  # accepted, then bonus from p
+    out, n = rejection_sample(torch.tensor([[3]]), torch.tensor([[[0, 0, 0, 1.0]]]), p)
+    assert n.item() == 0 and out[0, 0].item() == 1  # rejected, recovered from max(0, p - q)
+    # q gave the draft token probability 0: no NaN, and the target forbids it -> rejected.
+    out, n = rejection_sample(torch.tensor([[0]]), torch.tensor([[[0, 0.5, 0.5, 0]]]), p)
+    assert n.item() == 0 and out[0, 0].item() == 1
+    assert V == p.shape[-1]
+
+
+def test_seeded_determinism():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(3, 5, 50), -1)
+    q = torch.softmax(torch.randn(3, 4, 50), -1)
+    d = sample(q, torch.Generator().manual_seed(1))
+    a = rejection_sample(d, q, p, torch.Generator().manual_seed(7))
+    b = rejection_sample(d, q, p, torch.Generator().manual_seed(7))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - probs).abs().sum().item()
+
+
+@pytest.mark.parametrize("onehot_q", [False, True])
+def test_rejection_sampler_distribution_equals_p(onehot_q):
+    """Sample a batch of 200k independent speculative steps; each output position must follow p."""
+    g = torch.Generator().manual_seed(123)
+    V, k, B = 8, 3, 200_000
+    p1 = torch.softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)
+    q1 = torch.softmax(torch.randn(k, V, generator=g) * 1.5, -1)
+    p = p1.expand(B, k + 1, V)
+    q = q1.expand(B, k, V)
+    d = sample(q, g)  # [B, k] drafts drawn from q
+    if onehot_q:  # a deterministic drafter: always proposes token 0, q is one-hot
+        d = torch.zeros(B, k, dtype=torch.long)
+        q = torch.nn.functional.one_hot(d, V).float()
+    out, n = rejection_sample(d, q, p, g)
+    first = torch.bincount(out[:, 0], minlength=V).float()
+    # The first output token is distributed as p_0 regardless of what was accepted after it.
+    tv = _tv(first, p1[0])
+    assert tv < 0.01, tv
+    # Chi-square, 7 degrees of freedom: 99.9% quantile is 24.3.
+    expected = p1[0] * B
+    chi2 = ((first - expected) ** 2 / expected).sum().item()
+    assert chi2 < 24.3, chi2
+    # Given the first token was an accepted draft (n >= 1), the second output follows p_1.
+    rows = n >= 1
+    second = torch.bincount(out[rows, 1], minlength=V).float()
+    if not onehot_q:  # with one-hot q, p_1 is only defined given token 0 came first (it did)
+        assert _tv(second, p1[1]) < 0.02
+    else:
+        assert _tv(second, p1[1]) < 0.02
+
+
+def test_sampler_detects_a_broken_residual():
+    """The statistical check is not vacuous: sampling the recovered token from p (not the residual) fails it."""
+    g = torch.Generator().manual_seed(5)
+    V, B = 8, 200_000
+    p1 = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    q1 = torch.softmax(torch.randn(1, V, generator=g) * 1.5, -1)
+    d = sample(q1.expand(B, 1, V), g)
+    pd, qd = p1[0, d[:, 0]], q1[0, d[:, 0]]
+    accept = torch.rand(B, generator=g) * qd <= pd
+    wrong = torch.where(accept, d[:, 0], sample(p1[0].expand(B, V), g))
+    assert _tv(torch.bincount(wrong, minlength=V).float(), p1[0]) > 0.02
