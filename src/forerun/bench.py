@@ -232,11 +232,17 @@ def run_bench(args) -> dict:
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
 
+    from forerun.engine import check_k
+
+    # A method may carry its own draft length: "ngram:6", "layerskip:auto"; else --k applies.
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    method_k = {}
     for m in methods:
-        if m not in METHODS:
-            raise ForerunError(f"unknown method {m!r} (choose {', '.join(METHODS)})")
+        base, _, k = m.partition(":")
+        if base not in METHODS:
+            raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)})")
+        method_k[m] = check_k(k) if k else args.k
+    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     for p in peers:
         if p not in PEERS:
             raise ForerunError(f"unknown peer {p!r} (choose {', '.join(PEERS)})")
@@ -250,9 +256,12 @@ def run_bench(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend) if "draft" in methods else None
+    needs_draft = any(m.partition(":")[0] == "draft" for m in methods)
+    if needs_draft and not args.draft:
+        raise ForerunError("method draft needs a draft model (--draft MODEL)")
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend) if needs_draft else None
     skip = [int(x) for x in args.skip_layers.split(",")] if getattr(args, "skip_layers", None) else None
-    drafters = {m: make_drafter(m, target, draft_model=draft, skip_layers=skip) for m in methods}
+    drafters = {m: make_drafter(m.partition(":")[0], target, draft_model=draft, skip_layers=skip) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
     params = SamplingParams()
     tok = target.tokenizer
@@ -267,14 +276,14 @@ def run_bench(args) -> dict:
     # Warm up every path once (allocations, oneDNN packing, caches).
     warm = encoded[0][:32]
     for m, e in engines.items():
-        e.generate(warm, max_new_tokens=8, params=params, k=args.k)
+        e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
     for p in peers:
         _hf_generate(target.hf_model, warm, 8, target.eos_token_ids, p == "hf-lookup")
 
     names = methods + peers
     config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
-              "methods": methods, "peers": peers, "k": args.k, "max_new_tokens": args.max_new_tokens, "greedy": True,
-              "prompts": len(prompts), "skip_layers": getattr(drafters.get("layerskip"), "skip", None)}
+              "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
+              "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
     results = {"machine": machine_info(target.hf_model.dtype), "config": config}
     records = []
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
@@ -283,7 +292,7 @@ def run_bench(args) -> dict:
         for name in names:  # every method on the same prompt back to back: machine noise hits all alike
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name in engines:
-                res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
+                res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
                 out, rec = res.token_ids, res.stats.to_dict()
             else:
                 out, wall = _hf_generate(target.hf_model, ids, args.max_new_tokens, target.eos_token_ids, name == "hf-lookup")

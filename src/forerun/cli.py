@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     c.add_argument("--out", default=None, help="write the result JSON here (default: the model's cache entry)")
     c.add_argument("--new-tokens", type=int, default=96)
+    c.add_argument("--corpus", default=None, help="text/JSONL corpus whose most frequent tokens the draft may always predict")
+    c.add_argument("--draft-vocab", type=int, default=8192, help="how many frequent corpus tokens (with --corpus)")
     return ap
 
 
@@ -155,8 +157,12 @@ def cmd_bench(args) -> int:
 def cmd_calibrate(args) -> int:
     from forerun.drafters.layer_skip import _calibration_file, calibrate
 
+    from forerun.drafters.layer_skip import corpus_token_frequencies
+
     target = _load(args)
-    result = calibrate(target.backend, target.tokenizer, new_tokens=args.new_tokens, log=lambda s: print(s, file=sys.stderr))
+    extra = corpus_token_frequencies(target.tokenizer, args.corpus, args.draft_vocab) if args.corpus else []
+    result = calibrate(target.backend, target.tokenizer, new_tokens=args.new_tokens, extra_vocab=extra,
+                       log=lambda s: print(s, file=sys.stderr))
     path = args.out or _calibration_file(target)
     from pathlib import Path
 

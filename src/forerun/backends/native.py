@@ -20,23 +20,58 @@ SUPPORTED_MODEL_TYPES = ("gemma3_text",)
 
 
 class _Linear:
-    """y = x @ W.T, prepacked for oneDNN on CPU.
+    """y = x @ W.T, with the fastest measured kernel for each row count on CPU.
 
     Measured on a 2-core AVX-512 CPU, float32, the 640 x 262,144 LM head: plain
-    ``F.linear`` takes ~45 ms for 1 row and ~90 ms for 5; the oneDNN-packed weight takes
-    ~20 ms and ~26 ms. Small-row products are what a verify pass is made of.
+    ``F.linear`` takes ~45 ms for 1 row and ~80-140 ms for 2-9 rows; a oneDNN-prepacked
+    weight ~16 ms for 1 row and ~25-30 ms for 4-9; ``(W @ x.T).T`` ~17-24 ms for 2-4 rows
+    but ~45 ms for 1. Which wins depends on the machine, so with ``autotune`` the first
+    call for each row count times the candidates and keeps the fastest. Small-row
+    products are what verify passes are made of. (Tuning the body's small layers the same
+    way was measured slower end to end: timed in isolation their weights sit in cache,
+    which misleads the choice; they stay on oneDNN.)
     """
 
-    def __init__(self, weight: torch.Tensor, pack: bool):
+    def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False):
         self.weight = weight
         self.packed = None
         if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.packed = weight.detach().to_mkldnn()
+        self.autotune = autotune and self.packed is not None
+        self.choice: dict[int, str] = {}
+
+    def _run(self, x: torch.Tensor, how: str) -> torch.Tensor:
+        if how == "onednn":
+            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, None).to_dense()
+        if how == "wxt":
+            return (self.weight @ x.t()).t()
+        return F.linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
-        if self.packed is not None:
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, None).to_dense()
-        return F.linear(x, self.weight)
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        if not self.autotune:
+            return self._run(x, "onednn")
+        rows = x.shape[0]
+        how = self.choice.get(rows)
+        if how is None:
+            how = self.choice[rows] = self._measure(x)
+        return self._run(x, how)
+
+    def _measure(self, x: torch.Tensor) -> str:
+        import time
+
+        best, best_t = "onednn", float("inf")
+        for how in ("onednn", "wxt", "plain"):
+            self._run(x, how)
+            ts = []
+            for _ in range(3):
+                t = time.perf_counter()
+                self._run(x, how)
+                ts.append(time.perf_counter() - t)
+            if sorted(ts)[1] < best_t:
+                best, best_t = how, sorted(ts)[1]
+        return best
 
 
 def _rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +134,7 @@ class NativeGemma3(BackendBase):
         self.embed = inner.embed_tokens.weight.detach()
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype)
         self.final_norm = 1.0 + inner.norm.weight.detach().float()
-        self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear)
+        self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.layers = [
             _Layer(layer, cfg.layer_types[i], pack_linear) for i, layer in enumerate(inner.layers)

@@ -35,10 +35,11 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
             raise ForerunError("method draft needs a draft model (--draft MODEL)")
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
-    from forerun.drafters.layer_skip import LayerSkipDrafter, default_skip_layers
+    from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
 
-    layers = skip_layers if skip_layers is not None else default_skip_layers(target)
-    return LayerSkipDrafter(target.backend, layers)
+    calib = default_calibration(target) if skip_layers is None else {}
+    layers = skip_layers if skip_layers is not None else calib["best"]["skip"]
+    return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
 __all__ = ["Draft", "Drafter", "METHODS", "make_drafter", "check_vocab"]

@@ -23,7 +23,11 @@ class DraftModelDrafter(Drafter):
         # Catch up on tokens the draft has not seen (the last one, plus any correction/bonus).
         start = min(be.length, len(tokens) - 1)
         feed = torch.tensor(tokens[start:], dtype=torch.long)
-        return autoregressive_draft(be, feed, start, k, self.params, self.generator)
+        return autoregressive_draft(be, feed, start, k, self.params, self.generator, **self.forward_kwargs(tokens))
+
+    def forward_kwargs(self, tokens: list[int]) -> dict:
+        """Extra arguments for the draft backend's forward (subclasses: skipped layers, reduced head)."""
+        return {}
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.

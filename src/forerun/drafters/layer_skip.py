@@ -1,8 +1,7 @@
 """Self-speculation: the target drafts for itself with some layers skipped.
 
-No extra weights. The draft shares the target's KV cache: for the committed context it
-reads the target's exact keys and values, and the entries it writes at drafted positions
-are overwritten by the verify pass that follows (the cache is written by position).
+No extra weights: the draft runs the target's own layers minus a skipped set, with a KV
+cache of its own (kept in step with the committed tokens, like an independent draft model).
 
 Which layers to skip is chosen by measurement (``calibrate``): on text the target itself
 generated, drop layers greedily, each time the one whose removal keeps the draft's
@@ -19,12 +18,11 @@ import time
 
 import torch
 
-from forerun.drafters.base import Draft, Drafter
-from forerun.drafters.draft_model import autoregressive_draft
+from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ForerunError
 
 
-class LayerSkipDrafter(Drafter):
+class LayerSkipDrafter(DraftModelDrafter):
     name = "layerskip"
 
     def __init__(self, backend, skip_layers, context_vocab: bool = True, extra_vocab=()):
@@ -33,7 +31,9 @@ class LayerSkipDrafter(Drafter):
         bad = [i for i in skip_layers if not 0 <= i < backend.num_layers]
         if bad:
             raise ForerunError(f"layers {bad} out of range for a {backend.num_layers}-layer model")
-        self.backend = backend
+        # Same weights, own KV cache: measured on the bundled model, the skipping model agrees with
+        # the target more often reading its own keys/values than the target's exact ones.
+        super().__init__(backend.fork())
         self.skip = tuple(sorted(set(skip_layers)))
         self.context_vocab = context_vocab
         self.extra_vocab = [int(t) for t in extra_vocab]
@@ -53,18 +53,11 @@ class LayerSkipDrafter(Drafter):
             self._map = torch.tensor(sorted(self._vocab), dtype=torch.long, device=self.backend.device)
             self._head = self.backend.sub_head(self._map)
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
-        be = self.backend
-        pos = len(tokens) - 1
-        be.truncate(pos)
-        extra = {}
-        if self.context_vocab:
-            self._update_vocab(tokens)
-            extra = {"head": self._head, "vocab_map": self._map}
-        return autoregressive_draft(
-            be, torch.tensor(tokens[-1:], dtype=torch.long), pos, k, self.params, self.generator,
-            skip_layers=self.skip, **extra,
-        )
+    def forward_kwargs(self, tokens: list[int]) -> dict:
+        if not self.context_vocab:
+            return {"skip_layers": self.skip}
+        self._update_vocab(tokens)
+        return {"skip_layers": self.skip, "head": self._head, "vocab_map": self._map}
 
 
 CALIBRATION_PROMPTS = [
@@ -77,8 +70,11 @@ CALIBRATION_PROMPTS = [
 
 
 @torch.inference_mode()
-def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None = None, log=print) -> dict:
-    """Choose the skipped layers by measurement. Returns a dict with the chosen set and the trace."""
+def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None = None, extra_vocab=(), log=print) -> dict:
+    """Choose the skipped layers by measurement. Returns a dict with the chosen set and the trace.
+
+    ``extra_vocab``: token ids the draft may always predict (besides the context's tokens).
+    """
     from forerun.engine import Engine
 
     eng = Engine(backend)
@@ -88,31 +84,51 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
         res = eng.generate(ids, max_new_tokens=new_tokens)
         seqs.append((ids, res.token_ids))
 
+    # The drafter predicts over the tokens seen so far plus extra_vocab; measure it the same way.
+    extra = {int(t) for t in extra_vocab}
+    vocab = torch.tensor(sorted({t for ids, out in seqs for t in ids + out} | extra), dtype=torch.long)
+    head = backend.sub_head(vocab)
+    col = {t: j for j, t in enumerate(vocab.tolist())}
+
+    def allowed(full: list[int]) -> torch.Tensor:
+        """[len(full) - 1, |vocab|]: which vocab entries the drafter could predict at each position."""
+        first = torch.full((len(vocab),), len(full), dtype=torch.long)
+        for t in extra:
+            first[col[t]] = -1
+        for i, t in enumerate(full):
+            first[col[t]] = min(int(first[col[t]]), i)
+        return first[None, :] <= torch.arange(len(full) - 1)[:, None]
+
     def agreement(skip) -> float:
+        """Teacher-forced top-1 agreement of the skipping model with the target's own output."""
         hit = tot = 0
         for ids, out in seqs:
             full = torch.tensor(ids + out, dtype=torch.long)
             backend.reset()
-            pred = backend.forward(full[:-1], 0, skip_layers=skip).logits.argmax(-1)
-            target_next = full[1:]
+            logits = backend.forward(full[:-1], 0, skip_layers=skip, head=head).logits
+            pred = vocab[logits.masked_fill(~allowed(ids + out), float("-inf")).argmax(-1)]
             region = slice(len(ids) - 1, None)  # positions whose next token the target generated
-            hit += int((pred[region] == target_next[region]).sum())
+            hit += int((pred[region] == full[1:][region]).sum())
             tot += len(out)
         return hit / tot
 
-    def step_cost(skip) -> float:
+    x = torch.tensor(seqs[0][0] + seqs[0][1], dtype=torch.long)
+
+    def cost(n: int, **kw) -> float:
+        """Median time of an n-token forward at the end of a real sequence."""
         backend.reset()
-        x = torch.tensor(seqs[0][0], dtype=torch.long)
-        backend.forward(x, 0)
-        one = x[-1:]
+        backend.forward(x[:-n], 0)
         times = []
         for _ in range(7):
+            backend.truncate(len(x) - n)
             t = time.perf_counter()
-            backend.forward(one, len(x), skip_layers=skip)
+            backend.forward(x[-n:], len(x) - n, **kw)
             times.append(time.perf_counter() - t)
         return sorted(times)[3]
 
-    full_cost = step_cost(())
+    full_cost = cost(1)
+    verify_ratio = {k: cost(k + 1) / full_cost for k in range(1, 9)}
+    log("verify cost ratio " + ", ".join(f"K={k}: {r:.2f}" for k, r in verify_ratio.items()))
     n = backend.num_layers
     max_skip = max_skip if max_skip is not None else n - 2
     skip: list[int] = []
@@ -123,9 +139,10 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
         scored = [(agreement(tuple(skip + [i])), i) for i in candidates]
         a, layer = max(scored)
         skip.append(layer)
-        c = step_cost(tuple(skip)) / full_cost
-        # Predicted speedup with the best K; the verify pass costs about one step (ratio measured elsewhere).
-        sp, kbest = max(((1 - a ** (k + 1)) / (1 - min(a, 0.999)) / (k * c + 1), k) for k in range(1, 9))
+        c = cost(1, skip_layers=tuple(skip), head=head) / full_cost
+        # Leviathan et al. with the measured draft cost and verify cost ratio, best K.
+        am = min(a, 0.999)
+        sp, kbest = max(((1 - am ** (k + 1)) / (1 - am) / (k * c + verify_ratio[k]), k) for k in range(1, 9))
         row = {"skip": sorted(skip), "agreement": round(a, 4), "cost_ratio": round(c, 4), "speedup": round(sp, 4), "k": kbest}
         trace.append(row)
         log(f"skip {row['skip']}: agreement {a:.3f}, draft cost {c:.2f} of a step, predicted speedup {sp:.2f} at K={kbest}")
@@ -134,7 +151,34 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
         if a < 0.2:
             break
     backend.reset()
-    return {"best": best, "trace": trace, "full_step_s": full_cost}
+    return {"best": best, "trace": trace, "full_step_s": full_cost, "verify_cost_ratio": verify_ratio,
+            "prompts": CALIBRATION_PROMPTS, "new_tokens": new_tokens, "draft_vocab": sorted(extra)}
+
+
+def corpus_token_frequencies(tokenizer, path: str, top: int, max_records: int = 5000) -> list[int]:
+    """The ``top`` most frequent token ids over a text corpus (JSONL with text fields, or plain text)."""
+    import json
+    from collections import Counter
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise ForerunError(f"corpus not found: {path}")
+    counts: Counter = Counter()
+    with open(p) as f:
+        for i, line in enumerate(f):
+            if i >= max_records:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+                text = " ".join(str(v) for v in obj.values() if isinstance(v, str)) if isinstance(obj, dict) else str(obj)
+            except json.JSONDecodeError:
+                text = line
+            counts.update(tokenizer(text, add_special_tokens=False).input_ids)
+    return [t for t, _ in counts.most_common(top)]
 
 
 def _calibration_file(target):
@@ -144,21 +188,20 @@ def _calibration_file(target):
     return cache_dir() / "layerskip" / f"{safe}-{target.backend.num_layers}.json"
 
 
-def default_skip_layers(target, log=None) -> list[int]:
-    """The calibrated skip set for this model: shipped for the bundled model, else measured once and cached."""
+def default_calibration(target, log=None) -> dict:
+    """The calibration for this model: shipped for the bundled model, else measured once and cached."""
     import json
     from importlib import resources
 
     if target.name == "bundled":
-        data = json.loads(resources.files("forerun").joinpath("data/layerskip_bundled.json").read_text())
-        return data["best"]["skip"]
+        return json.loads(resources.files("forerun").joinpath("data/layerskip_bundled.json").read_text())
     path = _calibration_file(target)
     if path.exists():
-        return json.loads(path.read_text())["best"]["skip"]
+        return json.loads(path.read_text())
     import logging
 
     logging.getLogger("forerun").warning("calibrating layer skipping for %s (once; cached in %s)", target.name, path)
     result = calibrate(target.backend, target.tokenizer, log=log or (lambda s: None))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    return result["best"]["skip"]
+    return result
