@@ -1,0 +1,58 @@
+"""Integration tests on the bundled Gemma 3 270M (converted once into the cache)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import spec_bench_prompts
+from forerun.drafters import make_drafter
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+
+pytestmark = pytest.mark.bundled
+
+
+def test_native_matches_transformers(bundled):
+    ids = bundled.tokenizer("The quick brown fox jumps over the lazy dog because", return_tensors="pt").input_ids[0]
+    with torch.no_grad():
+        ref = bundled.hf_model(ids[None]).logits[0]
+    out = bundled.backend.forward(ids, 0).logits
+    assert (out - ref).abs().max().item() < 1e-3
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("category", ["summarization", "writing", "math_reasoning"])
+def test_greedy_equality_every_drafter(bundled, category):
+    text = spec_bench_prompts(category, 1)[0]
+    ids = bundled.tokenizer(text).input_ids
+    ref = Engine(bundled.backend, None, bundled.eos_token_ids).generate(ids, max_new_tokens=24)
+    for method, k in [("ngram", 4), ("ngram", "auto"), ("layerskip", 3)]:
+        eng = Engine(bundled.backend, make_drafter(method, bundled), bundled.eos_token_ids)
+        res = eng.generate(ids, max_new_tokens=24, k=k)
+        assert res.token_ids == ref.token_ids, (method, k)
+
+
+def test_plain_decoding_matches_transformers_generate(bundled):
+    ids = bundled.tokenizer("Water boils at").input_ids
+    ours = Engine(bundled.backend, None, bundled.eos_token_ids).generate(ids, max_new_tokens=16).token_ids
+    with torch.inference_mode():
+        theirs = bundled.hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                           eos_token_id=sorted(bundled.eos_token_ids), top_p=None, top_k=None)
+    assert ours == theirs[0, len(ids):].tolist()
+
+
+def test_prompt_longer_than_context(bundled):
+    limit = bundled.backend.max_context
+    with pytest.raises(ForerunError, match="context limit"):
+        Engine(bundled.backend, None).generate([2] + [107] * limit, max_new_tokens=4)
+
+
+def test_cli_generate_bundled(capsys):
+    from forerun.cli import main
+
+    rc = main(["generate", "List three colors:", "--method", "ngram", "--max-new-tokens", "16", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    obj = json.loads(out)
+    assert obj["new_tokens"] == 16 and obj["text"]

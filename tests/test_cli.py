@@ -1,0 +1,134 @@
+"""The command line: every bad input is one clear line and a non-zero exit, never a traceback."""
+
+import json
+
+import pytest
+
+from conftest import tiny_gemma, word_tokenizer
+from forerun.cli import main
+
+
+def run(capsys, *argv):
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse rejects some values itself
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_clean_error(rc, err, *needles):
+    assert rc != 0
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert lines, "no error message"
+    msg = lines[-1].lower()
+    for n in needles:
+        assert n.lower() in msg, msg
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["generate", ""], "empty prompt"),
+        (["generate", "   "], "empty prompt"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--top-p", "0"], "top-p"),
+        (["generate", "hi", "--top-p", "1.5"], "top-p"),
+        (["generate", "hi", "--top-k", "-2"], "top-k"),
+        (["generate", "hi", "--k", "0"], "--k"),
+        (["generate", "hi", "--k", "33"], "--k"),
+        (["generate", "hi", "--k", "many"], "--k"),
+        (["generate", "hi", "--method", "magic"], "unknown method"),
+        (["generate", "hi", "--method", "draft"], "draft model"),
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
+        (["generate", "hi", "--model", "./no/such/folder"], "not found"),
+        (["generate", "hi", "--dtype", "int3", "--model", "./no/such/folder"], ""),
+    ],
+)
+def test_bad_inputs_before_loading(capsys, argv, needle):
+    rc, out, err = run(capsys, *argv)
+    assert_clean_error(rc, err, needle)
+
+
+def test_corrupt_gguf(capsys, tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a model at all")
+    rc, _, err = run(capsys, "generate", "hi", "--model", str(junk))
+    assert_clean_error(rc, err, "not a gguf file")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 7)
+    rc, _, err = run(capsys, "generate", "hi", "--model", str(truncated))
+    assert_clean_error(rc, err, "gguf")
+    unreadable = tmp_path / "folder.gguf"
+    unreadable.mkdir()
+    rc, _, err = run(capsys, "generate", "hi", "--model", str(unreadable))
+    assert_clean_error(rc, err, "not a file")
+
+
+def test_generate_json(capsys, tiny_folder):
+    rc, out, err = run(capsys, "generate", "w5 w6 w7 w5 w6", "--model", str(tiny_folder), "--method", "ngram",
+                       "--max-new-tokens", "12", "--json")
+    assert rc == 0, err
+    obj = json.loads(out)
+    for key in ("text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "target_passes", "drafted",
+                "accepted", "acceptance_rate", "mean_accepted_len", "acceptance_per_position", "draft_s", "verify_s"):
+        assert key in obj, key
+    assert obj["new_tokens"] == len(obj["token_ids"]) <= 12
+
+
+def test_generate_sampling_seeded(capsys, tiny_folder):
+    args = ["generate", "w5 w6 w7", "--model", str(tiny_folder), "--temperature", "0.9", "--top-p", "0.9",
+            "--seed", "3", "--max-new-tokens", "10", "--json"]
+    a = json.loads(run(capsys, *args)[1])["token_ids"]
+    b = json.loads(run(capsys, *args)[1])["token_ids"]
+    assert a == b
+
+
+def test_prompt_longer_than_context(capsys, tiny_folder):
+    prompt = " ".join(["w5"] * 300)  # the tiny model's context is 256
+    rc, _, err = run(capsys, "generate", prompt, "--model", str(tiny_folder))
+    assert_clean_error(rc, err, "context limit")
+
+
+def test_draft_vocab_mismatch(capsys, tiny_folder, tmp_path):
+    other = tmp_path / "other"
+    tiny_gemma(1, vocab=80, layers=2).save_pretrained(other)
+    word_tokenizer(80).save_pretrained(other)
+    rc, _, err = run(capsys, "generate", "w5", "--model", str(tiny_folder), "--method", "draft", "--draft", str(other))
+    assert_clean_error(rc, err, "vocabulary")
+
+
+def test_bench_writes_results(capsys, tiny_folder, tmp_path):
+    prompts = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [t]} for i, (c, t) in enumerate(
+        [("a", "w5 w6 w7 w5 w6"), ("a", "w9 w10"), ("b", "w11 w12 w11 w12")])]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    rc, stdout, err = run(capsys, "bench", "--prompts", str(prompts), "--model", str(tiny_folder), "--methods",
+                          "none,ngram,layerskip:2", "--peers", "hf,hf-lookup", "--max-new-tokens", "8",
+                          "--skip-layers", "1", "--out", str(out))
+    assert rc == 0, err
+    res = json.loads((out / "results.json").read_text())
+    assert {"machine", "config", "methods"} <= set(res)
+    for name in ("none", "ngram", "layerskip:2", "hf", "hf-lookup"):
+        m = res["methods"][name]
+        for key in ("tokens_per_s", "greedy_equal", "prompts", "speedup_vs_none", "speedup_vs_hf", "by_category"):
+            assert key in m, (name, key)
+        assert m["prompts"] == 3
+        assert set(m["by_category"]) == {"a", "b"}
+    assert res["methods"]["ngram"]["greedy_equal"] == 3
+    assert res["methods"]["layerskip:2"]["greedy_equal"] == 3
+    assert (out / "results.md").exists()
+
+
+def test_bench_bad_inputs(capsys, tmp_path):
+    rc, _, err = run(capsys, "bench", "--prompts", str(tmp_path / "missing.jsonl"))
+    assert_clean_error(rc, err, "not found")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    rc, _, err = run(capsys, "bench", "--prompts", str(bad))
+    assert_clean_error(rc, err, "bad.jsonl:1")
+    rc, _, err = run(capsys, "bench", "--prompts", str(bad), "--methods", "none,bogus")
+    assert_clean_error(rc, err, "unknown method")
