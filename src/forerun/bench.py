@@ -200,9 +200,12 @@ def write_markdown(results: dict, path: Path) -> None:
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
 
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
     for name, m in methods.items():
-        lines.append(f"| {name} | {f(m['tokens_per_s'])} | {f(m.get('speedup_vs_none'))}x | {f(m.get('speedup_vs_hf'))}x | "
-                     f"{f(m.get('speedup_vs_hf_lookup'))}x | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
+        lines.append(f"| {name} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
+                     f"{x(m.get('speedup_vs_hf_lookup'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
     lines += ["", "Tokens/s by category (speedup over our `none` in brackets):", ""]
     lines.append("| category | " + " | ".join(methods) + " |")
@@ -211,7 +214,7 @@ def write_markdown(results: dict, path: Path) -> None:
         cells = []
         for m in methods.values():
             c = m["by_category"].get(cat)
-            cells.append("-" if c is None else f"{c['tokens_per_s']:.1f} ({f(c.get('speedup_vs_none'))}x, tau {f(c['mean_accepted_len'])})")
+            cells.append("-" if c is None else f"{c['tokens_per_s']:.1f} ({x(c.get('speedup_vs_none'))}, tau {f(c['mean_accepted_len'])})")
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     vr = results.get("verify_cost_ratio")
     if vr:
@@ -226,7 +229,7 @@ def write_markdown(results: dict, path: Path) -> None:
         for n, p in pred.items():
             m = methods[n]
             app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
-            lines.append(f"| {n} | {f(m.get('speedup_vs_none'))}x | {p:.2f}x | {app} |")
+            lines.append(f"| {n} | {x(m.get('speedup_vs_none'))} | {p:.2f}x | {app} |")
     path.write_text("\n".join(lines) + "\n")
 
 
