@@ -103,6 +103,8 @@ class Engine:
             n_draft = len(draft)
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
             logits = target.forward(feed, len(tokens) - 1).logits  # [n_draft + 1, vocab]
+            if device.type == "cuda":  # kernels run asynchronously: time the pass, not its launch
+                torch.cuda.synchronize(device)
             t2 = time.perf_counter()
 
             # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.

@@ -117,7 +117,7 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
     def cost(n: int, **kw) -> float:
         """Median time of an n-token forward at the end of a real sequence."""
         backend.reset()
-        backend.forward(x[:-n], 0)
+        backend.forward(x[:-n], 0, last_only=True)
         times = []
         for _ in range(7):
             backend.truncate(len(x) - n)
