@@ -78,25 +78,13 @@ def machine_info(dtype) -> dict:
 
 def verify_cost_ratios(backend, context: int = 256, ks=range(1, 9), reps: int = 7) -> dict:
     """Median time of a (K+1)-token forward over a 1-token step, at a fixed context length."""
+    from forerun.timing import median_forward_s
+
     context = max(1, min(context, backend.max_context - max(ks) - 2))
     ids = torch.randint(10, min(backend.vocab_size, 20000), (context + max(ks) + 1,), generator=torch.Generator().manual_seed(0))
-    backend.reset()
-    backend.forward(ids[:context], 0, last_only=True)
-
-    def timed(n):
-        ts = []
-        for _ in range(reps):
-            backend.truncate(context)
-            t = time.perf_counter()
-            backend.forward(ids[context : context + n], context)
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[reps // 2]
-
-    timed(1)
-    one = timed(1)
+    one = median_forward_s(backend, ids[: context + 1], 1, reps)
     out = {"step_ms": one * 1000, "context": context}
-    out.update({str(k): timed(k + 1) / one for k in ks})
-    backend.reset()
+    out.update({str(k): median_forward_s(backend, ids[: context + k + 1], k + 1, reps) / one for k in ks})
     return out
 
 

@@ -123,7 +123,6 @@ class Engine:
             target.truncate(len(tokens) - 1)
             if self.drafter is not None:
                 self.drafter.accepted(tokens, n_acc)
-            t3 = time.perf_counter()
 
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1

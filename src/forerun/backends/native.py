@@ -8,7 +8,6 @@ except that linear layers are prepacked for oneDNN on CPU (see ``_linear``).
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch

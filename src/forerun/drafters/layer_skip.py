@@ -14,12 +14,11 @@ frequent-token list), since on small models the LM head dominates the cost of a 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ForerunError
+from forerun.timing import median_forward_s
 
 
 class LayerSkipDrafter(DraftModelDrafter):
@@ -116,15 +115,7 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
 
     def cost(n: int, **kw) -> float:
         """Median time of an n-token forward at the end of a real sequence."""
-        backend.reset()
-        backend.forward(x[:-n], 0, last_only=True)
-        times = []
-        for _ in range(7):
-            backend.truncate(len(x) - n)
-            t = time.perf_counter()
-            backend.forward(x[-n:], len(x) - n, **kw)
-            times.append(time.perf_counter() - t)
-        return sorted(times)[3]
+        return median_forward_s(backend, x, n, **kw)
 
     full_cost = cost(1)
     verify_ratio = {k: cost(k + 1) / full_cost for k in range(1, 9)}
