@@ -92,6 +92,16 @@ def verify_cost_ratios(backend, context: int = 256, ks=range(1, 9), reps: int = 
     return out
 
 
+def head_kernel_times(backend, rows=range(1, 10), reps: int = 7) -> dict | None:
+    """Milliseconds of the LM head for each row count and candidate kernel (native backend on CPU)."""
+    head = getattr(backend, "lm_head", None)
+    if head is None or not getattr(head, "autotune", False):
+        return None
+    g = torch.Generator().manual_seed(0)
+    return {str(n): {k: v * 1000 for k, v in head.time_kernels(torch.randn(n, head.weight.shape[1], generator=g).to(head.weight), reps).items()}
+            | {"chosen": head.choice.get(n)} for n in rows}
+
+
 def _hf_generate(model, ids, max_new, eos, lookup: bool):
     inp = torch.tensor([ids], device=model.device)
     kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0],
@@ -215,6 +225,14 @@ def write_markdown(results: dict, path: Path) -> None:
         lines.append("| K | " + " | ".join(ks) + " |")
         lines.append("|---|" + "---|" * len(ks))
         lines.append("| ratio | " + " | ".join(f"{vr[k]:.2f}" for k in ks) + " |")
+    hk = results.get("lm_head_kernels_ms")
+    if hk:
+        kernels = [k for k in next(iter(hk.values())) if k != "chosen"]
+        lines += ["", "LM head alone, milliseconds (median of 7) per kernel; the backend uses the one chosen on first use:", ""]
+        lines.append("| rows | " + " | ".join(kernels) + " | chosen |")
+        lines.append("|---|" + "---|" * (len(kernels) + 1))
+        for n, t in hk.items():
+            lines.append(f"| {n} | " + " | ".join(f"{t[k]:.1f}" for k in kernels) + f" | {t.get('chosen') or '-'} |")
     pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
     if pred:
         lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
@@ -228,6 +246,7 @@ def write_markdown(results: dict, path: Path) -> None:
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
+    from forerun.draft_length import AdaptiveK
     from forerun.drafters import METHODS, make_drafter
     from forerun.engine import Engine
     from forerun.models import load_model
@@ -274,8 +293,14 @@ def run_bench(args) -> dict:
             ids = ids[-limit:]  # keep the end: the instruction usually closes the prompt
         encoded.append(ids)
 
-    # Warm up every path once (allocations, oneDNN packing, caches).
+    # Warm up every path once (allocations, oneDNN packing, caches), and let the backend pick its
+    # LM-head kernel for every verify width up front rather than inside a timed generation.
     warm = encoded[0][:32]
+    if getattr(getattr(target.backend, "lm_head", None), "autotune", False):
+        widest = max(AdaptiveK().k_max if k == "auto" else k for k in method_k.values()) + 1
+        for n in range(1, widest + 1):
+            target.backend.reset()
+            target.backend.forward(torch.tensor(([2] + warm) * n)[:n], 0)
     for m, e in engines.items():
         e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
     for p in peers:
@@ -308,6 +333,7 @@ def run_bench(args) -> dict:
     bar.close()
 
     results["verify_cost_ratio"] = verify_cost_ratios(target.backend)
+    results["lm_head_kernels_ms"] = head_kernel_times(target.backend)
     for name, m in results["methods"].items():
         if name in engines and name != "none":
             m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"])

@@ -57,20 +57,26 @@ class _Linear:
             how = self.choice[rows] = self._measure(x)
         return self._run(x, how)
 
-    def _measure(self, x: torch.Tensor) -> str:
+    KERNELS = ("onednn", "wxt", "plain")
+
+    def time_kernels(self, x: torch.Tensor, reps: int = 3) -> dict[str, float]:
+        """Median seconds of each candidate kernel on ``x`` (one untimed run each first)."""
         import time
 
-        best, best_t = "onednn", float("inf")
-        for how in ("onednn", "wxt", "plain"):
+        out = {}
+        for how in self.KERNELS:
             self._run(x, how)
             ts = []
-            for _ in range(3):
+            for _ in range(reps):
                 t = time.perf_counter()
                 self._run(x, how)
                 ts.append(time.perf_counter() - t)
-            if sorted(ts)[1] < best_t:
-                best, best_t = how, sorted(ts)[1]
-        return best
+            out[how] = sorted(ts)[reps // 2]
+        return out
+
+    def _measure(self, x: torch.Tensor) -> str:
+        times = self.time_kernels(x, reps=5)
+        return min(times, key=times.get)
 
 
 def _rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
