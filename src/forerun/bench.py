@@ -247,7 +247,7 @@ def run_bench(args) -> dict:
     from tqdm import tqdm
 
     from forerun.draft_length import AdaptiveK
-    from forerun.drafters import METHODS, make_drafter
+    from forerun.drafters import METHODS, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
@@ -270,6 +270,7 @@ def run_bench(args) -> dict:
         raise ForerunError("--max-new-tokens must be >= 1")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference for speedups and greedy equality
+    skip = parse_skip_layers(args.skip_layers)  # before the slow load: a typo fails at once
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = load_prompts(args.prompts, cats, args.limit_per_category)
     out_dir = Path(args.out)
@@ -280,7 +281,6 @@ def run_bench(args) -> dict:
     if needs_draft and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend) if needs_draft else None
-    skip = [int(x) for x in args.skip_layers.split(",")] if getattr(args, "skip_layers", None) else None
     drafters = {m: make_drafter(m.partition(":")[0], target, draft_model=draft, skip_layers=skip) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
     params = SamplingParams()

@@ -88,17 +88,8 @@ def _load(args):
     return load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
 
 
-def _skip_layers(args):
-    if args.skip_layers is None:
-        return None
-    try:
-        return [int(x) for x in args.skip_layers.split(",") if x.strip()]
-    except ValueError:
-        raise ForerunError(f"--skip-layers must be comma-separated integers, got {args.skip_layers!r}") from None
-
-
 def cmd_generate(args) -> int:
-    from forerun.drafters import METHODS, make_drafter
+    from forerun.drafters import METHODS, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
@@ -113,7 +104,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.method == "draft" and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
-    skip = _skip_layers(args)
+    skip = parse_skip_layers(args.skip_layers)
 
     target = _load(args)
     draft = None

@@ -100,10 +100,9 @@ def _converted_dir(path: Path) -> Path:
 
 def _convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file once into an HF folder (config, safetensors, tokenizer)."""
-    out = _converted_dir(path)
+    out = _converted_dir(path)  # the path was checked by resolve_source
     if (out / "forerun.json").exists():
         return out
-    _check_gguf(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s once (tokenizer and weights); later starts read %s", path.name, out)

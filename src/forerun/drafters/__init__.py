@@ -18,6 +18,16 @@ def check_vocab(target, draft) -> None:
         raise ForerunError("draft model tokenizer differs from the target's (same size, different tokens)")
 
 
+def parse_skip_layers(text: str | None) -> list[int] | None:
+    """``--skip-layers 1,2,3`` -> [1, 2, 3]; None when not given."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ForerunError(f"--skip-layers must be comma-separated integers, got {text!r}") from None
+
+
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1):
     """Build the drafter for ``method`` (None for plain decoding)."""
     if method not in METHODS:
@@ -42,4 +52,4 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "make_drafter", "check_vocab"]
+__all__ = ["Draft", "Drafter", "METHODS", "make_drafter", "check_vocab", "parse_skip_layers"]
