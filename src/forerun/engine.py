@@ -16,7 +16,7 @@ import torch
 from forerun.draft_length import MAX_K, make_policy
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
-from forerun.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample
+from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
 from forerun.stats import GenerationStats
 
 
@@ -79,6 +79,7 @@ class Engine:
 
         # Prefill: everything but the last prompt token, which the first verify pass runs.
         target = self.target
+        fast_argmax = hasattr(target, "argmax_forward")
         target.reset()
         tokens = list(prompt)
         if len(tokens) > 1:
@@ -102,13 +103,21 @@ class Engine:
             # 2. Verify every draft position (and one more) in one target pass.
             n_draft = len(draft)
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
-            logits = target.forward(feed, len(tokens) - 1).logits  # [n_draft + 1, vocab]
+            if params.greedy and fast_argmax:  # the backend gives exact argmaxes cheaper than logits
+                logits = None
+                target_ids = target.argmax_forward(feed, len(tokens) - 1)  # [n_draft + 1]
+            else:
+                logits = target.forward(feed, len(tokens) - 1).logits  # [n_draft + 1, vocab]
             if device.type == "cuda":  # kernels run asynchronously: time the pass, not its launch
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
 
             # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.
-            out, n_acc = self._accept(draft, logits, params, generator)
+            if logits is None:
+                out, n = greedy_accept(draft.tokens[None], target_ids[None])
+                out, n_acc = out[0].tolist(), int(n[0])
+            else:
+                out, n_acc = self._accept(draft, logits, params, generator)
             new = out[: n_acc + 1]
             finish = None
             for i, tok in enumerate(new):  # EOS inside an accepted run ends the output there

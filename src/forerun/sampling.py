@@ -88,7 +88,14 @@ def greedy_verify(
     Returns (tokens [batch, k + 1], num_accepted [batch]); row b's output is
     tokens[b, : num_accepted[b] + 1] (accepted drafts then the target's own token).
     """
-    target = target_logits.argmax(-1)  # [batch, k + 1]
+    return greedy_accept(draft_tokens, target_logits.argmax(-1))
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor,  # [batch, k]
+    target: torch.Tensor,  # [batch, k + 1] the target's argmax at every position
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance from the target's argmax tokens (see ``greedy_verify``)."""
     k = draft_tokens.shape[1]
     match = (draft_tokens == target[:, :k]).int()
     n = match.cumprod(-1).sum(-1)  # accepted prefix length

@@ -1,0 +1,149 @@
+"""Exact greedy targets for several rows at once, for a Q8_0 LM head (llama.cpp backend).
+
+llama.cpp's Q8_0 matrix product costs about one full pass over the 262,144 x 640 head *per
+row* on a small CPU, so verifying K+1 positions costs K+1 head passes and speculation gains
+nothing. For greedy verification only the argmax of each row is needed, and it can be had
+exactly for about the price of one pass:
+
+1. The final hidden state of every row is quantized to Q8_0 exactly as ggml does it before
+   its product (per 32-block: d = amax/127 stored as fp16, q = round-half-even(x * 127/amax)).
+2. A small C kernel (``q8_head.c``, compiled once on first use) forms the same block sums
+   as llama.cpp, sum_b d_w * d_x * (integer dot), for all rows in one pass over the weights.
+3. Only the float summation order differs from llama.cpp's, by at most
+   ``(blocks + 6) * 2^-24 * sum|terms|`` each way. Every token within twice that of the
+   row's maximum is rescored in float64; the winner is *certified* when it leads every other
+   candidate by more than the bounds.
+
+A row that cannot be certified (a near tie) is reported as such, and the backend falls back
+to llama.cpp's own head, decoding from that position one token at a time as plain decoding
+does. Where no C compiler is available the backend uses llama.cpp's head for every row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+QK = 32
+_U32 = 2.0 ** -24  # unit roundoff of float32
+log = logging.getLogger("forerun")
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's x86 ``quantize_row_q8_0`` for rows of x [n, D] -> (q [n, D/32, 32] float, d [n, D/32] fp32 of fp16)."""
+    n, D = x.shape
+    xb = x.float().reshape(n, D // QK, QK)
+    amax = xb.abs().amax(-1)  # [n, nb] float32
+    d = (amax / 127.0).half().float()  # stored as fp16
+    inv = torch.where(amax != 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None])  # float32 product, then round half to even (_MM_ROUND_NEAREST)
+    return q, d
+
+
+def _compile_kernel():
+    """Compile q8_head.c once into the cache folder; None (with a log line) when that is impossible."""
+    from forerun.models import cache_dir
+
+    src = Path(__file__).with_name("q8_head.c")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: verification uses llama.cpp's LM head (slower)")
+        return None
+    key = hashlib.sha1(src.read_bytes() + cc.encode() + os.uname().machine.encode()).hexdigest()[:12]
+    out = cache_dir() / "kernels" / f"q8_head-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            log.warning("could not compile the greedy head kernel (%s); verification uses llama.cpp's LM head",
+                        (r.stderr.strip().splitlines() or ["?"])[-1])
+            return None
+        os.replace(tmp, out)
+    lib = ctypes.CDLL(str(out))
+    lib.forerun_q8_rows.restype = ctypes.c_int
+    lib.forerun_q8_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.forerun_q8_threads.argtypes = [ctypes.c_int]
+    return lib
+
+
+class Q8Head:
+    """Greedy argmax over a Q8_0 head [V, D] with a certificate of exactness per row."""
+
+    MAX_ROWS = 64
+
+    def __init__(self, raw: np.ndarray, dim: int, lib=None, threads: int | None = None):
+        V = raw.shape[0]
+        nb = dim // QK
+        blocks = np.ascontiguousarray(raw).reshape(V, nb, 2 + QK)
+        self.d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [V, nb]
+        self.q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))  # [V, nb, 32]
+        self.V, self.D, self.nb = V, dim, nb
+        self.lib = lib if lib is not None else _compile_kernel()
+        if self.lib is not None and threads:
+            self.lib.forerun_q8_threads(int(threads))
+        # A bound on ||W_v|| for every row v (|q| <= 127 in each of its 32-blocks), so that
+        # sum_j |W_vj x_j| <= ||W_v|| ||x|| bounds the rounding of both float32 sums.
+        self.w_norm = float((self.d.square().sum(-1).sqrt() * 127.0 * QK ** 0.5).max())
+
+    @property
+    def available(self) -> bool:
+        return self.lib is not None
+
+    def logits(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, V] of Q8_0 activations (q [n, nb, 32], d [n, nb]) from the C kernel."""
+        n = q.shape[0]
+        qx = q.to(torch.int8).contiguous()
+        dx = d.contiguous()
+        out = torch.empty(n, self.V)
+        rc = self.lib.forerun_q8_rows(self.q.data_ptr(), self.d.data_ptr(), self.V, self.nb,
+                                      qx.data_ptr(), dx.data_ptr(), n, out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"q8 head kernel failed ({rc})")
+        return out
+
+    def exact_logits(self, q: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of tokens idx for one row (q [nb, 32], d [nb]) in float64, and llama.cpp's float32 error bound."""
+        isum = torch.einsum("cbj,bj->cb", self.q[idx].double(), q.double())  # exact integers
+        scale = (self.d[idx] * d[None, :]).double()  # the float32 product llama.cpp forms, then widened
+        terms = scale * isum
+        bound = (self.nb + 6) * _U32 * terms.abs().sum(-1) * 1.01
+        return terms.sum(-1), bound
+
+    @torch.inference_mode()
+    def argmax(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [n, D] float32 final normed hidden states -> (argmax [n] int64, certified [n] bool)."""
+        n = h.shape[0]
+        q, d = quantize_q8_0(h)
+        out = torch.zeros(n, dtype=torch.long)
+        ok = torch.zeros(n, dtype=torch.bool)
+        for s in range(0, n, self.MAX_ROWS):
+            qs, ds = q[s: s + self.MAX_ROWS], d[s: s + self.MAX_ROWS]
+            f = self.logits(qs, ds)  # [r, V]
+            xn = (qs * ds[..., None]).flatten(1).norm(dim=-1)
+            # ours and llama.cpp's float32 sums each lie within eps of the exact value
+            eps = 2 * (self.nb + 6) * _U32 * self.w_norm * xn * 1.01
+            best, idx = f.topk(2, dim=-1)
+            m, top = best[:, 0], idx[:, 0]
+            single = best[:, 1] < m - 2 * eps  # no other token within the bounds: certified at once
+            out[s: s + len(f)] = top
+            ok[s: s + len(f)] = single
+            for r in torch.nonzero(~single).flatten().tolist():
+                i = s + r
+                cand = torch.nonzero(f[r] >= m[r] - 2 * eps[r]).flatten()
+                logit, bound = self.exact_logits(q[i], d[i], cand)
+                j = int(torch.argmax(logit))
+                out[i] = cand[j]
+                others = torch.cat([logit[:j] + bound[:j], logit[j + 1:] + bound[j + 1:]])
+                ok[i] = bool(logit[j] - bound[j] > others.max())
+        return out, ok

@@ -1,0 +1,449 @@
+"""Backend over llama.cpp: its quantized kernels run the model, our engine runs the speculation.
+
+Uses llama-cpp-python's low-level API only: one ``llama_model`` (the weights, loaded once)
+and one ``llama_context`` per backend (its own KV cache). A forward is one ``llama_decode``
+of a batch with logits requested at every position (or the last one); rollback removes the
+tail of the sequence from the context's memory (``llama_memory_seq_rm``), which is
+bookkeeping in llama.cpp too.
+
+What llama.cpp can return: logits for any position of a batch, and, with embeddings switched
+on, the *final* hidden state after the output norm (``llama_get_embeddings_ith``). It has no
+per-call way to skip layers and no public way to read intermediate layers (only through a
+graph evaluation callback), so layer skipping needs the torch backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from forerun.backends.base import BackendBase, ForwardOutput
+from forerun.errors import ForerunError
+
+DEFAULT_CONTEXT = 8192
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _lib():
+    global _initialised
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ForerunError(
+            "the llama.cpp backend needs llama-cpp-python: pip install 'forerun[llamacpp]' (it compiles llama.cpp)"
+        ) from e
+    with _init_lock:
+        if not _initialised:
+            llama_cpp.llama_backend_init()
+            _quiet(llama_cpp)
+            _initialised = True
+    return llama_cpp
+
+
+_LOG_CB = None
+
+
+def _quiet(L) -> None:
+    """Silence llama.cpp's loading chatter unless FORERUN_LLAMA_VERBOSE is set."""
+    global _LOG_CB
+    if os.environ.get("FORERUN_LLAMA_VERBOSE"):
+        return
+
+    @L.llama_log_callback
+    def _drop(level, text, user_data):  # pragma: no cover - called from C
+        pass
+
+    _LOG_CB = _drop  # keep a reference: C holds only the pointer
+    L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+_GGML = None
+
+
+def _ggml():
+    """A few ggml functions (from the library llama-cpp-python ships) to read a tensor in the eval callback."""
+    global _GGML
+    if _GGML is None:
+        L = _lib()
+        libdir = Path(L.__file__).parent / "lib"
+        names = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("*ggml-base*"))
+        if not names:
+            raise ForerunError(f"cannot find libggml-base in {libdir}")
+        g = ctypes.CDLL(str(names[0]))
+        g.ggml_get_name.restype = ctypes.c_char_p
+        g.ggml_get_name.argtypes = [ctypes.c_void_p]
+        g.ggml_get_data_f32.restype = ctypes.POINTER(ctypes.c_float)
+        g.ggml_get_data_f32.argtypes = [ctypes.c_void_p]
+        g.ggml_nelements.restype = ctypes.c_int64
+        g.ggml_nelements.argtypes = [ctypes.c_void_p]
+        _GGML = g
+    return _GGML
+
+
+class _HiddenTap:
+    """Eval callback: in 'body' mode, copy the final normed hidden state and stop the graph there.
+
+    ggml's scheduler asks the callback about every node; answering "need" for the node named
+    ``result_norm`` makes it compute the graph up to that node, hand it over, and stop when the
+    callback returns False, so the LM head (``result_output``) is never computed.
+    """
+
+    NODE = b"result_norm"
+
+    def __init__(self, L):
+        g = _ggml()
+        self.body = False
+        self.hidden: np.ndarray | None = None
+
+        def cb(t, ask, user_data):
+            if not self.body:
+                return False if ask else True
+            if ask:
+                return g.ggml_get_name(t) == self.NODE
+            n = g.ggml_nelements(t)
+            self.hidden = np.ctypeslib.as_array(g.ggml_get_data_f32(t), shape=(n,)).copy()
+            return False  # stop: skip the LM head
+
+        self.fn = L.ggml_backend_sched_eval_callback(cb)  # keep a reference: C holds the pointer
+
+
+def default_threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+class LlamaCppModel:
+    """The weights of one GGUF file, shared by every context (target, draft, peer)."""
+
+    def __init__(self, path: str | Path):
+        L = _lib()
+        self.L = L
+        self.path = str(path)
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        ptr = L.llama_model_load_from_file(self.path.encode(), params)
+        if not ptr:
+            raise ForerunError(f"llama.cpp could not load {self.path} (unsupported architecture or damaged file)")
+        self.ptr = ptr
+        self.vocab = L.llama_model_get_vocab(ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_layer = L.llama_model_n_layer(ptr)
+        self.n_embd = L.llama_model_n_embd(ptr)
+        self.n_ctx_train = L.llama_model_n_ctx_train(ptr)
+
+    _head = None
+    _head_reason = ""
+
+    def greedy_head(self):
+        """The exact multi-row greedy head (Q8_0 heads only), built once per model; None if unsupported."""
+        if self._head is None and not self._head_reason:
+            self._head, self._head_reason = _build_greedy_head(self.path, self.n_embd, self.n_vocab)
+        return self._head
+
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        for fn in ("llama_vocab_eos", "llama_vocab_eot"):
+            t = getattr(self.L, fn)(self.vocab)
+            if t is not None and t >= 0:
+                ids.add(int(t))
+        return ids
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            try:
+                self.L.llama_model_free(ptr)
+            except Exception:
+                pass
+
+
+def _build_greedy_head(path: str, n_embd: int, n_vocab: int):
+    """Read the LM head from the GGUF file; return (Q8Head, "") or (None, why not)."""
+    import logging
+
+    from forerun.gguf_file import Q8_0, GGUFFile
+
+    g = GGUFFile(path)
+    for key, value in g.metadata.items():
+        if key.endswith("final_logit_softcapping") and value and float(value) > 0:
+            return None, "the model caps its logits"
+    t = g.tensors.get("output.weight") or g.tensors.get("token_embd.weight")
+    if t is None:
+        return None, "no LM head tensor found"
+    if t.type != Q8_0:
+        return None, "the LM head is not Q8_0"
+    if n_embd % 32 or t.shape != (n_embd, n_vocab):
+        return None, "unexpected LM head shape"
+    from forerun.backends.greedy_head import Q8Head
+
+    logging.getLogger("forerun").info("building the exact multi-row greedy head from %s", path)
+    head = Q8Head(g.raw_rows(t.name), n_embd, threads=default_threads())
+    if not head.available:
+        return None, "no C compiler for the head kernel"
+    return head, ""
+
+
+class _Context:
+    """One llama_context plus a reusable batch."""
+
+    def __init__(self, model: LlamaCppModel, n_ctx: int, threads: int, n_batch: int = 512, embeddings: bool = False,
+                 tap: bool = False):
+        L = model.L
+        self.L, self.model = L, model
+        p = L.llama_context_default_params()
+        self.tap = _HiddenTap(L) if tap else None
+        if self.tap is not None:
+            p.cb_eval = self.tap.fn
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_batch
+        p.n_seq_max = 1
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.swa_full = True  # rollback may remove recent positions of sliding-window layers
+        p.embeddings = embeddings
+        p.no_perf = True
+        ctx = L.llama_init_from_model(model.ptr, p)
+        if not ctx:
+            raise ForerunError(f"llama.cpp could not create a context of {n_ctx} positions")
+        self.ptr = ctx
+        self.n_ctx = L.llama_n_ctx(ctx)
+        self.n_batch = n_batch
+        self.mem = L.llama_get_memory(ctx)
+        self.batch = L.llama_batch_init(n_batch, 0, 1)
+        b = self.batch
+        self.tok = np.ctypeslib.as_array(b.token, shape=(n_batch,))
+        self.pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
+        self.nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(n_batch,))
+        self.out = np.ctypeslib.as_array(b.logits, shape=(n_batch,))
+        for i in range(n_batch):
+            b.seq_id[i][0] = 0
+        self.nseq[:] = 1
+        self.embeddings = embeddings
+
+    def set_threads(self, threads: int) -> None:
+        self.L.llama_set_n_threads(self.ptr, threads, threads)
+
+    def set_embeddings(self, on: bool) -> None:
+        if on != self.embeddings:
+            self.L.llama_set_embeddings(self.ptr, on)
+            self.embeddings = on
+
+    def remove_from(self, pos: int) -> None:
+        self.L.llama_memory_seq_rm(self.mem, 0, pos, -1)
+
+    def clear(self) -> None:
+        self.L.llama_memory_clear(self.mem, True)
+
+    def decode(self, tokens: np.ndarray, pos: int, outputs: str) -> int:
+        """Decode one chunk (<= n_batch tokens); outputs: 'all', 'last' or 'none'. Returns rows out."""
+        n = len(tokens)
+        self.tok[:n] = tokens
+        self.pos[:n] = np.arange(pos, pos + n, dtype=np.int32)
+        self.out[:n] = 1 if outputs == "all" else 0
+        if outputs == "last":
+            self.out[n - 1] = 1
+        self.batch.n_tokens = n
+        rc = self.L.llama_decode(self.ptr, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc} at position {pos} ({n} tokens)")
+        return n if outputs == "all" else (1 if outputs == "last" else 0)
+
+    def logits(self, rows: int, n_vocab: int) -> torch.Tensor:
+        ptr = self.L.llama_get_logits(self.ptr)
+        arr = np.ctypeslib.as_array(ptr, shape=(rows, n_vocab))
+        return torch.from_numpy(arr.copy())  # llama.cpp reuses its buffer on the next decode
+
+    def hidden(self, rows: int, n_embd: int) -> torch.Tensor:
+        ptr = self.L.llama_get_embeddings(self.ptr)
+        if not ptr:
+            raise RuntimeError("llama.cpp returned no embeddings")
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, n_embd)).copy())
+
+    def __del__(self):  # pragma: no cover
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            try:
+                self.L.llama_batch_free(self.batch)
+                self.L.llama_free(ptr)
+            except Exception:
+                pass
+
+
+class LlamaCppBackend(BackendBase):
+    """The Backend interface over one llama.cpp context (one sequence)."""
+
+    supports_layer_skip = False
+    hidden_is_normed = True  # llama.cpp gives the hidden state after the final norm
+
+    def __init__(self, model: LlamaCppModel, *, max_context: int | None = None, threads: int | None = None,
+                 fast_greedy: bool = True):
+        self.model = model
+        self.threads = threads or default_threads()
+        self.fast_greedy = fast_greedy
+        self.head_fallbacks = 0  # verify rows whose argmax needed llama.cpp's own head (near ties)
+        self._checked = False
+        limit = model.n_ctx_train or DEFAULT_CONTEXT
+        self.max_context = min(max_context or DEFAULT_CONTEXT, limit)
+        self.vocab_size = model.n_vocab
+        self.num_layers = model.n_layer
+        self.device = torch.device("cpu")
+        self.ctx = _Context(model, self.max_context, self.threads, tap=fast_greedy)
+        self.max_context = min(self.max_context, self.ctx.n_ctx)
+        self._len = 0
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def truncate(self, length: int) -> None:
+        length = max(0, length)
+        if length < self._len:
+            self.ctx.remove_from(length)
+            self._len = length
+
+    def reset(self) -> None:
+        self.ctx.clear()
+        self._len = 0
+
+    def fork(self) -> "LlamaCppBackend":
+        return LlamaCppBackend(self.model, max_context=self.max_context, threads=self.threads, fast_greedy=self.fast_greedy)
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        self.ctx.set_threads(threads)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pos: int,
+        *,
+        skip_layers: Sequence[int] = (),
+        return_hidden: bool = False,
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        if skip_layers:
+            raise ValueError("llama.cpp cannot skip layers; layer skipping needs the torch backend")
+        self._check_forward(tokens, pos)
+        self.truncate(pos)
+        ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
+        T = len(ids)
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        self.ctx.set_embeddings(return_hidden)
+        step = self.ctx.n_batch
+        logits, hidden = [], []
+        for s in range(0, T, step):
+            chunk = ids[s: s + step]
+            final = s + step >= T
+            mode = ("last" if last_only else "all") if final else ("none" if last_only else "all")
+            try:
+                rows = self.ctx.decode(chunk, pos + s, mode)
+            except RuntimeError:
+                self._len = pos + s
+                self.truncate(pos)
+                raise
+            self._len = pos + s + len(chunk)
+            if rows:
+                logits.append(self.ctx.logits(rows, self.vocab_size))
+                if return_hidden:
+                    hidden.append(self.ctx.hidden(rows, self.model.n_embd))
+        return ForwardOutput(logits=torch.cat(logits) if len(logits) > 1 else logits[0],
+                             hidden=(torch.cat(hidden) if len(hidden) > 1 else hidden[0]) if return_hidden else None)
+
+
+    @torch.inference_mode()
+    def argmax_forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """Greedy targets of a verify pass: argmax [T] at every position, exactly as llama.cpp's head gives.
+
+        Rows after the first row whose argmax differs from the next input token are not needed
+        by greedy verification and may be -1.
+        """
+        T = tokens.numel()
+        head = self.model.greedy_head() if self.fast_greedy and T > 1 and T <= self.ctx.n_batch else None
+        if head is None:
+            return self.forward(tokens, pos).logits.argmax(-1)
+        self._check_forward(tokens, pos)
+        self.truncate(pos)
+        ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
+        tap = self.ctx.tap
+        tap.body, tap.hidden = True, None
+        try:
+            self.ctx.decode(ids, pos, "all")
+        except RuntimeError:
+            self.truncate(pos)
+            raise
+        finally:
+            tap.body = False
+        self._len = pos + T
+        h = torch.from_numpy(tap.hidden).view(T, self.model.n_embd)
+        out, ok = head.argmax(h)
+        if not self._checked:  # once per backend: the certified rows must equal llama.cpp's own head
+            self._checked = True
+            full = self.forward(tokens, pos).logits.argmax(-1)
+            if not torch.equal(full[ok], out[ok]):
+                import logging
+
+                logging.getLogger("forerun").warning("the fast greedy head disagreed with llama.cpp's; using llama.cpp's head")
+                self.fast_greedy = False
+                return full
+        nxt = tokens.cpu()
+        for i in range(T):
+            if not ok[i]:
+                break
+            if i + 1 < T and out[i] != nxt[i + 1]:
+                return out  # every row up to the first mismatch is certified
+        else:
+            return out
+        # Row i is a near tie: decode from there one position at a time, as plain decoding does.
+        self.head_fallbacks += 1
+        out[i:] = -1
+        for j in range(i, T):
+            out[j] = self.forward(tokens[j: j + 1], pos + j).logits[0].argmax()
+            if j + 1 < T and out[j] != nxt[j + 1]:
+                break
+        return out
+
+
+def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """llama.cpp's own greedy decoding (its sampler picks each token): the ``llama.cpp`` peer."""
+    L = backend.model.L
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+    try:
+        backend.reset()
+        ctx = backend.ctx
+        ids = np.asarray(prompt, dtype=np.int32)
+        limit = min(max_new_tokens, backend.max_context - len(ids))
+        for s in range(0, len(ids), ctx.n_batch):
+            chunk = ids[s: s + ctx.n_batch]
+            ctx.decode(chunk, s, "last" if s + ctx.n_batch >= len(ids) else "none")
+        pos, out = len(ids), []
+        one = np.zeros(1, dtype=np.int32)
+        while len(out) < limit:
+            tok = int(L.llama_sampler_sample(chain, ctx.ptr, -1))
+            out.append(tok)
+            if tok in eos or len(out) >= limit:
+                break
+            one[0] = tok
+            ctx.decode(one, pos, "last")
+            pos += 1
+        backend._len = pos
+        return out
+    finally:
+        L.llama_sampler_free(chain)
