@@ -81,7 +81,7 @@ def tiny_folder(tmp_path_factory):
 def bundled():
     from forerun.models import load_model
 
-    return load_model("bundled")
+    return load_model("bundled", backend="torch")
 
 
 def spec_bench_prompts(category: str, n: int) -> list[str]:

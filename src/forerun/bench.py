@@ -13,7 +13,7 @@ import torch
 
 from forerun.errors import ForerunError
 
-PEERS = ("hf", "hf-lookup")
+PEERS = ("hf", "hf-lookup", "llama.cpp")
 
 
 def load_prompts(path: str, categories=None, limit_per_category=None) -> list[dict]:
@@ -77,18 +77,23 @@ def machine_info(dtype) -> dict:
 
 
 def verify_cost_ratios(backend, context: int = 256, ks=range(1, 9), reps: int = 7) -> dict:
-    """Median time of a (K+1)-token forward over a 1-token step, at a fixed context length."""
+    """Median time of a (K+1)-token verify pass over a 1-token step, at a fixed context length.
+
+    Timed the way greedy generation runs it: where the backend verifies through exact argmaxes
+    (llama.cpp), that path is timed, else a forward with logits at every position.
+    """
     from forerun.timing import median_forward_s
 
     context = max(1, min(context, backend.max_context - max(ks) - 2))
     ids = torch.randint(10, min(backend.vocab_size, 20000), (context + max(ks) + 1,), generator=torch.Generator().manual_seed(0))
     # One untimed sweep first: the first passes of each shape after loading run measurably
     # slower (allocator and oneDNN primitive warm-up) than the steady state of a generation.
+    fn = "argmax_forward" if hasattr(backend, "argmax_forward") else "forward"
     for k in (0, *ks):
-        median_forward_s(backend, ids[: context + k + 1], k + 1, 1)
-    one = median_forward_s(backend, ids[: context + 1], 1, reps)
+        median_forward_s(backend, ids[: context + k + 1], k + 1, 1, method=fn)
+    one = median_forward_s(backend, ids[: context + 1], 1, reps, method=fn)
     out = {"step_ms": one * 1000, "context": context}
-    out.update({str(k): median_forward_s(backend, ids[: context + k + 1], k + 1, reps) / one for k in ks})
+    out.update({str(k): median_forward_s(backend, ids[: context + k + 1], k + 1, reps, method=fn) / one for k in ks})
     return out
 
 
@@ -113,6 +118,30 @@ def _hf_generate(model, ids, max_new, eos, lookup: bool):
         out = model.generate(inp, **kw)
     wall = time.perf_counter() - t
     return out[0, len(ids):].tolist(), wall
+
+
+def _llamacpp_peer(spec, target, threads):
+    """A second llama.cpp context on the same GGUF file, decoding plainly with llama.cpp's own sampler."""
+    from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
+    from forerun.models import resolve_source
+
+    kind, loc = resolve_source(spec)
+    if kind != "gguf":
+        raise ForerunError("the llama.cpp peer needs a .gguf model (or bundled)")
+    model = getattr(target.backend, "model", None)
+    if not isinstance(model, LlamaCppModel):
+        model = LlamaCppModel(loc)
+    return LlamaCppBackend(model, threads=threads, fast_greedy=False)
+
+
+def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
+    if name == "llama.cpp":
+        from forerun.backends.llamacpp import plain_generate
+
+        t = time.perf_counter()
+        out = plain_generate(llama_peer, ids, max_new, eos)
+        return out, time.perf_counter() - t
+    return _hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup")
 
 
 def _summarise(records, names, by_cat=True):
@@ -156,7 +185,7 @@ def _summarise(records, names, by_cat=True):
             m["by_category"][cat] = agg([r for r in rs if r["category"] == cat])
         out[name] = m
     # Speedups, overall and per category.
-    for ref in ("none", "hf", "hf-lookup"):
+    for ref in ("none", "hf", "hf-lookup", "llama.cpp"):
         if ref not in out:
             continue
         key = "speedup_vs_" + ref.replace("-", "_")
@@ -193,11 +222,11 @@ def write_markdown(results: dict, path: Path) -> None:
     mc = results["machine"]
     cfg = results["config"]
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
-                 f"dtype {mc['dtype']}. Model: {cfg['model']}. Greedy, max_new_tokens={cfg['max_new_tokens']}, "
+                 f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). Greedy, max_new_tokens={cfg['max_new_tokens']}, "
                  f"k={cfg['k']}, {cfg['prompts']} prompts.")
     lines.append("")
-    lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | tau | acceptance | greedy = none |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | tau | acceptance | greedy = none |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
@@ -207,7 +236,7 @@ def write_markdown(results: dict, path: Path) -> None:
 
     for name, m in methods.items():
         lines.append(f"| {name} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
-                     f"{x(m.get('speedup_vs_hf_lookup'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
+                     f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
     lines += ["", "Tokens/s by category (speedup over our `none` in brackets):", ""]
     lines.append("| category | " + " | ".join(methods) + " |")
@@ -276,11 +305,16 @@ def run_bench(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
     needs_draft = any(m.partition(":")[0] == "draft" for m in methods)
     if needs_draft and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend) if needs_draft else None
+    threads = getattr(args, "threads", None)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
+    hf_model = target.hf_model
+    if hf_model is None and any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model
+        hf_model = load_model(args.model, dtype=args.dtype, device=args.device, backend="hf", threads=threads).hf_model
+    llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
     drafters = {m: make_drafter(m.partition(":")[0], target, draft_model=draft, skip_layers=skip) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
     params = SamplingParams()
@@ -304,13 +338,16 @@ def run_bench(args) -> dict:
     for m, e in engines.items():
         e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
     for p in peers:
-        _hf_generate(target.hf_model, warm, 8, target.eos_token_ids, p == "hf-lookup")
+        _peer_generate(p, hf_model, llama_peer, warm, 8, target.eos_token_ids)
 
     names = methods + peers
     config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
               "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
-    results = {"machine": machine_info(target.hf_model.dtype), "config": config}
+    config["backend"] = type(target.backend).__name__
+    config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
+    dtype = hf_model.dtype if target.hf_model is not None else "gguf (llama.cpp)"
+    results = {"machine": machine_info(dtype), "config": config}
     records = []
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
     for p, ids in zip(prompts, encoded):
@@ -321,7 +358,7 @@ def run_bench(args) -> dict:
                 res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
                 out, rec = res.token_ids, res.stats.to_dict()
             else:
-                out, wall = _hf_generate(target.hf_model, ids, args.max_new_tokens, target.eos_token_ids, name == "hf-lookup")
+                out, wall = _peer_generate(name, hf_model, llama_peer, ids, args.max_new_tokens, target.eos_token_ids)
                 rec = {"new_tokens": len(out), "wall_s": wall}
             if name == "none":
                 ref = out
@@ -337,6 +374,8 @@ def run_bench(args) -> dict:
     for name, m in results["methods"].items():
         if name in engines and name != "none":
             m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"])
+    if hasattr(target.backend, "head_fallbacks"):
+        results["greedy_head_fallbacks"] = target.backend.head_fallbacks
     results["records"] = records
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_markdown(results, out_dir / "results.md")

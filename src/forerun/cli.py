@@ -39,8 +39,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model for --method draft (same forms as --model)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
-                   help="native (our Gemma 3 forward) or hf (any transformers model); auto picks native where supported")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],
+                   help="llama.cpp (GGUF models, quantized CPU kernels) or torch (native Gemma 3 forward where "
+                        "supported, else transformers; 'native' and 'hf' force one); auto: llama.cpp for a .gguf "
+                        "model on the CPU when llama-cpp-python is installed, torch otherwise")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's count)")
     p.add_argument("--skip-layers", default=None, help="layerskip: comma-separated layers to skip (default: calibrated set)")
 
 
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args):
     from forerun.models import load_model
 
-    return load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    return load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
 
 
 def cmd_generate(args) -> int:
@@ -104,12 +107,14 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.method == "draft" and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
+    if args.threads is not None and args.threads < 1:
+        raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     skip = parse_skip_layers(args.skip_layers)
 
     target = _load(args)
     draft = None
     if args.method == "draft":
-        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend)
+        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
     drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip)
     tok = target.tokenizer
     if args.chat:

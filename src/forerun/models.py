@@ -135,6 +135,55 @@ def _convert_gguf(path: Path) -> Path:
     return out
 
 
+def _gguf_tokenizer(path: Path):
+    """The tokenizer of a GGUF file, converted once (the weights are not converted)."""
+    from transformers import AutoTokenizer
+
+    full = _converted_dir(path)
+    if (full / "forerun.json").exists():
+        folder = full
+    else:
+        folder = full.with_name(full.name + "-tokenizer")
+        if not (folder / "tokenizer_config.json").exists():
+            log.warning("converting the tokenizer of %s once; later starts read %s", path.name, folder)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except Exception as e:
+                raise ForerunError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            tmp = folder.with_name(folder.name + ".tmp")
+            tmp.mkdir(parents=True, exist_ok=True)
+            tok.save_pretrained(tmp)
+            if folder.exists():
+                import shutil
+
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoTokenizer.from_pretrained(str(folder))
+
+
+BACKENDS = ("auto", "torch", "native", "hf", "llama.cpp")
+
+
+def choose_backend(backend: str, kind: str, dev: torch.device) -> str:
+    """auto: llama.cpp for a .gguf model on the CPU when llama-cpp-python is installed, else torch."""
+    if backend not in BACKENDS:
+        raise ForerunError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
+    if backend == "auto":
+        from forerun.backends.llamacpp import available
+
+        return "llama.cpp" if kind == "gguf" and dev.type == "cpu" and available() else "torch"
+    if backend == "llama.cpp":
+        if kind != "gguf":
+            raise ForerunError("the llama.cpp backend needs a .gguf model (or bundled); use --backend torch")
+        if dev.type != "cpu":
+            raise ForerunError("the llama.cpp backend runs on the CPU here; use --backend torch for CUDA")
+    return backend
+
+
 def resolve_source(spec: str) -> tuple[str, str]:
     """Return (kind, location) for a model spec: kind is 'gguf', 'folder' or 'hub'."""
     if not spec or not spec.strip():
@@ -164,13 +213,28 @@ def load_model(
     device: str = "auto",
     backend: str = "auto",
     max_context: int | None = None,
+    threads: int | None = None,
 ) -> LoadedModel:
-    """Load a model and put it behind a backend (native for Gemma 3 text models, else transformers)."""
+    """Load a model and put it behind a backend.
+
+    ``backend``: ``llama.cpp`` (GGUF files: llama.cpp's quantized kernels), ``torch`` (native
+    Gemma 3 forward where supported, else transformers), ``native``, ``hf``, or ``auto``
+    (llama.cpp for a .gguf model on the CPU when llama-cpp-python is installed, else torch).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if threads is not None:
+        if threads < 1:
+            raise ForerunError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     kind, loc = resolve_source(spec)
+    backend = choose_backend(backend, kind, dev)
+    if backend == "llama.cpp":
+        return _load_llamacpp(spec, Path(loc), max_context=max_context, threads=threads)
+    if backend == "torch":
+        backend = "auto"
+    dt = resolve_dtype(dtype, dev)
     folder = _convert_gguf(Path(loc)) if kind == "gguf" else loc
     try:
         with warnings.catch_warnings():
@@ -182,6 +246,18 @@ def load_model(
         raise ForerunError(f"cannot load model {spec!r}: {type(e).__name__}: {first}") from e
     hf_model.to(dev).eval()
     return wrap_model(spec, hf_model, tokenizer, backend=backend, max_context=max_context)
+
+
+def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:
+    from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
+
+    tokenizer = _gguf_tokenizer(path)
+    model = LlamaCppModel(path)
+    be = LlamaCppBackend(model, max_context=max_context, threads=threads)
+    if be.vocab_size != len(tokenizer):
+        log.info("tokenizer has %d tokens, the model %d", len(tokenizer), be.vocab_size)
+    eos = model.eos_token_ids() | eos_ids(None, tokenizer)
+    return LoadedModel(name=spec, hf_model=None, tokenizer=tokenizer, backend=be, eos_token_ids=eos)
 
 
 def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context: int | None = None) -> LoadedModel:
@@ -206,7 +282,8 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
 
 def eos_ids(hf_model, tokenizer) -> set[int]:
     ids: set[int] = set()
-    for src in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+    srcs = (getattr(hf_model, "generation_config", None), hf_model.config) if hf_model is not None else ()
+    for src in (*srcs, tokenizer):
         v = getattr(src, "eos_token_id", None) if src is not None else None
         if v is None:
             continue

@@ -7,7 +7,7 @@ import time
 import torch
 
 
-def median_forward_s(backend, ids: torch.Tensor, n: int, reps: int = 7, **forward_kw) -> float:
+def median_forward_s(backend, ids: torch.Tensor, n: int, reps: int = 7, method: str = "forward", **forward_kw) -> float:
     """Median seconds of a forward over the last ``n`` of ``ids``, the rest already cached.
 
     The cache is filled once (logits for the last position only, so the prefill does not
@@ -23,7 +23,7 @@ def median_forward_s(backend, ids: torch.Tensor, n: int, reps: int = 7, **forwar
     for i in range(reps + 1):
         backend.truncate(ctx)
         t = time.perf_counter()
-        backend.forward(ids[ctx:], ctx, **forward_kw)
+        getattr(backend, method)(ids[ctx:], ctx, **forward_kw)
         if cuda:
             torch.cuda.synchronize()
         if i:

@@ -420,17 +420,24 @@ class LlamaCppBackend(BackendBase):
         return out
 
 
-def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    """llama.cpp's own greedy decoding (its sampler picks each token): the ``llama.cpp`` peer."""
+def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: int, eos: set[int],
+                   prefilled: int = 0) -> list[int]:
+    """llama.cpp's own greedy decoding (its sampler picks each token): the ``llama.cpp`` peer.
+
+    ``prefilled``: that many prompt positions are already in the backend's cache.
+    """
     L = backend.model.L
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
     L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
     try:
-        backend.reset()
+        if not prefilled:
+            backend.reset()
+        else:
+            backend.truncate(prefilled)
         ctx = backend.ctx
         ids = np.asarray(prompt, dtype=np.int32)
         limit = min(max_new_tokens, backend.max_context - len(ids))
-        for s in range(0, len(ids), ctx.n_batch):
+        for s in range(prefilled, len(ids), ctx.n_batch):
             chunk = ids[s: s + ctx.n_batch]
             ctx.decode(chunk, s, "last" if s + ctx.n_batch >= len(ids) else "none")
         pos, out = len(ids), []

@@ -1,0 +1,163 @@
+"""The llama.cpp backend on the bundled GGUF file (skipped where llama-cpp-python is not installed)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import spec_bench_prompts
+from forerun.drafters import make_drafter
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.sampling import SamplingParams, logits_to_probs
+
+pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.bundled
+
+
+@pytest.fixture(scope="module")
+def lc():
+    from forerun.models import load_model
+
+    return load_model("bundled", backend="llama.cpp", threads=2)
+
+
+def test_auto_backend_picks_llamacpp_for_gguf():
+    from forerun.models import choose_backend
+
+    assert choose_backend("auto", "gguf", torch.device("cpu")) == "llama.cpp"
+    assert choose_backend("auto", "folder", torch.device("cpu")) == "torch"
+    with pytest.raises(ForerunError, match="needs a .gguf"):
+        choose_backend("llama.cpp", "hub", torch.device("cpu"))
+
+
+def test_forward_truncate_reset(lc):
+    be = lc.backend
+    ids = torch.tensor(lc.tokenizer("The sky is blue because of Rayleigh scattering").input_ids)
+    be.reset()
+    full = be.forward(ids, 0).logits
+    assert full.shape == (len(ids), be.vocab_size) and be.length == len(ids)
+    be.truncate(4)
+    assert be.length == 4
+    again = be.forward(ids[4:], 4).logits  # rolled-back positions are recomputed
+    # llama.cpp's numerics depend on how positions are batched (see the README), so the
+    # recomputed logits are close to, not bit-equal with, the first pass.
+    assert (again - full[4:]).abs().max() < 1.0
+    assert torch.equal(again[0], full[4])
+    be.truncate(4)
+    assert torch.equal(be.forward(ids[4:], 4).logits, again)  # the same batching is deterministic
+    with pytest.raises(ValueError, match="cached"):
+        be.forward(ids[:1], be.length + 3)
+    with pytest.raises(ValueError, match="layer"):
+        be.forward(ids[:1], 0, skip_layers=[1])
+
+
+def test_fast_greedy_head_matches_llamacpp_head(lc):
+    """The certified multi-row argmax equals the argmax of llama.cpp's own logits, row by row."""
+    be = lc.backend
+    if be.model.greedy_head() is None:
+        pytest.skip(be.model._head_reason)
+    text = " ".join(spec_bench_prompts("writing", 2) + spec_bench_prompts("math_reasoning", 2))
+    ids = torch.tensor(lc.tokenizer(text).input_ids[:200])
+    assert len(ids) > 60
+    for start in range(40, len(ids) - 9, 9):
+        be.reset()
+        be.forward(ids[:start], 0, last_only=True)
+        ref = be.forward(ids[start: start + 9], start).logits.argmax(-1)
+        be.truncate(start)
+        h_ids = be.argmax_forward(ids[start: start + 9], start)
+        # rows up to the first one disagreeing with the next input are what greedy verification uses
+        n = 9
+        for i in range(8):
+            if ref[i] != ids[start + i + 1]:
+                n = i + 1
+                break
+        assert torch.equal(h_ids[:n], ref[:n]), start
+
+
+@pytest.mark.parametrize("category", ["summarization", "writing"])
+def test_fast_head_generation_equals_llamacpp_head(lc, category):
+    """Speculative generation with the certified head equals the same run with llama.cpp's own head."""
+    from forerun.backends.llamacpp import LlamaCppBackend
+
+    ids = lc.tokenizer(spec_bench_prompts(category, 1)[0]).input_ids
+    slow = LlamaCppBackend(lc.backend.model, threads=2, fast_greedy=False)
+    for k in (2, 4):
+        ref = Engine(slow, make_drafter("ngram", lc), lc.eos_token_ids).generate(ids, max_new_tokens=32, k=k)
+        res = Engine(lc.backend, make_drafter("ngram", lc), lc.eos_token_ids).generate(ids, max_new_tokens=32, k=k)
+        assert res.token_ids == ref.token_ids, k
+
+
+def test_plain_decoding_equals_llamacpp_sampler(lc):
+    """Our plain decoding on this backend equals llama.cpp's own greedy loop (same one-token passes)."""
+    from forerun.backends.llamacpp import LlamaCppBackend, plain_generate
+
+    ids = lc.tokenizer("Explain why the sea is salty.").input_ids
+    ours = Engine(lc.backend, None, lc.eos_token_ids).generate(ids, max_new_tokens=24).token_ids
+    peer = LlamaCppBackend(lc.backend.model, threads=2, fast_greedy=False)
+    peer.reset()
+    peer.forward(torch.tensor(ids[:-1]), 0, last_only=True)  # the same prefill split as the engine's
+    theirs = plain_generate(peer, ids, 24, lc.eos_token_ids, prefilled=len(ids) - 1)
+    assert ours == theirs
+
+
+def test_draft_model_on_llamacpp(lc):
+    from forerun.models import load_model
+
+    from forerun.backends.llamacpp import LlamaCppBackend
+
+    draft = load_model("bundled", backend="llama.cpp", threads=2)  # its own context; same weights file
+    ids = lc.tokenizer("Name three planets:").input_ids
+    slow = LlamaCppBackend(lc.backend.model, threads=2, fast_greedy=False)  # llama.cpp's own head
+    ref = Engine(slow, make_drafter("draft", lc, draft_model=draft), lc.eos_token_ids).generate(ids, max_new_tokens=16, k=3)
+    res = Engine(lc.backend, make_drafter("draft", lc, draft_model=draft), lc.eos_token_ids).generate(ids, max_new_tokens=16, k=3)
+    assert res.token_ids == ref.token_ids
+    assert res.stats.accepted > 0
+
+
+def test_layerskip_refused_on_llamacpp(lc):
+    with pytest.raises(ForerunError, match="layerskip needs"):
+        make_drafter("layerskip", lc)
+
+
+def test_sampling_distribution_llamacpp(lc):
+    """First two sampled tokens with ngram speculation follow the target distribution (TV bound)."""
+    be = lc.backend
+    prompt = lc.tokenizer("one two one two one two one").input_ids
+    params = SamplingParams(temperature=1.0, top_k=4)
+    be.reset()
+    be.forward(torch.tensor(prompt[:-1]), 0)
+    p1 = logits_to_probs(be.forward(torch.tensor(prompt[-1:]), len(prompt) - 1).logits[-1], params)
+    support = torch.nonzero(p1 > 0).flatten().tolist()
+    joint = {}
+    for t in support:
+        be.truncate(len(prompt))
+        p2 = logits_to_probs(be.forward(torch.tensor([t]), len(prompt)).logits[-1], params)
+        for u in torch.nonzero(p2 > 0).flatten().tolist():
+            joint[(t, u)] = float(p1[t] * p2[u])
+    eng = Engine(be, make_drafter("ngram", lc), lc.eos_token_ids)
+    N, counts, drafted = 1500, {}, 0
+    for seed in range(N):
+        res = eng.generate(prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=4, seed=seed), k=2)
+        key = tuple(res.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+        drafted += res.stats.drafted
+    assert drafted > N // 2
+    keys = set(joint) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(c, 0) / N - joint.get(c, 0.0)) for c in keys)
+    assert tv < 0.1, tv
+
+
+def test_cli_generate_llamacpp(capsys):
+    from forerun.cli import main
+
+    rc = main(["generate", "List three colors:", "--backend", "llama.cpp", "--threads", "2", "--max-new-tokens", "12", "--json"])
+    obj = json.loads(capsys.readouterr().out)
+    assert rc == 0 and obj["new_tokens"] == 12
+
+
+def test_cli_bad_threads(capsys):
+    from forerun.cli import main
+
+    assert main(["generate", "hi", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
