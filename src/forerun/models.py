@@ -98,6 +98,15 @@ def _converted_dir(path: Path) -> Path:
     return cache_dir() / "converted" / f"{path.stem}-{key}"
 
 
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished cache entry into place, replacing an older one."""
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
 def _convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file once into an HF folder (config, safetensors, tokenizer)."""
     out = _converted_dir(path)  # the path was checked by resolve_source
@@ -127,11 +136,7 @@ def _convert_gguf(path: Path) -> Path:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "forerun.json").write_text(json.dumps({"source": str(path.resolve())}))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _publish(tmp, out)
     return out
 
 
@@ -155,11 +160,7 @@ def _gguf_tokenizer(path: Path):
             tmp = folder.with_name(folder.name + ".tmp")
             tmp.mkdir(parents=True, exist_ok=True)
             tok.save_pretrained(tmp)
-            if folder.exists():
-                import shutil
-
-                shutil.rmtree(folder)
-            tmp.rename(folder)
+            _publish(tmp, folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoTokenizer.from_pretrained(str(folder))

@@ -327,6 +327,17 @@ class LlamaCppBackend(BackendBase):
         self.threads = threads
         self.ctx.set_threads(threads)
 
+    def _decode(self, chunk: np.ndarray, pos: int, mode: str, start: int) -> int:
+        """Decode one chunk at pos; on failure drop everything from ``start`` (this call's first position)."""
+        try:
+            rows = self.ctx.decode(chunk, pos, mode)
+        except RuntimeError:
+            self._len = pos + len(chunk)  # llama.cpp may have kept part of the chunk: remove it all
+            self.truncate(start)
+            raise
+        self._len = pos + len(chunk)
+        return rows
+
     @torch.inference_mode()
     def forward(
         self,
@@ -350,15 +361,8 @@ class LlamaCppBackend(BackendBase):
         logits, hidden = [], []
         for s in range(0, T, step):
             chunk = ids[s: s + step]
-            final = s + step >= T
-            mode = ("last" if last_only else "all") if final else ("none" if last_only else "all")
-            try:
-                rows = self.ctx.decode(chunk, pos + s, mode)
-            except RuntimeError:
-                self._len = pos + s
-                self.truncate(pos)
-                raise
-            self._len = pos + s + len(chunk)
+            mode = ("last" if s + step >= T else "none") if last_only else "all"
+            rows = self._decode(chunk, pos + s, mode, start=pos)
             if rows:
                 logits.append(self.ctx.logits(rows, self.vocab_size))
                 if return_hidden:
@@ -384,13 +388,9 @@ class LlamaCppBackend(BackendBase):
         tap = self.ctx.tap
         tap.body, tap.hidden = True, None
         try:
-            self.ctx.decode(ids, pos, "all")
-        except RuntimeError:
-            self.truncate(pos)
-            raise
+            self._decode(ids, pos, "all", start=pos)
         finally:
             tap.body = False
-        self._len = pos + T
         h = torch.from_numpy(tap.hidden).view(T, self.model.n_embd)
         out, ok = head.argmax(h)
         if not self._checked:  # once per backend: the certified rows must equal llama.cpp's own head
@@ -435,12 +435,9 @@ def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: 
         else:
             backend.truncate(prefilled)
         ctx = backend.ctx
-        ids = np.asarray(prompt, dtype=np.int32)
-        limit = min(max_new_tokens, backend.max_context - len(ids))
-        for s in range(prefilled, len(ids), ctx.n_batch):
-            chunk = ids[s: s + ctx.n_batch]
-            ctx.decode(chunk, s, "last" if s + ctx.n_batch >= len(ids) else "none")
-        pos, out = len(ids), []
+        backend.forward(torch.tensor(prompt[prefilled:], dtype=torch.long), prefilled, last_only=True)
+        limit = min(max_new_tokens, backend.max_context - len(prompt))
+        pos, out = len(prompt), []
         one = np.zeros(1, dtype=np.int32)
         while len(out) < limit:
             tok = int(L.llama_sampler_sample(chain, ctx.ptr, -1))
