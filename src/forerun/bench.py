@@ -121,17 +121,16 @@ def _hf_generate(model, ids, max_new, eos, lookup: bool):
 
 
 def _llamacpp_peer(spec, target, threads):
-    """A second llama.cpp context on the same GGUF file, decoding plainly with llama.cpp's own sampler."""
+    """llama.cpp decoding plainly with its own sampler, on the same GGUF file with llama.cpp's default
+    settings (repacked weights, flash attention as llama.cpp chooses): its fastest plain decoding,
+    not the exact-mode settings forerun verifies with."""
     from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
     from forerun.models import resolve_source
 
     kind, loc = resolve_source(spec)
     if kind != "gguf":
         raise ForerunError("the llama.cpp peer needs a .gguf model (or bundled)")
-    model = getattr(target.backend, "model", None)
-    if not isinstance(model, LlamaCppModel):
-        model = LlamaCppModel(loc)
-    return LlamaCppBackend(model, threads=threads, fast_greedy=False)
+    return LlamaCppBackend(LlamaCppModel(loc, exact=False), threads=threads, fast_greedy=False)
 
 
 def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
@@ -224,6 +223,8 @@ def write_markdown(results: dict, path: Path) -> None:
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
                  f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). Greedy, max_new_tokens={cfg['max_new_tokens']}, "
                  f"k={cfg['k']}, {cfg['prompts']} prompts.")
+    if "batch_invariant" in cfg:
+        lines.append(f"llama.cpp: {cfg['llama_cpp']}; multi-token passes bit-identical to one-token steps: {cfg['batch_invariant']}.")
     lines.append("")
     lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | tau | acceptance | greedy = none |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
@@ -346,6 +347,9 @@ def run_bench(args) -> dict:
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
     config["backend"] = type(target.backend).__name__
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
+    if hasattr(target.backend, "batch_invariant"):
+        config["batch_invariant"] = target.backend.batch_invariant
+        config["llama_cpp"] = "exact mode (see README); peer llama.cpp: llama.cpp's default settings"
     dtype = hf_model.dtype if target.hf_model is not None else "gguf (llama.cpp)"
     results = {"machine": machine_info(dtype), "config": config}
     records = []

@@ -48,28 +48,34 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
-def _compile_kernel():
-    """Compile q8_head.c once into the cache folder; None (with a log line) when that is impossible."""
+def compile_c(name: str):
+    """Compile the package's ``<name>.c`` once into the cache folder and load it; None (logged) when impossible."""
     from forerun.models import cache_dir
 
-    src = Path(__file__).with_name("q8_head.c")
+    src = Path(__file__).with_name(f"{name}.c")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: verification uses llama.cpp's LM head (slower)")
+        log.warning("no C compiler found for %s.c: verification uses llama.cpp's LM head (slower)", name)
         return None
     key = hashlib.sha1(src.read_bytes() + cc.encode() + os.uname().machine.encode()).hexdigest()[:12]
-    out = cache_dir() / "kernels" / f"q8_head-{key}.so"
+    out = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            log.warning("could not compile the greedy head kernel (%s); verification uses llama.cpp's LM head",
+            log.warning("could not compile %s.c (%s); verification uses llama.cpp's LM head", name,
                         (r.stderr.strip().splitlines() or ["?"])[-1])
             return None
         os.replace(tmp, out)
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def _compile_kernel():
+    lib = compile_c("q8_head")
+    if lib is None:
+        return None
     lib.forerun_q8_rows.restype = ctypes.c_int
     lib.forerun_q8_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]

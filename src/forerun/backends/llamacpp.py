@@ -49,6 +49,10 @@ def _lib():
         ) from e
     with _init_lock:
         if not _initialised:
+            # ggml's tiled K-quant product (passes of >= 8 rows) rounds differently from its
+            # one-row product; it is read once per process, so it is switched off before first use
+            # (this affects only the speed of long prompt passes).
+            os.environ.setdefault("GGML_CPU_TILED_MM", "0")
             llama_cpp.llama_backend_init()
             _quiet(llama_cpp)
             _initialised = True
@@ -56,6 +60,11 @@ def _lib():
 
 
 _LOG_CB = None
+
+
+def system_info() -> str:
+    """llama.cpp's own description of the build (CPU features, LLAMAFILE, REPACK, ...)."""
+    return _lib().llama_print_system_info().decode(errors="replace").strip()
 
 
 def _quiet(L) -> None:
@@ -95,31 +104,69 @@ def _ggml():
     return _GGML
 
 
-class _HiddenTap:
-    """Eval callback: in 'body' mode, copy the final normed hidden state and stop the graph there.
+class _TapState(ctypes.Structure):
+    _fields_ = [("get_name", ctypes.c_void_p), ("get_data", ctypes.c_void_p), ("nelements", ctypes.c_void_p),
+                ("body", ctypes.c_int32), ("captured", ctypes.c_int32), ("n", ctypes.c_int64),
+                ("cap", ctypes.c_int64), ("buf", ctypes.c_void_p), ("node", ctypes.c_char * 64)]
 
-    ggml's scheduler asks the callback about every node; answering "need" for the node named
-    ``result_norm`` makes it compute the graph up to that node, hand it over, and stop when the
-    callback returns False, so the LM head (``result_output``) is never computed.
+
+_TAP_LIB = None
+
+
+def _tap_lib():
+    global _TAP_LIB
+    if _TAP_LIB is None:
+        from forerun.backends.greedy_head import compile_c
+
+        _TAP_LIB = compile_c("tap") or False
+    return _TAP_LIB or None
+
+
+class _HiddenTap:
+    """Graph evaluation callback (``tap.c``) that hands over the final normed hidden state.
+
+    In body mode it asks ggml's scheduler for the node named ``result_norm``, copies it and
+    stops the graph there, so the LM head (``result_output``) is never computed. The callback
+    is C: ggml calls it for every node of every decode (~700 per token here).
     """
 
     NODE = b"result_norm"
 
-    def __init__(self, L):
+    def __init__(self, L, lib, n_embd: int, n_batch: int):
         g = _ggml()
-        self.body = False
-        self.hidden: np.ndarray | None = None
+        self.buf = np.zeros(n_embd * n_batch, dtype=np.float32)
+        st = _TapState()
+        st.get_name = ctypes.cast(g.ggml_get_name, ctypes.c_void_p)
+        st.get_data = ctypes.cast(g.ggml_get_data_f32, ctypes.c_void_p)
+        st.nelements = ctypes.cast(g.ggml_nelements, ctypes.c_void_p)
+        st.cap = self.buf.size
+        st.buf = self.buf.ctypes.data
+        st.node = self.NODE
+        self.state = st  # C holds pointers into these: keep them alive with the tap
+        self.fn = ctypes.cast(lib.forerun_tap_eval, L.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.cast(ctypes.pointer(st), ctypes.c_void_p)
 
-        def cb(t, ask, user_data):
-            if not self.body:
-                return False if ask else True
-            if ask:
-                return g.ggml_get_name(t) == self.NODE
-            n = g.ggml_nelements(t)
-            self.hidden = np.ctypeslib.as_array(g.ggml_get_data_f32(t), shape=(n,)).copy()
-            return False  # stop: skip the LM head
+    def start(self) -> None:
+        self.state.body, self.state.captured, self.state.n = 1, 0, 0
 
-        self.fn = L.ggml_backend_sched_eval_callback(cb)  # keep a reference: C holds the pointer
+    def stop(self) -> None:
+        self.state.body = 0
+
+    def hidden(self, rows: int, n_embd: int) -> np.ndarray:
+        if self.state.captured != 1 or self.state.n != rows * n_embd:
+            raise RuntimeError("llama.cpp did not hand over the final hidden state")
+        return self.buf[: rows * n_embd].reshape(rows, n_embd).copy()
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        import logging
+
+        logging.getLogger("forerun").warning(msg)
 
 
 def default_threads() -> int:
@@ -129,12 +176,16 @@ def default_threads() -> int:
 class LlamaCppModel:
     """The weights of one GGUF file, shared by every context (target, draft, peer)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, exact: bool = True):
         L = _lib()
         self.L = L
         self.path = str(path)
+        self.exact = exact
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
+        # Repacked weights use one kernel for passes of >= 4 rows and another for fewer, which
+        # round differently; exact mode keeps the plain layout so every pass size agrees.
+        params.use_extra_bufts = not exact
         ptr = L.llama_model_load_from_file(self.path.encode(), params)
         if not ptr:
             raise ForerunError(f"llama.cpp could not load {self.path} (unsupported architecture or damaged file)")
@@ -153,6 +204,38 @@ class LlamaCppModel:
         if self._head is None and not self._head_reason:
             self._head, self._head_reason = _build_greedy_head(self.path, self.n_embd, self.n_vocab)
         return self._head
+
+    _invariant: bool | None = None
+
+    def batch_invariant(self, threads: int) -> bool:
+        """Probe once: do the rows of one multi-token pass equal one-token steps, bit for bit?
+
+        Greedy speculation is token-identical to plain decoding only if they do. Exact mode
+        (the default) chooses llama.cpp settings under which ggml computes every row the same
+        way whatever the pass size; the probe confirms it on this machine and build (a 9-token
+        pass after a 40-token prompt, against nine one-token steps).
+        """
+        if self._invariant is None:
+            rng = np.random.default_rng(0)
+            hi = min(self.n_vocab, 20000)
+            prompt = rng.integers(100, hi, 40).astype(np.int32)
+            extra = rng.integers(100, hi, 9).astype(np.int32)
+            ctx = _Context(self, 64, threads)
+            ctx.decode(prompt, 0, "none")
+            ctx.decode(extra, 40, "all")
+            together = ctx.logits(9, self.n_vocab)
+            ctx.remove_from(40)
+            ok = True
+            for k in range(9):
+                ctx.decode(extra[k: k + 1], 40 + k, "last")
+                ok = ok and torch.equal(ctx.logits(1, self.n_vocab)[0], together[k])
+            del ctx
+            self._invariant = ok
+            if not ok:
+                _warn_once("llama.cpp computes passes of several tokens differently from one-token steps on this "
+                           "machine" + ("" if self.exact else " (exact mode is off)") + ": greedy speculation "
+                           "may differ from plain decoding where the top two tokens are close.")
+        return self._invariant
 
     def eos_token_ids(self) -> set[int]:
         ids = set()
@@ -205,9 +288,20 @@ class _Context:
         L = model.L
         self.L, self.model = L, model
         p = L.llama_context_default_params()
-        self.tap = _HiddenTap(L) if tap else None
+        lib = _tap_lib() if tap else None
+        self.tap = _HiddenTap(L, lib, model.n_embd, n_batch) if lib is not None else None
         if self.tap is not None:
             p.cb_eval = self.tap.fn
+            p.cb_eval_user_data = self.tap.user_data
+        if model.exact:
+            # With llama.cpp's default f16 cache, attention is not the same computation for every
+            # pass size: flash attention splits one-token passes over >= 512 cached positions
+            # across threads (and tiles long passes), and without flash attention llamafile's
+            # sgemm takes the f16 products of >= 2 rows. With keys in Q8_0 and values in f16, flash
+            # attention runs its row-by-row kernel for every pass, as fast as the default here.
+            p.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+            p.type_k = 8  # GGML_TYPE_Q8_0
+            p.type_v = 1  # GGML_TYPE_F16
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_batch
@@ -307,6 +401,11 @@ class LlamaCppBackend(BackendBase):
         self._len = 0
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether a pass of several tokens gives bit-identical logits to one-token steps (probed once per model)."""
+        return self.model.batch_invariant(self.threads)
+
+    @property
     def length(self) -> int:
         return self._len
 
@@ -379,19 +478,20 @@ class LlamaCppBackend(BackendBase):
         by greedy verification and may be -1.
         """
         T = tokens.numel()
-        head = self.model.greedy_head() if self.fast_greedy and T > 1 and T <= self.ctx.n_batch else None
+        use = self.fast_greedy and self.ctx.tap is not None and 1 < T <= self.ctx.n_batch
+        head = self.model.greedy_head() if use else None
         if head is None:
             return self.forward(tokens, pos).logits.argmax(-1)
         self._check_forward(tokens, pos)
         self.truncate(pos)
         ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
         tap = self.ctx.tap
-        tap.body, tap.hidden = True, None
+        tap.start()
         try:
             self._decode(ids, pos, "all", start=pos)
         finally:
-            tap.body = False
-        h = torch.from_numpy(tap.hidden).view(T, self.model.n_embd)
+            tap.stop()
+        h = torch.from_numpy(tap.hidden(T, self.model.n_embd))
         out, ok = head.argmax(h)
         if not self._checked:  # once per backend: the certified rows must equal llama.cpp's own head
             self._checked = True
