@@ -137,10 +137,11 @@ def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
     if name == "llama.cpp":
         from forerun.backends.llamacpp import plain_generate
 
+        timings = {}
         t = time.perf_counter()
-        out = plain_generate(llama_peer, ids, max_new, eos)
-        return out, time.perf_counter() - t
-    return _hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup")
+        out = plain_generate(llama_peer, ids, max_new, eos, timings=timings)
+        return out, time.perf_counter() - t, timings["prefill_s"]
+    return (*_hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup"), None)
 
 
 def _summarise(records, names, by_cat=True):
@@ -150,8 +151,11 @@ def _summarise(records, names, by_cat=True):
         passes = sum(r.get("target_passes", 0) for r in rs)
         drafted = sum(r.get("drafted", 0) for r in rs)
         acc = sum(r.get("accepted", 0) for r in rs)
+        timed = all("prefill_s" in r for r in rs)  # the transformers peers do not split their time
+        decode = wall - sum(r.get("prefill_s", 0.0) for r in rs)
         return {
             "tokens_per_s": new / wall if wall else 0.0,
+            "decode_tokens_per_s": new / decode if timed and decode > 0 else None,
             "new_tokens": new,
             "wall_s": wall,
             "mean_accepted_len": (acc + passes) / passes if passes else None,
@@ -187,9 +191,11 @@ def _summarise(records, names, by_cat=True):
     for ref in ("none", "hf", "hf-lookup", "llama.cpp"):
         if ref not in out:
             continue
-        key = "speedup_vs_" + ref.replace("-", "_")
+        key = "speedup_vs_" + ref.replace("-", "_").replace(".", "_")
         for name, m in out.items():
             m[key] = m["tokens_per_s"] / out[ref]["tokens_per_s"] if out[ref]["tokens_per_s"] else None
+            d, rd = m["decode_tokens_per_s"], out[ref]["decode_tokens_per_s"]
+            m["decode_" + key] = d / rd if d and rd else None
             for cat, c in m["by_category"].items():
                 rc = out[ref]["by_category"].get(cat)
                 c[key] = c["tokens_per_s"] / rc["tokens_per_s"] if rc and rc["tokens_per_s"] else None
@@ -226,8 +232,9 @@ def write_markdown(results: dict, path: Path) -> None:
     if "batch_invariant" in cfg:
         lines.append(f"llama.cpp: {cfg['llama_cpp']}; multi-token passes bit-identical to one-token steps: {cfg['batch_invariant']}.")
     lines.append("")
-    lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | tau | acceptance | greedy = none |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | decode tokens/s | decode vs llama.cpp "
+                 "| tau | acceptance | greedy = none |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
@@ -237,7 +244,8 @@ def write_markdown(results: dict, path: Path) -> None:
 
     for name, m in methods.items():
         lines.append(f"| {name} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
-                     f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
+                     f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
+                     f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
     lines += ["", "Tokens/s by category (speedup over our `none` in brackets):", ""]
     lines.append("| category | " + " | ".join(methods) + " |")
@@ -362,8 +370,10 @@ def run_bench(args) -> dict:
                 res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
                 out, rec = res.token_ids, res.stats.to_dict()
             else:
-                out, wall = _peer_generate(name, hf_model, llama_peer, ids, args.max_new_tokens, target.eos_token_ids)
+                out, wall, prefill = _peer_generate(name, hf_model, llama_peer, ids, args.max_new_tokens, target.eos_token_ids)
                 rec = {"new_tokens": len(out), "wall_s": wall}
+                if prefill is not None:
+                    rec["prefill_s"] = prefill
             if name == "none":
                 ref = out
             rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids), equal_none=out == ref)

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None)
     b.add_argument("--methods", default="none,ngram,layerskip")
-    b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup (empty for none)")
+    b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup, llama.cpp (empty for none)")
     b.add_argument("--k", default=4, type=_k_arg)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench")

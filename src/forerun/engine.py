@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from forerun.draft_length import MAX_K, make_policy
+from forerun.draft_length import MAX_K, AdaptiveK, make_policy
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
@@ -92,12 +92,18 @@ class Engine:
         while True:
             # Never overshoot max_new_tokens or the context, even mid-draft.
             room = min(max_new_tokens - produced, limit - len(tokens))
-            want = 0 if self.drafter is None else min(policy.next_k(), room - 1)
+            per_bucket = self.drafter is not None and self.drafter.cheap_proposals and isinstance(policy, AdaptiveK)
+            if per_bucket:  # propose at full length, then keep what pays for this draft's trust bucket
+                want = min(policy.k_max, room - 1)
+            else:
+                want = 0 if self.drafter is None else min(policy.next_k(), room - 1)
 
             # 1. Draft.
             t0 = time.perf_counter()
             draft = self.drafter.propose(tokens, want) if want > 0 else empty_draft()
             draft = _clip(draft, want)
+            if per_bucket and draft.bucket is not None:
+                draft = _clip(draft, policy.choose(draft.bucket, len(draft)))
             t1 = time.perf_counter()
 
             # 2. Verify every draft position (and one more) in one target pass.
@@ -137,7 +143,10 @@ class Engine:
             stats.verify_s += t2 - t1
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
-            policy.observe(n_draft, n_acc, t1 - t0, t2 - t1)
+            if per_bucket:
+                policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket)
+            else:
+                policy.observe(n_draft, n_acc, t1 - t0, t2 - t1)
             if finish is None and produced >= max_new_tokens:
                 finish = "length"
             if finish is None and len(tokens) >= limit:
@@ -175,4 +184,4 @@ class Engine:
 def _clip(draft: Draft, k: int) -> Draft:
     if len(draft) <= k:
         return draft
-    return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k])
+    return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket)

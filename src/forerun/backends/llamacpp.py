@@ -212,21 +212,24 @@ class LlamaCppModel:
 
         Greedy speculation is token-identical to plain decoding only if they do. Exact mode
         (the default) chooses llama.cpp settings under which ggml computes every row the same
-        way whatever the pass size; the probe confirms it on this machine and build (a 9-token
-        pass after a 40-token prompt, against nine one-token steps).
+        way whatever the pass size; the probe confirms it on this machine and build (a pass of
+        the longest verification, MAX_K + 1 tokens, after a 40-token prompt, against one-token steps).
         """
         if self._invariant is None:
+            from forerun.draft_length import MAX_K
+
             rng = np.random.default_rng(0)
             hi = min(self.n_vocab, 20000)
+            n = MAX_K + 1
             prompt = rng.integers(100, hi, 40).astype(np.int32)
-            extra = rng.integers(100, hi, 9).astype(np.int32)
-            ctx = _Context(self, 64, threads)
+            extra = rng.integers(100, hi, n).astype(np.int32)
+            ctx = _Context(self, 128, threads)
             ctx.decode(prompt, 0, "none")
             ctx.decode(extra, 40, "all")
-            together = ctx.logits(9, self.n_vocab)
+            together = ctx.logits(n, self.n_vocab)
             ctx.remove_from(40)
             ok = True
-            for k in range(9):
+            for k in range(n):
                 ctx.decode(extra[k: k + 1], 40 + k, "last")
                 ok = ok and torch.equal(ctx.logits(1, self.n_vocab)[0], together[k])
             del ctx
@@ -521,11 +524,15 @@ class LlamaCppBackend(BackendBase):
 
 
 def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: int, eos: set[int],
-                   prefilled: int = 0) -> list[int]:
+                   prefilled: int = 0, timings: dict | None = None) -> list[int]:
     """llama.cpp's own greedy decoding (its sampler picks each token): the ``llama.cpp`` peer.
 
     ``prefilled``: that many prompt positions are already in the backend's cache.
+    ``timings``: if given, receives ``prefill_s`` (the prompt pass).
     """
+    import time
+
+    t0 = time.perf_counter()
     L = backend.model.L
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
     L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
@@ -536,6 +543,8 @@ def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: 
             backend.truncate(prefilled)
         ctx = backend.ctx
         backend.forward(torch.tensor(prompt[prefilled:], dtype=torch.long), prefilled, last_only=True)
+        if timings is not None:
+            timings["prefill_s"] = time.perf_counter() - t0
         limit = min(max_new_tokens, backend.max_context - len(prompt))
         pos, out = len(prompt), []
         one = np.zeros(1, dtype=np.int32)

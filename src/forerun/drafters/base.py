@@ -13,6 +13,7 @@ from forerun.sampling import SamplingParams
 class Draft:
     tokens: torch.Tensor  # [k] int64, k may be smaller than asked (even 0)
     q: torch.Tensor | None = None  # [k, vocab] draft probs; None = deterministic (one-hot) proposals
+    bucket: int | None = None  # how far to trust it (e.g. n-gram match length); adaptive K learns per bucket
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -27,6 +28,7 @@ class Drafter:
     """
 
     name = "base"
+    cheap_proposals = False  # True: proposing k_max tokens costs next to nothing, so adaptive K may cut after
 
     def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         self.params = params
