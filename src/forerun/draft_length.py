@@ -12,7 +12,7 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float, bucket: int | None = None) -> None:
         pass
 
 
@@ -46,12 +46,13 @@ class AdaptiveK:
 
     def observe(self, k: int, accepted: int, draft_s: float, verify_s: float, bucket: int | None = None) -> None:
         if k > 0:
+            missed = 1 if accepted < k else 0
             self.acc = self.decay * self.acc + accepted
-            self.rej = self.decay * self.rej + (1 if accepted < k else 0)
+            self.rej = self.decay * self.rej + missed
             if bucket is not None:
                 b = self.buckets.setdefault(bucket, [2.0, 2.0, 0])
                 b[0] = self.decay * b[0] + accepted
-                b[1] = self.decay * b[1] + (1 if accepted < k else 0)
+                b[1] = self.decay * b[1] + missed
             per_tok = draft_s / k
             self.draft_cost = per_tok if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_tok
         old = self.verify.get(k)
@@ -74,7 +75,7 @@ class AdaptiveK:
     def _choose(self, acc: float, rej: float, k_max: int | None = None) -> int:
         k_max = self.k_max if k_max is None else k_max
         if not self.verify or self.draft_cost is None:
-            return min(self.k, k_max) if k_max else 0
+            return min(self.k, k_max)
         a = min(acc / (acc + rej), 0.999)
         best_k, best = 0, 1.0 / self._verify_cost(0) if 0 in self.verify else 0.0
         for k in range(max(1, self.k_min), k_max + 1):

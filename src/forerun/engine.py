@@ -88,11 +88,12 @@ class Engine:
         if self.drafter is not None:
             self.drafter.begin(tokens, params, generator)
 
+        # Drafts that cost nothing to propose at full length are cut per trust bucket afterwards.
+        per_bucket = self.drafter is not None and self.drafter.cheap_proposals and isinstance(policy, AdaptiveK)
         produced = 0
         while True:
             # Never overshoot max_new_tokens or the context, even mid-draft.
             room = min(max_new_tokens - produced, limit - len(tokens))
-            per_bucket = self.drafter is not None and self.drafter.cheap_proposals and isinstance(policy, AdaptiveK)
             if per_bucket:  # propose at full length, then keep what pays for this draft's trust bucket
                 want = min(policy.k_max, room - 1)
             else:
@@ -143,10 +144,7 @@ class Engine:
             stats.verify_s += t2 - t1
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
-            if per_bucket:
-                policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket)
-            else:
-                policy.observe(n_draft, n_acc, t1 - t0, t2 - t1)
+            policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket if per_bucket else None)
             if finish is None and produced >= max_new_tokens:
                 finish = "length"
             if finish is None and len(tokens) >= limit:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -60,11 +61,6 @@ def _lib():
 
 
 _LOG_CB = None
-
-
-def system_info() -> str:
-    """llama.cpp's own description of the build (CPU features, LLAMAFILE, REPACK, ...)."""
-    return _lib().llama_print_system_info().decode(errors="replace").strip()
 
 
 def _quiet(L) -> None:
@@ -530,8 +526,6 @@ def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: 
     ``prefilled``: that many prompt positions are already in the backend's cache.
     ``timings``: if given, receives ``prefill_s`` (the prompt pass).
     """
-    import time
-
     t0 = time.perf_counter()
     L = backend.model.L
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
