@@ -79,14 +79,19 @@ class Engine:
 
         # Prefill: everything but the last prompt token, which the first verify pass runs.
         target = self.target
-        fast_argmax = hasattr(target, "argmax_forward")
+        # Trained heads read the target's hidden states at some layers, sent after every pass.
+        layers = tuple(getattr(self.drafter, "feature_layers", ()))
+        fwd = {"layers": layers} if layers else {}
+        fast_argmax = hasattr(target, "argmax_forward") and not layers
         target.reset()
         tokens = list(prompt)
-        if len(tokens) > 1:
-            target.forward(torch.tensor(tokens[:-1], dtype=torch.long), 0, last_only=True)
-        stats.prefill_s = time.perf_counter() - t_start
         if self.drafter is not None:
             self.drafter.begin(tokens, params, generator)
+        if len(tokens) > 1:
+            passed = target.forward(torch.tensor(tokens[:-1], dtype=torch.long), 0, last_only=True, **fwd)
+            if layers:
+                self.drafter.take_features(0, passed.layers)
+        stats.prefill_s = time.perf_counter() - t_start
 
         # Drafts that cost nothing to propose at full length are cut per trust bucket afterwards.
         per_bucket = self.drafter is not None and self.drafter.cheap_proposals and isinstance(policy, AdaptiveK)
@@ -114,7 +119,8 @@ class Engine:
                 logits = None
                 target_ids = target.argmax_forward(feed, len(tokens) - 1)  # [n_draft + 1]
             else:
-                logits = target.forward(feed, len(tokens) - 1).logits  # [n_draft + 1, vocab]
+                passed = target.forward(feed, len(tokens) - 1, **fwd)
+                logits = passed.logits  # [n_draft + 1, vocab]
             if device.type == "cuda":  # kernels run asynchronously: time the pass, not its launch
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
@@ -136,6 +142,8 @@ class Engine:
             produced += len(new)
 
             # 4. Roll back: the cache keeps the positions of accepted tokens only.
+            if layers:  # features of the positions kept: the last committed token and the accepted drafts
+                self.drafter.take_features(len(tokens) - len(new) - 1, passed.layers[: n_acc + 1])
             target.truncate(len(tokens) - 1)
             if self.drafter is not None:
                 self.drafter.accepted(tokens, n_acc)

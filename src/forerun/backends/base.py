@@ -19,6 +19,7 @@ import torch
 class ForwardOutput:
     logits: torch.Tensor  # [T, vocab], float32
     hidden: torch.Tensor | None = None  # [T, hidden] last hidden state (pre-norm), when asked for
+    layers: torch.Tensor | None = None  # [T, len(layers) * hidden] outputs of the asked-for layers
 
 
 class Backend(Protocol):
@@ -39,8 +40,10 @@ class Backend(Protocol):
         skip_layers: Sequence[int] = (),
         return_hidden: bool = False,
         last_only: bool = False,
+        layers: Sequence[int] = (),
     ) -> ForwardOutput:
-        """Run tokens at positions pos..pos+T-1. ``last_only`` returns logits for the last position only."""
+        """Run tokens at positions pos..pos+T-1. ``last_only`` returns logits for the last position only.
+        ``layers``: also return those layers' outputs at every position (trained draft heads read them)."""
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached positions."""

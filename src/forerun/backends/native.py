@@ -214,8 +214,12 @@ class NativeGemma3(BackendBase):
         return_hidden: bool = False,
         last_only: bool = False,
         head: "_Linear | None" = None,
+        layers: Sequence[int] = (),
+        logits: bool = True,
     ) -> ForwardOutput:
-        """``head`` replaces the LM head (e.g. a drafter's reduced vocabulary, see ``sub_head``)."""
+        """``head`` replaces the LM head (e.g. a drafter's reduced vocabulary, see ``sub_head``).
+        ``layers``: return these layers' outputs (residual stream) at every position;
+        ``logits=False`` skips the LM head (feature extraction)."""
         self._check_forward(tokens, pos)
         T = tokens.numel()
         end = pos + T
@@ -226,6 +230,7 @@ class NativeGemma3(BackendBase):
         h = F.embedding(tokens, self.embed) * self.embed_scale  # [T, hidden]
         masks = self._masks(pos, T)
         skip = set(skip_layers)
+        want = {l: None for l in layers}
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
@@ -238,12 +243,17 @@ class NativeGemma3(BackendBase):
             gu = layer.gate_up(x)
             x = layer.down(F.gelu(gu[:, : layer.inter], approximate="tanh") * gu[:, layer.inter :])
             h = h + _rms_norm(x, layer.norms[3], self.eps)
+            if i in want:
+                want[i] = h
         self._len = end
+        feats = torch.cat([want[l] for l in layers], -1) if layers else None
+        if not logits:
+            return ForwardOutput(logits=None, layers=feats)
         h = _rms_norm(h[-1:] if last_only else h, self.final_norm, self.eps)
-        logits = (head or self.lm_head)(h).float()
+        out = (head or self.lm_head)(h).float()
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return ForwardOutput(logits=logits, hidden=h if return_hidden else None)
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return ForwardOutput(logits=out, hidden=h if return_hidden else None, layers=feats)
 
     def _masks(self, pos: int, T: int):
         """Boolean masks [T, S] (True = attend) with the first key index, for full and sliding layers."""

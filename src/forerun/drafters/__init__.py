@@ -5,7 +5,34 @@ from __future__ import annotations
 from forerun.drafters.base import Draft, Drafter
 from forerun.errors import ForerunError
 
-METHODS = ("none", "ngram", "draft", "layerskip")
+METHODS = ("none", "ngram", "draft", "layerskip", "eagle", "medusa")
+HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
+
+
+def shipped_head(kind: str, model_name: str):
+    """The head shipped inside the package for the bundled model, or None."""
+    from importlib import resources
+
+    if model_name != "bundled":
+        return None
+    path = resources.files("forerun") / "data" / "heads" / f"gemma3-270m-{kind}"
+    return path if (path / "config.json").is_file() else None
+
+
+def load_head_drafter(method: str, target, head_path=None):
+    from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
+    from forerun.drafters.heads import load_head, target_fingerprint
+
+    be = target.backend
+    if not hasattr(be, "embed"):
+        raise ForerunError(f"method {method} reads the target's hidden states: it needs the torch backend on a Gemma 3 "
+                           "model (--backend torch)")
+    path = head_path or shipped_head(method, target.name)
+    if path is None:
+        raise ForerunError(f"no {method} head is shipped for {target.name}; train one with `forerun train-draft --kind "
+                           f"{method} --model {target.name} --out DIR` and pass --draft DIR")
+    head = load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=method)
+    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed)
 
 
 def check_vocab(target, draft) -> None:
@@ -28,8 +55,10 @@ def parse_skip_layers(text: str | None) -> list[int] | None:
         raise ForerunError(f"--skip-layers must be comma-separated integers, got {text!r}") from None
 
 
-def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1):
-    """Build the drafter for ``method`` (None for plain decoding)."""
+def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
+                 head_path=None):
+    """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
+    folder for eagle/medusa (default: the one shipped for the bundled model)."""
     if method not in METHODS:
         raise ForerunError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
     if method == "none":
@@ -38,6 +67,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         from forerun.drafters.ngram import NgramDrafter
 
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
+    if method in HEAD_METHODS:
+        return load_head_drafter(method, target, head_path)
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter
 
@@ -55,4 +86,4 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "make_drafter", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "make_drafter", "check_vocab", "parse_skip_layers"]

@@ -1,0 +1,279 @@
+"""Trained draft heads that read the target's hidden states: EAGLE-style and Medusa.
+
+Notation. The target runs token x_i at position i and leaves hidden states f_i there (at a few
+layers); from f_i the target itself predicts x_{i+1}. A head predicts further ahead:
+
+* EAGLE (one decoder layer): entry i takes (embedding of x_{i+1}, fused features f_i) and
+  predicts x_{i+2}; its output g_i stands in for f_{i+1} at the next depth, so the head can
+  run ahead of the target autoregressively. Low, middle and high-layer features are fused
+  by one linear layer (EAGLE-3).
+* Medusa: head k (1..K) maps the top-layer f_i to x_{i+1+k} through one residual block.
+
+Both predict over a reduced draft vocabulary (the most frequent tokens of the training data):
+the target's 262k-token LM head would otherwise be most of a draft step. ``draft_to_target``
+maps a draft token index to the target's token id. A head file is a folder with
+``config.json`` and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forerun.errors import ForerunError
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class HeadConfig:
+    kind: str  # "eagle" or "medusa"
+    hidden_size: int  # the target's
+    vocab_size: int  # the target's
+    draft_vocab: int
+    feature_layers: list[int]  # target layers whose outputs are read (medusa: the last one only)
+    target: dict = field(default_factory=dict)  # fingerprint of the target it was trained for
+    n_heads: int = 8
+    head_dim: int = 80
+    intermediate: int = 1536
+    medusa_heads: int = 4
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    embed_scale: float = 1.0  # the target scales token embeddings by this (Gemma: sqrt(hidden))
+    training: dict = field(default_factory=dict)  # recipe and validation results, for the record
+    format_version: int = FORMAT_VERSION
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """Low, middle and high: the outputs of layers 2, N/2 and N-1 (the last)."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, num_layers - 1})
+
+
+def target_fingerprint(embed: torch.Tensor, num_layers: int) -> dict:
+    """What a head must match: shapes, and a checksum of a few embedding rows (tells apart two
+    models that share a tokenizer and shape)."""
+    rows = embed[:: max(1, embed.shape[0] // 16)][:16].float()
+    return {"vocab_size": int(embed.shape[0]), "hidden_size": int(embed.shape[1]), "num_layers": int(num_layers),
+            "embed_checksum": [round(float(v), 3) for v in rows.abs().mean(-1)]}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, init: torch.Tensor | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(init.clone().float() if init is not None else torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rope(x, positions, theta):  # x: [..., T, d]
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    half = d // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+class DraftHead(nn.Module):
+    """Common parts: config, the reduced vocabulary and its output layer, save/load."""
+
+    def __init__(self, cfg: HeadConfig, draft_to_target: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("draft_to_target", draft_to_target.long().clone())
+        self.norm_out = RMSNorm(cfg.hidden_size, cfg.eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
+
+    def init_from_target(self, lm_head_weight: torch.Tensor, final_norm: torch.Tensor | None) -> None:
+        """Start the output layer at the target's own LM head rows for the draft vocabulary."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight[self.draft_to_target].float())
+            if final_norm is not None:
+                self.norm_out.weight.copy_(final_norm.float())
+
+    def logits(self, g):  # [..., hidden] -> [..., draft_vocab]
+        return self.lm_head(self.norm_out(g))
+
+    def save(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
+        """Weights are stored as ``dtype`` (half the size of float32) and computed in float32 after
+        loading; a loaded head saves back bit-identically."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+                   for k, v in self.state_dict().items()}
+        save_file(tensors, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+
+    def content_hash(self) -> str:
+        h = hashlib.sha256()
+        for k, v in sorted(self.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+class EagleHead(DraftHead):
+    def __init__(self, cfg: HeadConfig, draft_to_target: torch.Tensor):
+        super().__init__(cfg, draft_to_target)
+        H, n = cfg.hidden_size, len(cfg.feature_layers)
+        self.feat_norms = nn.ModuleList(RMSNorm(H, cfg.eps) for _ in range(n))
+        self.fuse = nn.Linear(n * H, H, bias=False)
+        self.norm_emb = RMSNorm(H, cfg.eps)
+        self.norm_hid = RMSNorm(H, cfg.eps)
+        A = cfg.n_heads * cfg.head_dim
+        self.qkv = nn.Linear(2 * H, 3 * A, bias=False)
+        self.o = nn.Linear(A, H, bias=False)
+        self.norm_mlp = RMSNorm(H, cfg.eps)
+        self.gate_up = nn.Linear(H, 2 * cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, H, bias=False)
+        for lin in (self.fuse, self.qkv, self.o, self.gate_up, self.down):
+            nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
+        with torch.no_grad():
+            self.o.weight.mul_(0.1)
+            self.down.weight.mul_(0.1)
+
+    def fuse_features(self, feats):  # [..., n_layers * hidden] -> [..., hidden]
+        H = self.cfg.hidden_size
+        parts = [norm(feats[..., i * H : (i + 1) * H].float()) for i, norm in enumerate(self.feat_norms)]
+        return self.fuse(torch.cat(parts, -1))
+
+    def _qkv(self, emb, hid, positions):  # emb, hid: [B, T, H] -> q, k, v: [B, heads, T, d]
+        B, T, _ = emb.shape
+        x = torch.cat([self.norm_emb(emb), self.norm_hid(hid)], -1)
+        q, k, v = self.qkv(x).view(B, T, 3, self.cfg.n_heads, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
+        return _rope(q, positions, self.cfg.rope_theta), _rope(k, positions, self.cfg.rope_theta), v
+
+    def _finish(self, hid, attn):  # attn: [B, heads, T, d] -> g: [B, T, H]
+        B, _, T, _ = attn.shape
+        h = hid + self.o(attn.transpose(1, 2).reshape(B, T, -1))
+        gu = self.gate_up(self.norm_mlp(h))
+        a, b = gu.chunk(2, -1)
+        return h + self.down(F.silu(a) * b)
+
+    def step(self, emb, hid, pos: int, cache: list[torch.Tensor] | None):
+        """Inference: run entries at positions pos..pos+T-1 after ``cache`` (keys, values of entries
+        0..pos-1, or None). emb, hid: [T, H]. Returns (g [T, H], new cache)."""
+        T = emb.shape[0]
+        positions = torch.arange(pos, pos + T, device=emb.device)
+        q, k, v = self._qkv(emb[None], hid[None], positions)
+        if cache is not None:
+            k = torch.cat([cache[0][:, :, :pos], k], 2)
+            v = torch.cat([cache[1][:, :, :pos], v], 2)
+        mask = None
+        if T > 1:
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=emb.device).tril(pos)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self._finish(hid[None], attn)[0], [k, v]
+
+    def ttt_forward(self, emb_at, fused, steps: int, pad_mask=None):
+        """Training-time test: unroll ``steps`` depths over whole sequences at once.
+
+        emb_at(j): [B, T, H] embeddings of x_{i+j} for every start i (the token fed at depth j);
+        fused: [B, T, H] fused target features f_i. Depth 1 attends causally to depth-1 entries;
+        depth j > 1 at start i sits at position i+j-1 and attends to depth-1 entries 0..i and to its
+        own chain (depths 2..j at start i), exactly as drafting does after a verify pass.
+        Returns the logits of every depth: list of [B, T, draft_vocab].
+        """
+        B, T, H = fused.shape
+        dev = fused.device
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        if pad_mask is not None:  # [B, T] True where real
+            causal = causal[None] & pad_mask[:, None, :]
+            causal = causal[:, None]
+        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        out, hid, chain_k, chain_v, k1 = [], fused, [], [], None
+        base = torch.arange(T, device=dev)
+        for j in range(1, steps + 1):
+            q, k, v = self._qkv(emb_at(j), hid, base + (j - 1))
+            if j == 1:
+                k1, v1 = k, v
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+            else:
+                chain_k.append(k)
+                chain_v.append(v)
+                s1 = (q @ k1.transpose(-1, -2)) * scale  # [B, h, T, T]
+                s1 = s1.masked_fill(~causal, float("-inf"))
+                sd = torch.stack([(q * ck).sum(-1) for ck in chain_k], -1) * scale  # [B, h, T, j-1]
+                p = torch.softmax(torch.cat([s1, sd], -1), -1)
+                attn = p[..., :T] @ v1 + (p[..., T:, None] * torch.stack(chain_v, -2)).sum(-2)
+            hid = self._finish(hid, attn)
+            out.append(self.logits(hid))
+        return out
+
+
+class MedusaHeads(DraftHead):
+    def __init__(self, cfg: HeadConfig, draft_to_target: torch.Tensor):
+        super().__init__(cfg, draft_to_target)
+        H = cfg.hidden_size
+        self.norm_in = RMSNorm(H, cfg.eps)
+        self.blocks = nn.ModuleList(nn.Linear(H, H) for _ in range(cfg.medusa_heads))
+        for b in self.blocks:  # zero init: every head starts as the target's own next-token head
+            nn.init.zeros_(b.weight)
+            nn.init.zeros_(b.bias)
+
+    def forward(self, feats):  # [..., hidden] top-layer features -> [heads, ..., draft_vocab]
+        x = self.norm_in(feats.float())
+        return torch.stack([self.logits(x + F.silu(b(x))) for b in self.blocks])
+
+
+KINDS = {"eagle": EagleHead, "medusa": MedusaHeads}
+
+
+def build_head(cfg: HeadConfig, draft_to_target: torch.Tensor) -> DraftHead:
+    if cfg.kind not in KINDS:
+        raise ForerunError(f"unknown head kind {cfg.kind!r} (choose {', '.join(KINDS)})")
+    return KINDS[cfg.kind](cfg, draft_to_target)
+
+
+def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | None = None) -> DraftHead:
+    """Load a head folder; check it is whole, of the expected kind, and made for this target."""
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.exists() or not weights.exists():
+        raise ForerunError(f"{path} is not a draft head (needs config.json and model.safetensors)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        cfg = HeadConfig(**raw)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ForerunError(f"{cfg_file} is not a valid head config: {e}") from None
+    if cfg.format_version != FORMAT_VERSION:
+        raise ForerunError(f"{path}: head format {cfg.format_version}, this forerun reads {FORMAT_VERSION}")
+    if kind is not None and cfg.kind != kind:
+        raise ForerunError(f"{path} holds a {cfg.kind} head, not {kind}")
+    if fingerprint is not None:
+        for key in ("vocab_size", "hidden_size", "num_layers"):
+            if cfg.target.get(key) != fingerprint.get(key):
+                raise ForerunError(f"{path} was trained for another target ({key} {cfg.target.get(key)}, "
+                                   f"this target has {fingerprint.get(key)})")
+        a, b = cfg.target.get("embed_checksum"), fingerprint.get("embed_checksum")
+        if a is not None and b is not None and any(abs(x - y) > 2e-3 for x, y in zip(a, b)):
+            raise ForerunError(f"{path} was trained for another target (same shapes, different weights)")
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise ForerunError(f"{weights} is corrupt or unreadable: {e}") from None
+    d2t = tensors.get("draft_to_target")
+    if d2t is None or d2t.ndim != 1 or d2t.numel() != cfg.draft_vocab:
+        raise ForerunError(f"{weights}: draft_to_target missing or not {cfg.draft_vocab} entries")
+    if int(d2t.min()) < 0 or int(d2t.max()) >= cfg.vocab_size:
+        raise ForerunError(f"{weights}: draft_to_target holds token ids outside the target vocabulary (0..{cfg.vocab_size - 1})")
+    head = build_head(cfg, d2t)
+    try:
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+    except RuntimeError as e:
+        raise ForerunError(f"{weights} does not match its config: {str(e).splitlines()[0]}") from None
+    return head.eval()

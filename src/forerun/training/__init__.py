@@ -1,0 +1,1 @@
+"""Training drafters on a target's own hidden states: data, features, trainer."""

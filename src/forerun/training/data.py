@@ -1,0 +1,126 @@
+"""Training text for a drafter: a corpus read as is, or the target's own answers to seed prompts.
+
+Both give token sequences with a loss mask: which positions the drafter learns to predict.
+Corpus text is learned everywhere; a self-distilled sequence only where the target wrote it
+(its answer), since the drafter's job is to guess what the target will say.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from forerun.errors import ForerunError
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    start: int  # positions >= start are learned (predicting ids[start:])
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """Texts from a JSONL file (fields question/answer, prompt/response, text, or turns) or plain text
+    (one text per blank-line-separated paragraph)."""
+    path = Path(path)
+    if not path.exists():
+        raise ForerunError(f"corpus {path} does not exist")
+    texts: list[str] = []
+    if path.suffix == ".jsonl":
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ForerunError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ForerunError(f"{path}:{i}: expected a JSON object")
+            parts = [obj[k] for k in ("question", "prompt", "text") if isinstance(obj.get(k), str)]
+            parts += [obj[k] for k in ("answer", "response") if isinstance(obj.get(k), str)]
+            if not parts and isinstance(obj.get("turns"), list):
+                parts = [t for t in obj["turns"] if isinstance(t, str)]
+            if not parts:
+                raise ForerunError(f"{path}:{i}: no text field (question/answer, prompt/response, text or turns)")
+            texts.append("\n".join(parts))
+    else:
+        texts = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    if not texts:
+        raise ForerunError(f"corpus {path} holds no text")
+    return texts
+
+
+def read_seed_questions(path: str | Path) -> list[str]:
+    """The prompt half of each corpus record (the question, prompt or first turn)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            q = obj.get("question") or obj.get("prompt") or (obj.get("turns") or [None])[0] or obj.get("text")
+            if isinstance(q, str) and q.strip():
+                out.append(q.strip())
+    return out
+
+
+def corpus_sequences(tokenizer, texts: list[str], max_len: int) -> list[Sequence]:
+    seqs = []
+    for t in texts:
+        ids = tokenizer(t).input_ids[:max_len]
+        if len(ids) >= 3:
+            seqs.append(Sequence(ids, 1))
+    return seqs
+
+
+def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[str]:
+    """Seed prompts: half the corpus's own questions, half varied tasks (``seeds.py``) over its text."""
+    from forerun.training.seeds import builtin_prompts
+
+    questions = read_seed_questions(corpus_path) if corpus_path and str(corpus_path).endswith(".jsonl") else []
+    rng = random.Random(seed)
+    rng.shuffle(questions)
+    half = min(len(questions), n // 2)
+    prompts = questions[:half] + builtin_prompts(questions[half:], n - half, seed)
+    seen, out = set(), []
+    for p in prompts:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    rng.shuffle(out)
+    return out
+
+
+def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print) -> list[Sequence]:
+    """The target answers each prompt (greedy); answers are appended to ``out_path`` as JSONL as
+    they come, so an interrupted run resumes where it stopped."""
+    from tqdm import tqdm
+
+    from forerun.drafters.ngram import NgramDrafter
+    from forerun.engine import Engine
+
+    done: dict[str, dict] = {}
+    if out_path.exists():
+        for line in out_path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+                done[rec["prompt"]] = rec
+            except (json.JSONDecodeError, KeyError):
+                break  # a line cut by an interruption: everything before it is kept
+    todo = [p for p in prompts if p not in done]
+    if done:
+        log(f"self-distillation: {len(done)} answers found in {out_path}, {len(todo)} to go")
+    # n-gram speculation is lossless, so it only makes the target's answers come faster.
+    engine = Engine(target.backend, NgramDrafter(), target.eos_token_ids)
+    tok = target.tokenizer
+    limit = target.backend.max_context - max_new_tokens
+    with out_path.open("a", encoding="utf-8") as f:
+        for p in tqdm(todo, desc="self-distill", unit="prompt"):
+            ids = tok(p).input_ids[-limit:]
+            res = engine.generate(ids, max_new_tokens=max_new_tokens, k="auto")
+            rec = {"prompt": p, "prompt_ids": ids, "output_ids": res.token_ids}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            done[p] = rec
+    return [Sequence(done[p]["prompt_ids"] + done[p]["output_ids"], len(done[p]["prompt_ids"]))
+            for p in prompts if p in done and done[p]["output_ids"]]

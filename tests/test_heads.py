@@ -1,0 +1,174 @@
+"""Trained draft heads (EAGLE-style, Medusa): training, files, errors, and losslessness."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_gemma, wrap
+from forerun.drafters import make_drafter
+from forerun.drafters.heads import load_head, target_fingerprint
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.sampling import SamplingParams
+from forerun.training.data import Sequence
+from forerun.training.trainer import TrainConfig, Trainer, extract_features
+
+from test_engine import PROMPTS, _exact_two_token_dist
+
+
+def _sequences(n=48, length=32, seed=0):
+    """A corpus with a rule to learn: each token is followed by its image under a fixed permutation
+    (the tiny random target's own outputs just repeat one token, which teaches nothing)."""
+    rng = random.Random(seed)
+    perm = list(range(4, 96))
+    rng.shuffle(perm)
+    nxt = dict(zip(range(4, 96), perm))
+    out = []
+    for _ in range(n):
+        ids = [2, rng.randrange(4, 96)]
+        while len(ids) < length:
+            ids.append(nxt[ids[-1]])
+        out.append(Sequence(ids, 1))
+    return out
+
+
+def _target_samples(lm, prompt, params, n=64, new=6):
+    """The target's own sampled continuations: a head trained on them proposes what the target
+    might sample, so the distribution test sees acceptances as well as rejections."""
+    eng = Engine(lm.backend)
+    return [Sequence(prompt + eng.generate(prompt, max_new_tokens=new, params=SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, seed=i)).token_ids, len(prompt)) for i in range(n)]
+
+
+def _train(lm, kind, tmp_path, epochs=None, stop_after=None, seqs=None):
+    be = lm.backend
+    medusa = kind == "medusa"  # its residual blocks start at zero and need more, faster steps
+    tc = TrainConfig(kind=kind, draft_vocab=80, epochs=epochs or (12 if medusa else 4), batch_tokens=256, n_heads=2,
+                     head_dim=16, intermediate=64, lr=1e-2 if medusa else 3e-3, val_fraction=0.2, steps_ahead=3)
+    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    ex = extract_features(be, seqs or _sequences(), tr.feature_layers, None, log=lambda s: None)
+    head, report = tr.train(ex, tmp_path, log=lambda s: None, stop_after=stop_after)
+    return head, report
+
+
+@pytest.fixture(scope="module")
+def heads(gemma, tmp_path_factory):
+    out = {}
+    for kind in ("eagle", "medusa"):
+        head, report = _train(gemma, kind, tmp_path_factory.mktemp(kind))
+        path = tmp_path_factory.mktemp(kind + "-head")
+        head.save(path)
+        out[kind] = (path, report)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_training_improves_validation_agreement(heads, kind):
+    hist = heads[kind][1]["history"]
+    before, after = hist[0]["val_agreement"], hist[-1]["val_agreement"]
+    assert hist[0]["step"] == 0 and len(after) == 3
+    assert sum(after) > sum(before) + 0.05, (before, after)
+
+
+def test_training_resumes_from_checkpoint(gemma, tmp_path):
+    """An interrupted run picks up its checkpoint and ends where an uninterrupted one does."""
+    full, done = _train(gemma, "medusa", tmp_path / "a", epochs=2)
+    _, paused = _train(gemma, "medusa", tmp_path / "b", epochs=2, stop_after=7)
+    assert paused["stopped"] and paused["steps"] == 7 < done["steps"]
+    resumed, report = _train(gemma, "medusa", tmp_path / "b", epochs=2)
+    assert report["steps"] == done["steps"]
+    for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), k
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_saved_head_reloads_bit_identically(heads, kind, gemma, tmp_path):
+    fp = target_fingerprint(gemma.backend.embed, gemma.backend.num_layers)
+    a = load_head(heads[kind][0], fingerprint=fp)
+    a.save(tmp_path)
+    b = load_head(tmp_path, fingerprint=fp)
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert x.dtype == y.dtype and torch.equal(x, y), k
+    assert a.content_hash() == b.content_hash()
+
+
+def _copy(src, dst):
+    dst.mkdir(exist_ok=True)
+    for f in ("config.json", "model.safetensors"):
+        (dst / f).write_bytes((src / f).read_bytes())
+    return dst
+
+
+def test_head_errors(heads, gemma, tmp_path):
+    path = heads["eagle"][0]
+    other = wrap(tiny_gemma(5))  # same shapes, different weights
+    with pytest.raises(ForerunError, match="another target"):
+        make_drafter("eagle", other, head_path=path)
+    bigger = wrap(tiny_gemma(0, layers=3))
+    with pytest.raises(ForerunError, match="another target"):
+        make_drafter("eagle", bigger, head_path=path)
+    with pytest.raises(ForerunError, match="medusa head, not eagle"):
+        make_drafter("eagle", gemma, head_path=heads["medusa"][0])
+    with pytest.raises(ForerunError, match="not a draft head"):
+        make_drafter("eagle", gemma, head_path=tmp_path)
+    bad = _copy(path, tmp_path / "corrupt")
+    (bad / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:200])
+    with pytest.raises(ForerunError, match="corrupt"):
+        make_drafter("eagle", gemma, head_path=bad)
+    bad = _copy(path, tmp_path / "badmap")
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(bad / "model.safetensors"))
+    t["draft_to_target"][3] = 10_000
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(ForerunError, match="outside the target vocabulary"):
+        make_drafter("eagle", gemma, head_path=bad)
+    bad = _copy(path, tmp_path / "badcfg")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["draft_vocab"] = 7
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ForerunError, match="draft_to_target"):
+        make_drafter("eagle", gemma, head_path=bad)
+    with pytest.raises(ForerunError, match="no eagle head is shipped"):
+        make_drafter("eagle", gemma)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_equality(heads, gemma, kind, k):
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0])
+    ref = Engine(gemma.backend, None, gemma.eos_token_ids)
+    eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
+    drafted = 0
+    for p in PROMPTS:
+        want = ref.generate(p, max_new_tokens=24).token_ids
+        res = eng.generate(p, max_new_tokens=24, k=k)
+        assert res.token_ids == want
+        drafted += res.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_sampling_distribution(gemma, kind, tmp_path):
+    """The first two sampled tokens follow the target's own distribution (total-variation bound)."""
+    params = SamplingParams(temperature=1.0, top_k=6)
+    prompt = [2, 7, 8, 7, 8, 7]
+    joint = _exact_two_token_dist(gemma, prompt, params)
+    head, _ = _train(gemma, kind, tmp_path / "work", seqs=_target_samples(gemma, prompt, params))
+    head.save(tmp_path / "head")
+    eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=tmp_path / "head"), eos_token_ids=())
+    N = 3000
+    counts = torch.zeros_like(joint)
+    gen = torch.Generator().manual_seed(1)
+    drafted = accepted = 0
+    for i in range(N):
+        seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+        res = eng.generate(prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=seed), k=2)
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+        drafted += res.stats.drafted
+        accepted += res.stats.accepted
+    assert drafted > N // 2 and accepted > 0  # speculation really happened
+    tv = 0.5 * (counts / N - joint).abs().sum().item()
+    assert tv < 0.09, tv
