@@ -136,9 +136,9 @@ def test_head_errors(heads, gemma, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-@pytest.mark.parametrize("k", [1, 3, "auto"])
-def test_greedy_equality(heads, gemma, kind, k):
-    drafter = make_drafter(kind, gemma, head_path=heads[kind][0])
+@pytest.mark.parametrize("k,tree", [(1, None), (3, None), ("auto", None), (3, (6, None)), (4, (12, 4))])
+def test_greedy_equality(heads, gemma, kind, k, tree):
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree)
     ref = Engine(gemma.backend, None, gemma.eos_token_ids)
     eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
     drafted = 0
@@ -150,15 +150,15 @@ def test_greedy_equality(heads, gemma, kind, k):
     assert drafted > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_sampling_distribution(gemma, kind, tmp_path):
+@pytest.mark.parametrize("kind,tree", [("eagle", None), ("medusa", None), ("eagle", (8, 2)), ("medusa", (8, 2))])
+def test_sampling_distribution(gemma, kind, tree, tmp_path):
     """The first two sampled tokens follow the target's own distribution (total-variation bound)."""
     params = SamplingParams(temperature=1.0, top_k=6)
     prompt = [2, 7, 8, 7, 8, 7]
     joint = _exact_two_token_dist(gemma, prompt, params)
     head, _ = _train(gemma, kind, tmp_path / "work", seqs=_target_samples(gemma, prompt, params))
     head.save(tmp_path / "head")
-    eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=tmp_path / "head"), eos_token_ids=())
+    eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=tmp_path / "head", tree=tree), eos_token_ids=())
     N = 3000
     counts = torch.zeros_like(joint)
     gen = torch.Generator().manual_seed(1)

@@ -297,7 +297,7 @@ def run_bench(args) -> dict:
     method_k = {}
     for m in methods:
         base, _, k = m.partition(":")
-        if base not in METHODS:
+        if base.removesuffix("-tree") not in METHODS or (base.endswith("-tree") and base[:-5] not in ("eagle", "medusa")):
             raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)})")
         method_k[m] = check_k(k) if k else args.k
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
@@ -318,13 +318,24 @@ def run_bench(args) -> dict:
     if needs_draft and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     threads = getattr(args, "threads", None)
-    target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads)
+    from forerun.cli import _load, _tree
+
+    tree = _tree(args)
+    target = _load(args, [m.partition(":")[0] for m in methods])
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
     hf_model = target.hf_model
     if hf_model is None and any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model
         hf_model = load_model(args.model, dtype=args.dtype, device=args.device, backend="hf", threads=threads).hf_model
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
-    drafters = {m: make_drafter(m.partition(":")[0], target, draft_model=draft, skip_layers=skip) for m in methods}
+    heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
+
+    def build(m):  # "eagle-tree" (any head method + "-tree"): the same head verifying --tree-nodes trees
+        base, _, _ = m.partition(":")
+        kind = base.removesuffix("-tree")
+        return make_drafter(kind, target, draft_model=draft, skip_layers=skip, head_path=heads.get(kind),
+                            tree=(tree or (32, None)) if base.endswith("-tree") else None)
+
+    drafters = {m: build(m) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
     params = SamplingParams()
     tok = target.tokenizer

@@ -1,4 +1,4 @@
-"""Command line: ``forerun generate | bench | calibrate-layerskip``."""
+"""Command line: ``forerun generate | bench | train-draft | calibrate-layerskip``."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _k_arg(value: str):
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bundled", help="bundled (default), HF hub id, local HF folder or .gguf file")
-    p.add_argument("--draft", default=None, help="draft model for --method draft (same forms as --model)")
+    p.add_argument("--draft", default=None, help="--method draft: the draft model (same forms as --model); "
+                   "eagle/medusa: a trained head folder (default: the head shipped for the bundled model)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],
@@ -47,6 +48,21 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layers", default=None, help="layerskip: comma-separated layers to skip (default: calibrated set)")
 
 
+def _tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-nodes", type=int, default=0,
+                   help="eagle/medusa: verify a token tree of this many draft nodes per step (0 = a chain, the default)")
+    p.add_argument("--tree-depth", type=int, default=None, help="tree depth (default: 6 for eagle, the head count for medusa)")
+
+
+def _tree(args):
+    """(nodes, depth) for a token tree, or None for a chain."""
+    if args.tree_nodes < 0:
+        raise ForerunError(f"--tree-nodes must be >= 0, got {args.tree_nodes}")
+    if args.tree_depth is not None and args.tree_depth < 1:
+        raise ForerunError(f"--tree-depth must be >= 1, got {args.tree_depth}")
+    return (args.tree_nodes, args.tree_depth) if args.tree_nodes else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="forerun", description="Lossless speculative decoding.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -55,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
     _model_args(g)
-    g.add_argument("--method", default="ngram", help="none | ngram | draft | layerskip (default ngram)")
+    g.add_argument("--method", default="ngram", help="none | ngram | draft | layerskip | eagle | medusa (default ngram)")
     g.add_argument("--k", default=4, type=_k_arg, help="draft length 1..32 or auto (default 4)")
+    _tree_args(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -73,8 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup, llama.cpp (empty for none)")
     b.add_argument("--k", default=4, type=_k_arg)
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--eagle-head", default=None, help="head folder for eagle (default: the shipped one)")
+    b.add_argument("--medusa-head", default=None, help="head folder for medusa (default: the shipped one)")
+    _tree_args(b)
     b.add_argument("--out", default="runs/bench")
     _model_args(b)
+
+    t = sub.add_parser("train-draft", help="train an EAGLE-style head or Medusa heads for a target")
+    t.add_argument("--kind", required=True, choices=["eagle", "medusa"])
+    t.add_argument("--model", default="bundled", help="the target: bundled (default), HF hub id, local folder or .gguf")
+    t.add_argument("--corpus", default=None, help="text or JSONL corpus: training text (--data corpus/both) and seed questions")
+    t.add_argument("--data", default="distill", choices=["distill", "corpus", "both"],
+                   help="distill (default): learn from the target's own answers to seed prompts; corpus: learn the "
+                        "corpus text as is; both")
+    t.add_argument("--distill-prompts", type=int, default=800, help="seed prompts to answer (default 800)")
+    t.add_argument("--distill-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (default 8192)")
+    t.add_argument("--steps-ahead", type=int, default=4, help="eagle: depths unrolled in training; medusa: heads")
+    t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--batch-tokens", type=int, default=2048)
+    t.add_argument("--max-len", type=int, default=512, help="longest training sequence, in tokens")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="folder for the head (config.json + model.safetensors)")
+    t.add_argument("--work", default=None, help="folder for answers, features and checkpoints (default: OUT-work); "
+                   "a rerun resumes from what is there")
+    t.add_argument("--threads", type=int, default=None)
 
     c = sub.add_parser("calibrate-layerskip", help="choose the layers layerskip drops, by measurement")
     _model_args(c)
@@ -85,10 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load(args):
+def _load(args, methods=()):
+    from forerun.drafters import HEAD_METHODS
     from forerun.models import load_model
 
-    return load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
+    backend = args.backend
+    if backend == "auto" and any(m in HEAD_METHODS for m in methods):
+        backend = "torch"  # trained heads read hidden states, which the torch backend gives
+    return load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
 
 
 def cmd_generate(args) -> int:
@@ -111,11 +156,13 @@ def cmd_generate(args) -> int:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     skip = parse_skip_layers(args.skip_layers)
 
-    target = _load(args)
+    target = _load(args, [args.method])
     draft = None
     if args.method == "draft":
         draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
-    drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip)
+    head = args.draft if args.method in ("eagle", "medusa") else None
+    drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip, head_path=head,
+                           tree=_tree(args))
     tok = target.tokenizer
     if args.chat:
         if not getattr(tok, "chat_template", None):
@@ -168,13 +215,31 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_train_draft(args) -> int:
+    from pathlib import Path
+
+    from forerun.training.run import train_draft
+
+    for name in ("distill_prompts", "distill_tokens", "draft_vocab", "steps_ahead", "epochs", "batch_tokens", "max_len"):
+        if getattr(args, name) < 1:
+            raise ForerunError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.data != "distill" and not args.corpus:
+        raise ForerunError(f"--data {args.data} needs --corpus")
+    if args.corpus and not Path(args.corpus).exists():
+        raise ForerunError(f"corpus {args.corpus} does not exist")
+    report = train_draft(args, log=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(report))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="forerun: %(message)s")
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "calibrate-layerskip": cmd_calibrate}[args.cmd](args)
+        cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft, "calibrate-layerskip": cmd_calibrate}
+        return cmds[args.cmd](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
 from forerun.stats import GenerationStats
+from forerun.tree import greedy_tree_accept, sample_tree_accept
 
 
 @dataclass
@@ -113,20 +114,29 @@ class Engine:
             t1 = time.perf_counter()
 
             # 2. Verify every draft position (and one more) in one target pass.
-            n_draft = len(draft)
+            tree = draft.parents  # a token tree: every node is verified, one path is kept
+            if tree is not None and len(tokens) + len(draft) > limit:
+                draft = _first_nodes(draft, limit - len(tokens))  # the pass needs a cache slot per node
+                tree = draft.parents
+            n_draft = draft.depth
+            root = len(tokens) - 1
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
             if params.greedy and fast_argmax:  # the backend gives exact argmaxes cheaper than logits
                 logits = None
-                target_ids = target.argmax_forward(feed, len(tokens) - 1)  # [n_draft + 1]
+                target_ids = target.argmax_forward(feed, root)  # [n_draft + 1]
             else:
-                passed = target.forward(feed, len(tokens) - 1, **fwd)
-                logits = passed.logits  # [n_draft + 1, vocab]
+                passed = target.forward(feed, root, **fwd, **({} if tree is None else {"tree": tree}))
+                logits = passed.logits  # [len(draft) + 1, vocab]
             if device.type == "cuda":  # kernels run asynchronously: time the pass, not its launch
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
 
             # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.
-            if logits is None:
+            rows = None
+            if tree is not None:
+                rows, out = self._accept_tree(draft, logits, params, generator)
+                n_acc = len(rows)
+            elif logits is None:
                 out, n = greedy_accept(draft.tokens[None], target_ids[None])
                 out, n_acc = out[0].tolist(), int(n[0])
             else:
@@ -142,8 +152,11 @@ class Engine:
             produced += len(new)
 
             # 4. Roll back: the cache keeps the positions of accepted tokens only.
+            kept = list(range(n_acc + 1)) if rows is None else [0] + rows[:n_acc]  # rows of the pass kept
+            if rows is not None:
+                target.keep_rows(root, rows[:n_acc])
             if layers:  # features of the positions kept: the last committed token and the accepted drafts
-                self.drafter.take_features(len(tokens) - len(new) - 1, passed.layers[: n_acc + 1])
+                self.drafter.take_features(root, passed.layers[kept])
             target.truncate(len(tokens) - 1)
             if self.drafter is not None:
                 self.drafter.accepted(tokens, n_acc)
@@ -172,6 +185,12 @@ class Engine:
         return GenerationResult(token_ids=out, stats=stats, finish_reason=finish)
 
     @staticmethod
+    def _accept_tree(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator):
+        if params.greedy:
+            return greedy_tree_accept(draft.tokens, draft.parents, logits.argmax(-1).cpu())
+        return sample_tree_accept(draft.tokens, draft.parents, logits_to_probs(logits, params), generator)
+
+    @staticmethod
     def _accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator):
         k = len(draft)
         d = draft.tokens.to(logits.device)[None]  # [1, k]
@@ -188,6 +207,16 @@ class Engine:
 
 
 def _clip(draft: Draft, k: int) -> Draft:
+    if draft.parents is not None:  # a tree's depth is bounded by the drafter itself
+        if draft.depth > k:
+            raise ForerunError(f"drafter returned a tree of depth {draft.depth}, more than the {k} asked for")
+        return draft
     if len(draft) <= k:
         return draft
     return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket)
+
+
+def _first_nodes(draft: Draft, n: int) -> Draft:
+    """The tree's first ``n`` nodes (parents come first, so they form a tree)."""
+    n = max(0, n)
+    return Draft(tokens=draft.tokens[:n], q=None, bucket=draft.bucket, parents=draft.parents[:n])

@@ -216,19 +216,24 @@ class NativeGemma3(BackendBase):
         head: "_Linear | None" = None,
         layers: Sequence[int] = (),
         logits: bool = True,
+        tree: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """``head`` replaces the LM head (e.g. a drafter's reduced vocabulary, see ``sub_head``).
         ``layers``: return these layers' outputs (residual stream) at every position;
-        ``logits=False`` skips the LM head (feature extraction)."""
+        ``logits=False`` skips the LM head (feature extraction). ``tree``: parents [T - 1] of rows
+        1.. (see ``forerun.tree``): rows sit at pos + depth and see only their ancestors."""
         self._check_forward(tokens, pos)
         T = tokens.numel()
         end = pos + T
         self._ensure_capacity(end)
         tokens = tokens.to(self.device)
-        positions = torch.arange(pos, end, device=self.device)
+        if tree is None:
+            positions = torch.arange(pos, end, device=self.device)
+            masks = self._masks(pos, T)
+        else:
+            positions, masks = self._tree_masks(pos, tree)
         rope = self._rope(positions)
         h = F.embedding(tokens, self.embed) * self.embed_scale  # [T, hidden]
-        masks = self._masks(pos, T)
         skip = set(skip_layers)
         want = {l: None for l in layers}
         for i, layer in enumerate(self.layers):
@@ -267,6 +272,33 @@ class NativeGemma3(BackendBase):
         if T == 1 and bool(sliding.all()):
             sliding = None
         return {False: (0, full), True: (start, sliding)}
+
+    def _tree_masks(self, pos: int, parents: torch.Tensor):
+        """Positions [T] and masks like ``_masks`` for a tree pass (keys: the prefix, then the rows)."""
+        from forerun.tree import tree_layout
+
+        depth, anc = tree_layout(parents)
+        T = depth.numel()
+        dev = self.device
+        qpos = (pos + depth).to(dev)
+        kpos = torch.cat([torch.arange(pos, device=dev), qpos])
+        seen = torch.cat([torch.ones(T, pos, dtype=torch.bool, device=dev), anc.to(dev)], 1)  # [T, pos + T]
+        start = max(0, pos - self.window + 1) if self.window else 0
+        sliding = seen
+        if self.window:
+            sliding = seen & (kpos[None, :] > qpos[:, None] - self.window)
+        return qpos, {False: (0, seen), True: (start, sliding[:, start:])}
+
+    @torch.inference_mode()
+    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
+        """After a tree pass at ``pos``: move the kept rows (1-based, in path order) to the slots
+        right after the root's, so the cache holds the accepted path only."""
+        if rows:
+            src = torch.tensor([pos + r for r in rows], device=self.device)
+            n = len(rows)
+            self.k_cache[:, :, pos + 1 : pos + 1 + n] = self.k_cache[:, :, src]
+            self.v_cache[:, :, pos + 1 : pos + 1 + n] = self.v_cache[:, :, src]
+        self._len = min(self._len, pos + 1 + len(rows))
 
     def _attention(self, layer: _Layer, idx: int, x, pos, cos, sin, mask_info):
         T = x.shape[0]

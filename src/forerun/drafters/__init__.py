@@ -19,7 +19,7 @@ def shipped_head(kind: str, model_name: str):
     return path if (path / "config.json").is_file() else None
 
 
-def load_head_drafter(method: str, target, head_path=None):
+def load_head_drafter(method: str, target, head_path=None, tree=None):
     from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
     from forerun.drafters.heads import load_head, target_fingerprint
 
@@ -32,7 +32,7 @@ def load_head_drafter(method: str, target, head_path=None):
         raise ForerunError(f"no {method} head is shipped for {target.name}; train one with `forerun train-draft --kind "
                            f"{method} --model {target.name} --out DIR` and pass --draft DIR")
     head = load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=method)
-    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed)
+    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree)
 
 
 def check_vocab(target, draft) -> None:
@@ -56,9 +56,12 @@ def parse_skip_layers(text: str | None) -> list[int] | None:
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
-                 head_path=None):
+                 head_path=None, tree=None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
-    folder for eagle/medusa (default: the one shipped for the bundled model)."""
+    folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
+    to verify token trees instead of chains (eagle/medusa only)."""
+    if tree is not None and method not in HEAD_METHODS:
+        raise ForerunError(f"token trees (--tree-nodes) work with eagle and medusa, not {method}")
     if method not in METHODS:
         raise ForerunError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
     if method == "none":
@@ -68,7 +71,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
 
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
     if method in HEAD_METHODS:
-        return load_head_drafter(method, target, head_path)
+        return load_head_drafter(method, target, head_path, tree)
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter
 

@@ -14,6 +14,16 @@ class Draft:
     tokens: torch.Tensor  # [k] int64, k may be smaller than asked (even 0)
     q: torch.Tensor | None = None  # [k, vocab] draft probs; None = deterministic (one-hot) proposals
     bucket: int | None = None  # how far to trust it (e.g. n-gram match length); adaptive K learns per bucket
+    parents: torch.Tensor | None = None  # [k] a token tree (see forerun.tree); None: a chain
+
+    @property
+    def depth(self) -> int:
+        """Longest run of tokens the draft can add (its length for a chain)."""
+        if self.parents is None:
+            return len(self)
+        from forerun.tree import tree_layout
+
+        return int(tree_layout(self.parents)[0].max())
 
     def __len__(self) -> int:
         return int(self.tokens.numel())

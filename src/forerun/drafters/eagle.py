@@ -1,11 +1,17 @@
-"""EAGLE-style drafting: a trained one-layer head runs ahead of the target on its features.
+"""Drafting with trained heads that read the target's features: EAGLE-style and Medusa.
 
-The head keeps a small KV cache of its own. Entries for committed positions are always built
-from the target's real features (sent by the engine after every target pass); entries past
-them are the head's own guesses and are dropped at the next round.
+The EAGLE head keeps a small KV cache of its own. Entries for committed positions are always
+built from the target's real features (sent by the engine after every target pass); entries
+past them are the head's own guesses and are dropped at the next round.
+
+Both can propose a chain or a token tree (``tree=(nodes, depth)``): EAGLE grows a dynamic tree
+(EAGLE-2: expand the most probable branches depth by depth, then keep the best ``nodes`` by
+path probability); Medusa fills a static tree shape with each head's top-ranked tokens.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +24,11 @@ from forerun.sampling import logits_to_probs, sample
 class FeatureDrafter(Drafter):
     """Shared by heads that read target features: collects them as the engine sends them."""
 
-    def __init__(self, head, embed: torch.Tensor):
+    default_depth = 6
+
+    def __init__(self, head, embed: torch.Tensor, tree=None):
         self.head = head
+        self.tree_nodes, self.tree_depth = (None, None) if not tree else (tree[0], tree[1] or self.default_depth)
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -47,9 +56,11 @@ class FeatureDrafter(Drafter):
 
 class EagleDrafter(FeatureDrafter):
     name = "eagle"
+    top_k = 8  # tree: children tried per expanded node
+    branch = 8  # tree: nodes expanded per depth
 
-    def __init__(self, head: EagleHead, embed: torch.Tensor):
-        super().__init__(head, embed)
+    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None):
+        super().__init__(head, embed, tree)
         self.scale = head.cfg.embed_scale
 
     def begin(self, prompt, params, generator):
@@ -72,6 +83,8 @@ class EagleDrafter(FeatureDrafter):
         g, self.cache = head.step(self._emb(ids), head.fuse_features(self.feats[:n]), p, self.cache)
         self.entries = p + n
         self.feat_pos, self.feats = p + n, None
+        if self.tree_nodes:
+            return self._tree(g[-1:], p + n, min(k, self.tree_depth))
         # 2. Run ahead on the head's own outputs.
         out, qs = [], []
         hid, pos = g[-1:], p + n
@@ -86,12 +99,84 @@ class EagleDrafter(FeatureDrafter):
         return Draft(tokens=torch.stack(out), q=torch.stack(qs) if qs else None)
 
 
+    def _tree(self, g_last, base: int, depth: int) -> Draft:
+        """EAGLE-2 dynamic tree. Scores are path log-probabilities under the head; every depth
+        expands the ``branch`` best new nodes in one head pass (each attending to the committed
+        entries and its own ancestors), and the best ``tree_nodes`` nodes overall are kept."""
+        head = self.head
+        logp = torch.log_softmax(head.logits(g_last[0]), -1)
+        top = logp.topk(self.top_k)
+        # node: (score, token id, parent node or -1, depth); the first depth hangs off the root.
+        nodes = [(float(sc), int(self.d2t[i]), -1, 1) for sc, i in zip(top.values, top.indices)]
+        frontier = list(range(min(self.branch, len(nodes))))
+        hid = {-1: g_last[0]}  # node -> head output after consuming its token
+        slot = {}  # node -> its entry in the head cache (after the base committed entries)
+        cache = self.cache
+        for d in range(2, depth + 1):
+            if not frontier:
+                break
+            n_prev = cache[0].shape[2]
+            rows = len(frontier)
+            mask = torch.zeros(rows, n_prev + rows, dtype=torch.bool)
+            mask[:, :base] = True
+            for r, nd in enumerate(frontier):
+                a = nodes[nd][2]
+                while a != -1:
+                    mask[r, slot[a]] = True
+                    a = nodes[a][2]
+                mask[r, n_prev + r] = True
+            emb = self._emb(torch.tensor([nodes[nd][1] for nd in frontier]))
+            parent_hid = torch.stack([hid[nodes[nd][2]] for nd in frontier])
+            positions = torch.full((rows,), base + d - 2)
+            g, cache = head.step(emb, parent_hid, n_prev, cache, positions=positions, mask=mask)
+            for r, nd in enumerate(frontier):
+                hid[nd] = g[r]
+                slot[nd] = n_prev + r
+            lp = torch.log_softmax(head.logits(g), -1).topk(self.top_k)  # [rows, top_k]
+            cand = []
+            for r, nd in enumerate(frontier):
+                sc0 = nodes[nd][0]
+                for sc, i in zip(lp.values[r].tolist(), lp.indices[r].tolist()):
+                    cand.append((sc0 + sc, int(self.d2t[i]), nd, d))
+            best = heapq.nlargest(self.branch, cand, key=lambda c: c[0])
+            frontier = list(range(len(nodes), len(nodes) + len(best)))
+            nodes.extend(best)
+        # Keep the best nodes; a child never scores above its parent, so ancestors come along
+        # (ties broken towards shallower nodes).
+        keep = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][3], i))[: self.tree_nodes]
+        keep_set = set(keep)
+        keep = [i for i in keep if nodes[i][2] == -1 or nodes[i][2] in keep_set]
+        order = sorted(keep, key=lambda i: (nodes[i][3], i))  # by depth: parents before children
+        index = {nd: j for j, nd in enumerate(order)}
+        tokens = torch.tensor([nodes[i][1] for i in order], dtype=torch.long)
+        parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] != -1 else -1 for i in order], dtype=torch.long)
+        return Draft(tokens=tokens, parents=parents)
+
+
+def static_tree(nodes: int, depth: int, rank_weights=(0.6, 0.15, 0.07, 0.04, 0.03, 0.02, 0.015, 0.01)):
+    """A fixed tree shape for Medusa: the ``nodes`` rank paths (e.g. (0, 1) = head 1's top token,
+    then head 2's second) with the highest product of typical per-rank acceptance rates."""
+    heap = [(-w, (r,)) for r, w in enumerate(rank_weights)]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < nodes:
+        negw, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < depth:
+            for r, w in enumerate(rank_weights):
+                heapq.heappush(heap, (negw * w, path + (r,)))
+    return sorted(out, key=lambda p: (len(p), p))
+
+
 class MedusaDrafter(FeatureDrafter):
     name = "medusa"
 
-    def __init__(self, head: MedusaHeads, embed: torch.Tensor):
-        super().__init__(head, embed)
+    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None):
+        super().__init__(head, embed, tree)
         self.max_k = head.cfg.medusa_heads
+        if self.tree_nodes:
+            self.tree_depth = min(self.tree_depth, self.max_k)
+            self.paths = static_tree(self.tree_nodes, self.tree_depth)
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> Draft:
@@ -104,6 +189,13 @@ class MedusaDrafter(FeatureDrafter):
             return Draft(tokens=torch.zeros(0, dtype=torch.long))
         self.feat_pos, self.feats = self.feat_pos + last, self.feats[last:]  # older rows are never read again
         logits = self.head(self.feats[0])[: min(k, self.max_k)]  # [k, draft_vocab]
+        if self.tree_nodes:
+            paths = [p for p in self.paths if len(p) <= len(logits)]
+            ranked = logits.topk(1 + max(max(p) for p in paths), -1).indices  # [k, ranks]
+            index = {p: i for i, p in enumerate(paths)}
+            tokens = torch.stack([self.d2t[ranked[len(p) - 1, p[-1]]] for p in paths])
+            parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long)
+            return Draft(tokens=tokens, parents=parents)
         out, qs = [], []
         for lg in logits:
             tok, q = self._pick(lg)

@@ -95,11 +95,20 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
 
     def init_from_target(self, lm_head_weight: torch.Tensor, final_norm: torch.Tensor | None) -> None:
-        """Start the output layer at the target's own LM head rows for the draft vocabulary."""
+        """Start the output layer at the target's own LM head rows for the draft vocabulary.
+
+        The target's final norm scale goes on the head's input norm of the top-layer features, not
+        on its output norm: Gemma's scales some dimensions by ~300, and as an output scale it would
+        blow every small weight update up into huge logits; as an input scale it makes those
+        dimensions large in the head's own hidden space, where small updates barely move them."""
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight[self.draft_to_target].float())
             if final_norm is not None:
-                self.norm_out.weight.copy_(final_norm.float())
+                self.top_norm().weight.copy_(final_norm.float())
+
+    def top_norm(self) -> RMSNorm:
+        """The norm applied to the top-layer features on their way in."""
+        raise NotImplementedError
 
     def logits(self, g):  # [..., hidden] -> [..., draft_vocab]
         return self.lm_head(self.norm_out(g))
@@ -141,8 +150,16 @@ class EagleHead(DraftHead):
         for lin in (self.fuse, self.qkv, self.o, self.gate_up, self.down):
             nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
         with torch.no_grad():
-            self.o.weight.mul_(0.1)
-            self.down.weight.mul_(0.1)
+            # Start at "g = the top layer's features", which the target's own output layer (the initial
+            # lm_head) reads well: the residual branches and the other layers start at zero (their
+            # gradients are not zero, so they still learn).
+            self.o.weight.zero_()
+            self.down.weight.zero_()
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, (n - 1) * H :] = torch.eye(H)
+
+    def top_norm(self) -> RMSNorm:
+        return self.feat_norms[-1]
 
     def fuse_features(self, feats):  # [..., n_layers * hidden] -> [..., hidden]
         H = self.cfg.hidden_size
@@ -162,17 +179,19 @@ class EagleHead(DraftHead):
         a, b = gu.chunk(2, -1)
         return h + self.down(F.silu(a) * b)
 
-    def step(self, emb, hid, pos: int, cache: list[torch.Tensor] | None):
-        """Inference: run entries at positions pos..pos+T-1 after ``cache`` (keys, values of entries
-        0..pos-1, or None). emb, hid: [T, H]. Returns (g [T, H], new cache)."""
+    def step(self, emb, hid, pos: int, cache: list[torch.Tensor] | None, *, positions=None, mask=None):
+        """Inference: run T entries after the first ``pos`` entries of ``cache`` (keys, values, or
+        None). emb, hid: [T, H]. By default the entries sit at positions pos..pos+T-1, causally;
+        a token tree passes its own ``positions`` [T] and ``mask`` [T, pos + T].
+        Returns (g [T, H], the cache with the new entries appended)."""
         T = emb.shape[0]
-        positions = torch.arange(pos, pos + T, device=emb.device)
+        if positions is None:
+            positions = torch.arange(pos, pos + T, device=emb.device)
         q, k, v = self._qkv(emb[None], hid[None], positions)
         if cache is not None:
             k = torch.cat([cache[0][:, :, :pos], k], 2)
             v = torch.cat([cache[1][:, :, :pos], v], 2)
-        mask = None
-        if T > 1:
+        if mask is None and T > 1:
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=emb.device).tril(pos)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._finish(hid[None], attn)[0], [k, v]
@@ -184,7 +203,7 @@ class EagleHead(DraftHead):
         fused: [B, T, H] fused target features f_i. Depth 1 attends causally to depth-1 entries;
         depth j > 1 at start i sits at position i+j-1 and attends to depth-1 entries 0..i and to its
         own chain (depths 2..j at start i), exactly as drafting does after a verify pass.
-        Returns the logits of every depth: list of [B, T, draft_vocab].
+        Returns the output hidden state g of every depth: list of [B, T, H] (``logits`` maps them).
         """
         B, T, H = fused.shape
         dev = fused.device
@@ -209,7 +228,7 @@ class EagleHead(DraftHead):
                 p = torch.softmax(torch.cat([s1, sd], -1), -1)
                 attn = p[..., :T] @ v1 + (p[..., T:, None] * torch.stack(chain_v, -2)).sum(-2)
             hid = self._finish(hid, attn)
-            out.append(self.logits(hid))
+            out.append(hid)
         return out
 
 
@@ -223,9 +242,15 @@ class MedusaHeads(DraftHead):
             nn.init.zeros_(b.weight)
             nn.init.zeros_(b.bias)
 
-    def forward(self, feats):  # [..., hidden] top-layer features -> [heads, ..., draft_vocab]
+    def top_norm(self) -> RMSNorm:
+        return self.norm_in
+
+    def hidden(self, feats):  # [..., hidden] top-layer features -> one [..., hidden] per head
         x = self.norm_in(feats.float())
-        return torch.stack([self.logits(x + F.silu(b(x))) for b in self.blocks])
+        return [x + F.silu(b(x)) for b in self.blocks]
+
+    def forward(self, feats):  # [..., hidden] -> [heads, ..., draft_vocab]
+        return torch.stack([self.logits(g) for g in self.hidden(feats)])
 
 
 KINDS = {"eagle": EagleHead, "medusa": MedusaHeads}

@@ -26,7 +26,7 @@ from forerun.training.data import Sequence
 @dataclass
 class TrainConfig:
     kind: str = "eagle"
-    draft_vocab: int = 16384
+    draft_vocab: int = 8192
     steps_ahead: int = 4  # eagle: depths unrolled in training-time test; medusa: number of heads
     epochs: int = 2
     lr: float = 1e-3
@@ -44,12 +44,12 @@ class TrainConfig:
 class Example:
     ids: torch.Tensor  # [T] int64
     start: int  # labels at positions >= start are learned
-    feats: torch.Tensor  # [T, n_layers * hidden] float16
+    feats: torch.Tensor  # [T, n_layers * hidden] bfloat16
 
 
 @torch.inference_mode()
 def extract_features(backend, seqs: list[Sequence], layers: list[int], cache: Path | None, log=print) -> list[Example]:
-    """Run the target over every sequence once and keep its features at ``layers`` (float16).
+    """Run the target over every sequence once and keep its features at ``layers`` (bfloat16).
     Cached in ``cache`` (keyed by the sequences and layers), so a resumed run skips this."""
     from tqdm import tqdm
 
@@ -66,7 +66,7 @@ def extract_features(backend, seqs: list[Sequence], layers: list[int], cache: Pa
         ids = torch.tensor(s.ids[: backend.max_context], dtype=torch.long)
         backend.reset()
         f = backend.forward(ids, 0, layers=layers, logits=False).layers
-        out.append(Example(ids, s.start, f.to(torch.float16).cpu()))
+        out.append(Example(ids, s.start, f.to(torch.bfloat16).cpu()))  # float16 overflows: Gemma's residual reaches 1e5
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"key": key, "examples": [(e.ids, e.start, e.feats) for e in out]}, cache)
@@ -74,18 +74,22 @@ def extract_features(backend, seqs: list[Sequence], layers: list[int], cache: Pa
 
 
 def choose_draft_vocab(examples: list[Example], size: int, vocab_size: int, always=()) -> torch.Tensor:
-    """The ``size`` most frequent label tokens (ties by id), plus ``always`` (e.g. EOS)."""
-    counts = Counter()
+    """``always`` (e.g. EOS), then the most frequent learned tokens, then the most frequent prompt
+    tokens (ties by id)."""
+    learned, context = Counter(), Counter()
     for e in examples:
-        counts.update(e.ids[max(e.start, 1):].tolist())
-    chosen = [t for t in always if 0 <= t < vocab_size]
-    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(chosen) >= size:
-            break
-        if t not in chosen:
-            chosen.append(t)
-    # A corpus with fewer distinct tokens than asked for: fill with the lowest unused ids.
+        learned.update(e.ids[max(e.start, 1):].tolist())
+        context.update(e.ids[: max(e.start, 1)].tolist())
+    chosen = [t for t in dict.fromkeys(always) if 0 <= t < vocab_size]
     have = set(chosen)
+    for counts in (learned, context):
+        for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            if len(chosen) >= size:
+                break
+            if t not in have:
+                chosen.append(t)
+                have.add(t)
+    # A corpus with fewer distinct tokens than asked for: fill with the lowest unused ids.
     filler = (t for t in range(vocab_size) if t not in have)
     while len(chosen) < size:
         chosen.append(next(filler))
@@ -182,20 +186,21 @@ class Trainer:
             e[:, : T - j] = rows * real[:, j:, None]
         return e
 
-    def depth_logits(self, head: DraftHead, ids, feats, real):
-        """Logits per depth (eagle) or per head (medusa): list of [B, T, draft_vocab]; the j-th
-        (1-based) predicts position i + j + 1."""
+    def depth_hidden(self, head: DraftHead, ids, feats, real):
+        """Output states per depth (eagle) or per head (medusa): list of [B, T, H]; the j-th
+        (1-based) predicts position i + j + 1 through ``head.logits``."""
         if self.tc.kind == "eagle":
             fused = head.fuse_features(feats)
             return head.ttt_forward(lambda j: self._shift_emb(ids, real, j), fused, self.tc.steps_ahead, real)
-        return list(head(feats))
+        return head.hidden(feats)
 
     def loss(self, head, ids, feats, real, learn, t2d):
         total, parts = 0.0, []
-        for j, lg in enumerate(self.depth_logits(head, ids, feats, real), 1):
+        for j, g in enumerate(self.depth_hidden(head, ids, feats, real), 1):
             lab = self._labels(ids, learn, t2d, j + 1)
-            if (lab >= 0).any():
-                l = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=-100)
+            sel = lab >= 0  # the output layer runs on learned positions only: it is most of the cost
+            if sel.any():
+                l = F.cross_entropy(head.logits(g[sel]), lab[sel])
                 total = total + self.tc.depth_decay ** (j - 1) * l
                 parts.append(l.item())
         return total, parts
@@ -210,13 +215,13 @@ class Trainer:
         d2t = head.draft_to_target
         for idx in _batches(examples, self.tc.batch_tokens, None):
             ids, feats, real, learn = self._batch(examples, idx, t2d)
-            for j, lg in enumerate(self.depth_logits(head, ids, feats, real), 1):
+            for j, g in enumerate(self.depth_hidden(head, ids, feats, real), 1):
                 s = j + 1
                 if s >= ids.shape[1]:
                     continue
-                pred = d2t[lg[:, : ids.shape[1] - s].argmax(-1)]
                 m = learn[:, s:]
-                hits[j - 1] += ((pred == ids[:, s:]) & m).sum()
+                pred = d2t[head.logits(g[:, : ids.shape[1] - s][m]).argmax(-1)]
+                hits[j - 1] += (pred == ids[:, s:][m]).sum()
                 total[j - 1] += m.sum()
         head.train()
         return (hits / total.clamp(min=1)).tolist()

@@ -1,0 +1,66 @@
+"""``forerun train-draft``: data, features, training and export in one resumable command."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forerun.errors import ForerunError
+
+
+def train_draft(args, log=print) -> dict:
+    from forerun.models import load_model
+    from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill
+    from forerun.training.trainer import TrainConfig, Trainer, extract_features
+
+    t0 = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out.with_name(out.name + "-work")
+    work.mkdir(parents=True, exist_ok=True)
+    # Features come from our own float32 forward of the target (the torch backend).
+    target = load_model(args.model, backend="torch", threads=args.threads)
+    be = target.backend
+    if not hasattr(be, "embed"):
+        raise ForerunError("train-draft needs a model the native backend runs (Gemma 3 text models)")
+    seqs, times = [], {}
+    if args.data in ("corpus", "both"):
+        seqs += corpus_sequences(target.tokenizer, read_corpus(args.corpus), args.max_len)
+        log(f"corpus: {len(seqs)} sequences")
+    if args.data in ("distill", "both"):
+        t = time.time()
+        prompts = distill_prompts(args.corpus, args.distill_prompts, args.seed)
+        # Answers come from the fastest backend at hand (llama.cpp for a GGUF file): greedy, lossless.
+        gen = load_model(args.model, backend="auto", threads=args.threads)
+        answers = self_distill(gen, prompts, work / "distill.jsonl", max_new_tokens=args.distill_tokens, log=log)
+        del gen
+        seqs += [type(s)(s.ids[: args.max_len], s.start) for s in answers if s.start < args.max_len - 2]
+        times["distill_s"] = round(time.time() - t, 1)
+        log(f"self-distillation: {len(answers)} answers")
+    if len(seqs) < 2:
+        raise ForerunError("not enough training data (need at least 2 sequences)")
+    tc = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, steps_ahead=args.steps_ahead, epochs=args.epochs,
+                     lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed)
+    trainer = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    t = time.time()
+    examples = extract_features(be, seqs, trainer.feature_layers, work / f"features-{args.kind}.pt", log=log)
+    times["features_s"] = round(time.time() - t, 1)
+    t = time.time()
+    head, report = trainer.train(examples, work, always_vocab=sorted(target.eos_token_ids), log=log)
+    times["train_s"] = round(time.time() - t, 1)
+    times["total_s"] = round(time.time() - t0, 1)
+    head.cfg.training = {"command": "forerun " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
+                         "model": args.model, "data": args.data, "corpus": Path(args.corpus).name if args.corpus else None,
+                         "distill_prompts": args.distill_prompts if args.data != "corpus" else 0,
+                         "distill_tokens": args.distill_tokens, "max_len": args.max_len, "seconds": times, **report}
+    head.save(out)
+    final = report["history"][-1]["val_agreement"] if report["history"] else None
+    log(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); validation top-1 agreement "
+        f"per position: {final}")
+    return {"out": str(out), "val_agreement": final, "seconds": times,
+            "draft_vocab_coverage_val": report.get("draft_vocab_coverage_val")}

@@ -1,0 +1,94 @@
+"""Token trees: several candidate continuations verified in one target pass.
+
+A tree of n draft nodes is given by ``parents`` [n]: the parent's node index, or -1 for a child
+of the root (the last committed token, which the verify pass runs first). Parents come before
+their children. The verify pass runs n + 1 rows: row 0 is the root, row i + 1 is node i, each
+at position ``pos + depth`` and attending to the cached prefix and to its own ancestors only.
+
+After verification one root-to-node path is kept; ``path_rows`` lists its rows, and the KV
+cache moves those rows' keys and values into consecutive slots (the only data a tree moves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """depths [n + 1] (root 0) and the ancestor mask [n + 1, n + 1] (True: row i sees row j)."""
+    n = parents.numel()
+    par = parents.tolist()
+    depth = [0] * (n + 1)
+    anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    anc[0, 0] = True
+    for i, p in enumerate(par):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
+        r, pr = i + 1, p + 1
+        depth[r] = depth[pr] + 1
+        anc[r] = anc[pr]
+        anc[r, r] = True
+    return torch.tensor(depth), anc
+
+
+def children_lists(parents: torch.Tensor) -> list[list[int]]:
+    """Row -> child rows, in node order (row 0 is the root)."""
+    kids: list[list[int]] = [[] for _ in range(parents.numel() + 1)]
+    for i, p in enumerate(parents.tolist()):
+        kids[p + 1].append(i + 1)
+    return kids
+
+
+def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor):
+    """Walk down from the root while a child holds the target's argmax.
+
+    tokens [n] draft tokens; target_ids [n + 1] target argmax per row. Returns (path rows after the
+    root, output tokens: the accepted ones plus the target's own next token)."""
+    kids = children_lists(parents)
+    tok = tokens.tolist()
+    tgt = target_ids.tolist()
+    row, rows, out = 0, [], []
+    while True:
+        want = tgt[row]
+        nxt = next((c for c in kids[row] if tok[c - 1] == want), None)
+        out.append(want)
+        if nxt is None:
+            return rows, out
+        rows.append(nxt)
+        row = nxt
+
+
+def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, generator=None):
+    """Lossless sampling over a tree of fixed candidates (recursive rejection with point-mass drafts).
+
+    p [n + 1, vocab]: the target's probabilities at every row. At a row, each child in turn is
+    accepted with the current residual probability of its token; a rejected token is removed from
+    the residual (which is renormalised). The token that comes out is distributed exactly as p:
+    P(child i) = (1 - sum of earlier) * p(c_i) / (1 - sum of earlier) = p(c_i), and a token that is
+    no candidate comes from the final residual with its own probability. An accepted child moves
+    the walk down; otherwise (or below a leaf) the output token is drawn from the residual.
+    Returns (path rows after the root, output tokens)."""
+    kids = children_lists(parents)
+    tok = tokens.tolist()
+    row, rows, out = 0, [], []
+    while True:
+        resid = p[row].clone()
+        moved = False
+        for c in kids[row]:
+            t = tok[c - 1]
+            mass = float(resid.sum())
+            if mass <= 0:
+                break
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * mass < float(resid[t]):  # accept with probability resid[t] / mass
+                out.append(t)
+                rows.append(c)
+                row, moved = c, True
+                break
+            resid[t] = 0.0
+        if moved:
+            continue
+        if float(resid.sum()) <= 0:  # every token with mass was a rejected candidate: impossible but safe
+            resid = p[row]
+        out.append(int(torch.multinomial(resid / resid.sum(), 1, generator=generator)))
+        return rows, out

@@ -1,0 +1,91 @@
+"""Token trees: layout and masks, tree passes against chain passes, acceptance, rollback."""
+
+import pytest
+import torch
+
+from forerun.drafters.base import Draft
+from forerun.drafters.eagle import static_tree
+from forerun.tree import greedy_tree_accept, sample_tree_accept, tree_layout
+
+#        root
+#       /    \
+#     n0      n1
+#    /  \      \
+#  n2    n3     n4
+#  |
+#  n5
+PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2])
+
+
+def test_tree_layout():
+    depth, anc = tree_layout(PARENTS)
+    assert depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    want = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5], 6: [0, 1, 3, 6]}
+    for row, seen in want.items():
+        assert torch.nonzero(anc[row]).flatten().tolist() == seen
+    with pytest.raises(ValueError):
+        tree_layout(torch.tensor([-1, 2, 0]))  # a parent after its child
+    assert Draft(tokens=torch.arange(6), parents=PARENTS).depth == 3
+
+
+def test_static_tree_is_prefix_closed():
+    paths = static_tree(24, 4)
+    assert len(paths) == 24 and max(len(p) for p in paths) <= 4
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)
+    assert paths[0] == (0,) and (0, 0) in paths
+
+
+def test_greedy_tree_accept():
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    # target argmax per row (root, n0..n5): root -> 11 (n1), n1 -> 14 (n4), n4 -> 99 (no child)
+    ids = torch.tensor([11, 0, 14, 0, 0, 99, 0])
+    assert greedy_tree_accept(tokens, PARENTS, ids) == ([2, 5], [11, 14, 99])
+    ids = torch.tensor([10, 12, 0, 15, 0, 0, 7])  # root -> n0 -> n2 -> n5 -> bonus 7
+    assert greedy_tree_accept(tokens, PARENTS, ids) == ([1, 3, 6], [10, 12, 15, 7])
+    ids = torch.tensor([42, 0, 0, 0, 0, 0, 0])
+    assert greedy_tree_accept(tokens, PARENTS, ids) == ([], [42])
+
+
+def test_sample_tree_accept_is_lossless():
+    """The first output token follows p at the root, whatever the candidates."""
+    g = torch.Generator().manual_seed(0)
+    V = 5
+    p = torch.zeros(7, V)
+    p[0] = torch.tensor([0.1, 0.4, 0.2, 0.3, 0.0])
+    p[1:] = torch.full((6, V), 1.0 / V)
+    tokens = torch.tensor([1, 4, 2, 3, 0, 1])  # root's children: token 1 (likely) and token 4 (p = 0)
+    N = 20000
+    counts = torch.zeros(V)
+    for _ in range(N):
+        rows, out = sample_tree_accept(tokens, PARENTS, p, g)
+        counts[out[0]] += 1
+        assert 4 not in out[:1]
+    tv = 0.5 * (counts / N - p[0]).abs().sum().item()
+    assert tv < 0.015, (counts / N, tv)
+
+
+def test_tree_pass_matches_chain_passes(gemma):
+    """Every node's logits in one tree pass equal those of running its path as a plain chain, and
+    keeping one path leaves the cache as if only that path had been run."""
+    be = gemma.backend
+    prompt = torch.tensor([2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40])  # longer than the sliding window
+    tokens = torch.tensor([50, 51, 52, 53, 54, 55])
+    be.reset()
+    be.forward(prompt[:-1], 0)
+    pos = len(prompt) - 1
+    tree_logits = be.forward(torch.cat([prompt[-1:], tokens]), pos, tree=PARENTS).logits
+    depth, anc = tree_layout(PARENTS)
+    for row in range(1, 7):
+        path = [r for r in torch.nonzero(anc[row]).flatten().tolist() if r > 0]
+        be.truncate(pos)
+        chain = be.forward(torch.cat([prompt[-1:], tokens[[r - 1 for r in path]]]), pos).logits
+        assert torch.allclose(tree_logits[row], chain[-1], atol=1e-4), row
+    # Keep the path root -> n1 -> n3 -> n5 (rows 1, 3, 6) and continue: same as a plain run.
+    be.truncate(pos)
+    be.forward(torch.cat([prompt[-1:], tokens]), pos, tree=PARENTS)
+    be.keep_rows(pos, [1, 3, 6])
+    after_tree = be.forward(torch.tensor([77]), pos + 4).logits
+    be.reset()
+    plain = be.forward(torch.cat([prompt, tokens[[0, 2, 5]], torch.tensor([77])]), 0).logits[-1]
+    assert be.length == pos + 5
+    assert torch.allclose(after_tree[-1], plain, atol=1e-4)
