@@ -132,3 +132,42 @@ def test_bench_bad_inputs(capsys, tmp_path):
     assert_clean_error(rc, err, "bad.jsonl:1")
     rc, _, err = run(capsys, "bench", "--prompts", str(bad), "--methods", "none,bogus")
     assert_clean_error(rc, err, "unknown method")
+
+
+def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
+    """train-draft on a corpus, then generate with the head it wrote (greedy equals plain)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(f"w{4 + (i * 7 + j * 3) % 90}" for j in range(24)) for i in range(30)))
+    out = tmp_path / "head"
+    rc, stdout, err = run(capsys, "train-draft", "--kind", "eagle", "--model", str(tiny_folder), "--data", "corpus",
+                          "--corpus", str(corpus), "--draft-vocab", "64", "--epochs", "1", "--steps-ahead", "2",
+                          "--out", str(out))
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert len(report["val_agreement"]) == 2 and (out / "model.safetensors").exists()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["training"]["data"] == "corpus" and cfg["draft_vocab"] == 64
+    outs = {}
+    for method in ("none", "eagle"):
+        extra = ["--draft", str(out), "--tree-nodes", "6"] if method == "eagle" else []
+        rc, stdout, err = run(capsys, "generate", "w5 w9 w13", "--model", str(tiny_folder), "--method", method,
+                              "--max-new-tokens", "12", "--json", *extra)
+        assert rc == 0, err
+        outs[method] = json.loads(stdout)["token_ids"]
+    assert outs["eagle"] == outs["none"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train-draft", "--kind", "eagle", "--out", "x", "--epochs", "0"], "--epochs"),
+        (["train-draft", "--kind", "eagle", "--out", "x", "--data", "corpus"], "needs --corpus"),
+        (["train-draft", "--kind", "eagle", "--out", "x", "--corpus", "/no/such/file.jsonl"], "does not exist"),
+        (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),
+        (["generate", "hi", "--method", "eagle", "--draft", "/no/such/head", "--model", "MODEL"], "not a draft head"),
+    ],
+)
+def test_train_draft_and_head_errors(capsys, tiny_folder, argv, needle):
+    argv = [str(tiny_folder) if a == "MODEL" else a for a in argv]
+    rc, _, err = run(capsys, *argv)
+    assert_clean_error(rc, err, needle)

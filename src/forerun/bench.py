@@ -202,12 +202,14 @@ def _summarise(records, names, by_cat=True):
     return out
 
 
-def _predicted_speedup(m: dict, none: dict, ratios: dict) -> float | None:
+def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | None = None) -> float | None:
     """Leviathan et al.'s speedup with measured inputs.
 
     alpha = measured acceptance rate, gamma = mean draft length per verify pass, c = measured
     draft time per drafted token over our plain step time (none's wall time per token), and
-    the verify pass costs the measured ratio r(gamma) of a step instead of 1.
+    the verify pass costs the measured ratio r(gamma) of a step instead of 1. A token tree
+    (``rows`` draft nodes) is charged the ratio of a pass of that many rows, and gamma is its
+    depth: the chain formula then approximates the tree.
     """
     if not m.get("drafted") or not m.get("target_passes") or not none.get("new_tokens"):
         return None
@@ -215,7 +217,8 @@ def _predicted_speedup(m: dict, none: dict, ratios: dict) -> float | None:
     gamma = m["drafted"] / m["target_passes"]
     step = none["wall_s"] / none["new_tokens"]
     c = m["draft_s"] / m["drafted"] / step
-    r = ratios.get(str(min(8, max(1, round(gamma)))), 1.0)
+    r = ratios.get(str(rows)) if rows else None
+    r = r or ratios.get(str(min(8, max(1, round(gamma)))), 1.0)
     expected = (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return expected / (gamma * c + r)
 
@@ -364,6 +367,7 @@ def run_bench(args) -> dict:
     config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
               "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
+    config["tree"] = list(tree or (32, None)) if any(m.partition(":")[0].endswith("-tree") for m in methods) else None
     config["backend"] = type(target.backend).__name__
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
     if hasattr(target.backend, "batch_invariant"):
@@ -394,11 +398,14 @@ def run_bench(args) -> dict:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
     bar.close()
 
-    results["verify_cost_ratio"] = verify_cost_ratios(target.backend)
+    tree_rows = (tree or (32, None))[0] if any(m.partition(":")[0].endswith("-tree") for m in methods) else None
+    ks = list(range(1, 9)) + ([tree_rows] if tree_rows and tree_rows > 8 else [])
+    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks)
     results["lm_head_kernels_ms"] = head_kernel_times(target.backend)
     for name, m in results["methods"].items():
         if name in engines and name != "none":
-            m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"])
+            rows = tree_rows if name.partition(":")[0].endswith("-tree") else None
+            m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"], rows)
     if hasattr(target.backend, "head_fallbacks"):
         results["greedy_head_fallbacks"] = target.backend.head_fallbacks
     results["records"] = records
