@@ -27,10 +27,14 @@ def test_greedy_equality_every_drafter(bundled, category):
     text = spec_bench_prompts(category, 1)[0]
     ids = bundled.tokenizer(text).input_ids
     ref = Engine(bundled.backend, None, bundled.eos_token_ids).generate(ids, max_new_tokens=24)
-    for method, k in [("ngram", 4), ("ngram", "auto"), ("layerskip", 3)]:
-        eng = Engine(bundled.backend, make_drafter(method, bundled), bundled.eos_token_ids)
+    cases = [("ngram", 4, None), ("ngram", "auto", None), ("layerskip", 3, None),  # eagle/medusa: the shipped heads
+             ("eagle", 4, None), ("eagle", 6, (16, 6)), ("medusa", 4, None), ("medusa", 4, (12, 4))]
+    for method, k, tree in cases:
+        eng = Engine(bundled.backend, make_drafter(method, bundled, tree=tree), bundled.eos_token_ids)
         res = eng.generate(ids, max_new_tokens=24, k=k)
-        assert res.token_ids == ref.token_ids, (method, k)
+        assert res.token_ids == ref.token_ids, (method, k, tree)
+        if method == "eagle" and category == "math_reasoning":  # in the heads' training distribution
+            assert res.stats.accepted > 0
 
 
 def test_plain_decoding_matches_transformers_generate(bundled):
