@@ -173,3 +173,34 @@ def test_sampling_distribution(gemma, kind, tree, tmp_path):
     assert drafted > N // 2 and accepted > 0  # speculation really happened
     tv = 0.5 * (counts / N - joint).abs().sum().item()
     assert tv < 0.09, tv
+
+
+def test_two_stage_prompts_embed_the_targets_own_passages(tmp_path):
+    """Stage 1 answers are kept as data; each stage-2 prompt carries the stage-1 answer it builds on."""
+    from conftest import tiny_gemma
+    from forerun.training.data import two_stage_prompts
+    from forerun.training.seeds import passage_writer_prompts
+
+    lm = wrap(tiny_gemma(0))
+    lm.tokenizer = _LetterTokenizer()
+    out = tmp_path / "distill.jsonl"
+    prompts = two_stage_prompts(lm, 3, out, seed=0, max_new_tokens=4, log=lambda s: None)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    plan = passage_writer_prompts(3, 0)
+    assert [r["prompt"] for r in recs] == list(dict.fromkeys(p for p, _, _ in plan))
+    assert len(prompts) == 3
+    for (first, follow, topic), p in zip(plan, prompts):
+        answer = next(r for r in recs if r["prompt"] == first)
+        assert p == follow.format(p=lm.tokenizer.decode(answer["output_ids"]).strip(), t=topic)
+
+
+class _LetterTokenizer:
+    """Any text to ids 4..95 (one per character) and back, enough for prompts in plain English."""
+
+    def __call__(self, text):
+        class _Enc:
+            input_ids = [2] + [4 + ord(c) % 92 for c in text[:40]]
+        return _Enc()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)

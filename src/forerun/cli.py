@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "corpus text as is; both")
     t.add_argument("--distill-prompts", type=int, default=800, help="seed prompts to answer (default 800)")
     t.add_argument("--distill-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    t.add_argument("--passage-prompts", type=int, default=0,
+                   help="also N two-stage prompts: the target writes a passage (German text, a news article, an "
+                        "encyclopedia paragraph, reviews), then translates, summarises or answers from it (default 0)")
     t.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (default 8192)")
     t.add_argument("--steps-ahead", type=int, default=4, help="eagle: depths unrolled in training; medusa: heads")
     t.add_argument("--epochs", type=int, default=2)
@@ -220,6 +223,8 @@ def cmd_train_draft(args) -> int:
 
     from forerun.training.run import train_draft
 
+    if args.passage_prompts < 0:
+        raise ForerunError(f"--passage-prompts must be >= 0, got {args.passage_prompts}")
     for name in ("distill_prompts", "distill_tokens", "draft_vocab", "steps_ahead", "epochs", "batch_tokens", "max_len"):
         if getattr(args, name) < 1:
             raise ForerunError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -91,7 +91,28 @@ def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[s
     return out
 
 
-def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print) -> list[Sequence]:
+def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_tokens: int, log=print) -> list[str]:
+    """Stage-2 prompts over material the target wrote itself (German text to translate, articles to
+    summarise, passages to answer from): stage 1 is answered (and kept as training data) first."""
+    from forerun.training.seeds import passage_writer_prompts
+
+    plan = passage_writer_prompts(n, seed)
+    self_distill(target, [p for p, _, _ in plan], out_path, max_new_tokens=max_new_tokens, log=log,
+                 desc="self-distill (passages)")
+    written = {}
+    for line in out_path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        written[rec["prompt"]] = target.tokenizer.decode(rec["output_ids"], skip_special_tokens=True).strip()
+    out = []
+    for p, follow, t in plan:
+        text = written.get(p)
+        if text:
+            out.append(follow.format(p=text, t=t))
+    return out
+
+
+def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print,
+                 desc: str = "self-distill") -> list[Sequence]:
     """The target answers each prompt (greedy); answers are appended to ``out_path`` as JSONL as
     they come, so an interrupted run resumes where it stopped."""
     from tqdm import tqdm
@@ -115,7 +136,7 @@ def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: 
     tok = target.tokenizer
     limit = target.backend.max_context - max_new_tokens
     with out_path.open("a", encoding="utf-8") as f:
-        for p in tqdm(todo, desc="self-distill", unit="prompt"):
+        for p in tqdm(todo, desc=desc, unit="prompt"):
             ids = tok(p).input_ids[-limit:]
             res = engine.generate(ids, max_new_tokens=max_new_tokens, k="auto")
             rec = {"prompt": p, "prompt_ids": ids, "output_ids": res.token_ids}

@@ -14,7 +14,7 @@ from forerun.errors import ForerunError
 
 def train_draft(args, log=print) -> dict:
     from forerun.models import load_model
-    from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill
+    from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
     t0 = time.time()
@@ -37,6 +37,9 @@ def train_draft(args, log=print) -> dict:
         prompts = distill_prompts(args.corpus, args.distill_prompts, args.seed)
         # Answers come from the fastest backend at hand (llama.cpp for a GGUF file): greedy, lossless.
         gen = load_model(args.model, backend="auto", threads=args.threads)
+        if args.passage_prompts:
+            prompts += two_stage_prompts(gen, args.passage_prompts, work / "distill.jsonl", seed=args.seed,
+                                         max_new_tokens=args.distill_tokens, log=log)
         answers = self_distill(gen, prompts, work / "distill.jsonl", max_new_tokens=args.distill_tokens, log=log)
         del gen
         seqs += [type(s)(s.ids[: args.max_len], s.start) for s in answers if s.start < args.max_len - 2]
@@ -57,6 +60,7 @@ def train_draft(args, log=print) -> dict:
     head.cfg.training = {"command": "forerun " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
                          "model": args.model, "data": args.data, "corpus": Path(args.corpus).name if args.corpus else None,
                          "distill_prompts": args.distill_prompts if args.data != "corpus" else 0,
+                         "passage_prompts": args.passage_prompts if args.data != "corpus" else 0,
                          "distill_tokens": args.distill_tokens, "max_len": args.max_len, "seconds": times, **report}
     head.save(out)
     final = report["history"][-1]["val_agreement"] if report["history"] else None

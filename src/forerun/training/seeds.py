@@ -19,6 +19,13 @@ TOPICS = [
     "the internet", "board games", "tea ceremonies", "earthquakes", "rainforests", "black holes",
     "learning a new language", "remote work", "the Olympic games", "bicycles", "migrating birds",
     "cloud computing", "the French Revolution", "octopuses", "wind turbines", "a small coffee shop",
+    "space telescopes", "ancient Greek theatre", "urban gardening", "the immune system", "renewable energy policy",
+    "the history of money", "artificial intelligence", "mountain climbing", "the Silk Road", "climate change",
+    "public transport", "the Renaissance", "sleep and memory", "video game design", "wildfires", "the printing of books",
+    "electric guitars", "hydropower dams", "the Great Wall of China", "volunteering", "minimalism", "the periodic table",
+    "social media", "a job interview", "saving money", "the water footprint of food", "bees and pollination",
+    "quantum computers", "the Industrial Revolution", "a family holiday", "learning to cook", "the history of jazz",
+    "ocean tides", "starting a small business", "the human brain",
 ]
 
 TEMPLATES = [
@@ -78,6 +85,33 @@ PASSAGE_TEMPLATES = [
 ]
 
 
+QUESTIONS = [
+    "Who invented the telephone?", "What is the capital of Australia?", "How many bones are in the human body?",
+    "When did the first person walk on the moon?", "What is the largest ocean on Earth?", "Who wrote Pride and Prejudice?",
+    "What does DNA stand for?", "Which planet is closest to the sun?", "What is the boiling point of water in Fahrenheit?",
+    "Who painted the ceiling of the Sistine Chapel?", "What language is spoken in Brazil?", "How long is a marathon?",
+    "What is the speed of light?", "Which country has the largest population?", "What is the chemical symbol for gold?",
+    "Who was the first president of the United States?", "What causes the seasons on Earth?", "How does a vaccine work?",
+    "What is inflation?", "Why is the sky blue?", "What is the tallest mountain in the world?", "Who discovered penicillin?",
+]
+
+# Tasks whose material the target writes first (stage 1), then works on (stage 2): German text to
+# translate, articles to summarise, passages to answer questions from.
+PASSAGE_WRITERS = [
+    ("Write a short paragraph in German about {t}.", "Translate German to English: {p}"),
+    ("Write a short news article about {t}.", "Summarize: {p}"),
+    ("Write a short encyclopedia paragraph about {t}.", "{p}\nBased on the passage above, what is the main point about {t}?"),
+    ("Write two short customer reviews of a product related to {t}.", "Rate each review from 1 to 5 and explain: {p}"),
+]
+
+
+def passage_writer_prompts(n: int, seed: int = 0) -> list[tuple[str, str, str]]:
+    """(stage-1 prompt, stage-2 template, topic): the stage-2 prompt embeds the target's stage-1 answer."""
+    rng = random.Random(seed + 1)
+    return [(w.format(t=t), follow, t) for w, follow in [rng.choice(PASSAGE_WRITERS) for _ in range(n)]
+            for t in [rng.choice(TOPICS)]]
+
+
 def builtin_prompts(passages: list[str], n: int, seed: int = 0) -> list[str]:
     """``n`` varied prompts: topic templates, coding tasks, and tasks over ``passages``."""
     rng = random.Random(seed)
@@ -89,6 +123,8 @@ def builtin_prompts(passages: list[str], n: int, seed: int = 0) -> list[str]:
             out.append(rng.choice(TEMPLATES).format(t=t, u=u))
         elif kind == 2 and i % 8 == 2:
             out.append(rng.choice(CODE_TASKS))
+        elif kind == 2:
+            out.append(rng.choice(QUESTIONS))
         elif passages:
             out.append(rng.choice(PASSAGE_TEMPLATES).format(p=rng.choice(passages)))
         else:
