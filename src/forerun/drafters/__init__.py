@@ -32,6 +32,9 @@ def load_head_drafter(method: str, target, head_path=None, tree=None):
         raise ForerunError(f"no {method} head is shipped for {target.name}; train one with `forerun train-draft --kind "
                            f"{method} --model {target.name} --out DIR` and pass --draft DIR")
     head = load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=method)
+    head.to(be.device)
+    if be.device.type == "cpu":
+        head.pack_for_inference()
     return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree)
 
 

@@ -50,7 +50,7 @@ class FeatureDrafter(Drafter):
         if self.params.greedy:
             return self.d2t[logits.argmax(-1)], None
         q_small = logits_to_probs(logits, self.params)
-        q = torch.zeros(self.head.cfg.vocab_size).scatter_(0, self.d2t, q_small)  # zero outside the draft vocabulary
+        q = torch.zeros(self.head.cfg.vocab_size, device=q_small.device).scatter_(0, self.d2t, q_small)  # zero outside the draft vocabulary
         return sample(q, self.generator), q
 
 
@@ -79,7 +79,7 @@ class EagleDrafter(FeatureDrafter):
         # 1. Entries for the newly verified positions: (token after position i, target features at i).
         p = self.feat_pos
         n = min(len(self.feats), len(tokens) - 1 - p)
-        ids = torch.tensor(tokens[p + 1 : p + 1 + n], dtype=torch.long)
+        ids = torch.tensor(tokens[p + 1 : p + 1 + n], dtype=torch.long, device=self.embed.device)
         g, self.cache = head.step(self._emb(ids), head.fuse_features(self.feats[:n]), p, self.cache)
         self.entries = p + n
         self.feat_pos, self.feats = p + n, None
@@ -117,7 +117,7 @@ class EagleDrafter(FeatureDrafter):
                 break
             n_prev = cache[0].shape[2]
             rows = len(frontier)
-            mask = torch.zeros(rows, n_prev + rows, dtype=torch.bool)
+            mask = torch.zeros(rows, n_prev + rows, dtype=torch.bool)  # built on the CPU, moved once
             mask[:, :base] = True
             for r, nd in enumerate(frontier):
                 a = nodes[nd][2]
@@ -125,10 +125,11 @@ class EagleDrafter(FeatureDrafter):
                     mask[r, slot[a]] = True
                     a = nodes[a][2]
                 mask[r, n_prev + r] = True
-            emb = self._emb(torch.tensor([nodes[nd][1] for nd in frontier]))
+            dev = self.embed.device
+            emb = self._emb(torch.tensor([nodes[nd][1] for nd in frontier], device=dev))
             parent_hid = torch.stack([hid[nodes[nd][2]] for nd in frontier])
-            positions = torch.full((rows,), base + d - 2)
-            g, cache = head.step(emb, parent_hid, n_prev, cache, positions=positions, mask=mask)
+            positions = torch.full((rows,), base + d - 2, device=dev)
+            g, cache = head.step(emb, parent_hid, n_prev, cache, positions=positions, mask=mask.to(dev))
             for r, nd in enumerate(frontier):
                 hid[nd] = g[r]
                 slot[nd] = n_prev + r
