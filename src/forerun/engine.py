@@ -121,7 +121,7 @@ class Engine:
             n_draft = draft.depth
             root = len(tokens) - 1
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
-            if params.greedy and fast_argmax:  # the backend gives exact argmaxes cheaper than logits
+            if params.greedy and fast_argmax and tree is None:  # the backend gives exact argmaxes cheaper than logits
                 logits = None
                 target_ids = target.argmax_forward(feed, root)  # [n_draft + 1]
             else:

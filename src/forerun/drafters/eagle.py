@@ -65,8 +65,7 @@ class EagleDrafter(FeatureDrafter):
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
-        self.cache = None
-        self.entries = 0  # head entries built from real target features
+        self.cache = None  # head keys/values: committed entries first, then this round's guesses
 
     def _emb(self, ids) -> torch.Tensor:
         return F.embedding(ids, self.embed).float() * self.scale
@@ -81,7 +80,6 @@ class EagleDrafter(FeatureDrafter):
         n = min(len(self.feats), len(tokens) - 1 - p)
         ids = torch.tensor(tokens[p + 1 : p + 1 + n], dtype=torch.long, device=self.embed.device)
         g, self.cache = head.step(self._emb(ids), head.fuse_features(self.feats[:n]), p, self.cache)
-        self.entries = p + n
         self.feat_pos, self.feats = p + n, None
         if self.tree_nodes:
             return self._tree(g[-1:], p + n, min(k, self.tree_depth))
