@@ -288,7 +288,7 @@ def run_bench(args) -> dict:
     from tqdm import tqdm
 
     from forerun.draft_length import AdaptiveK
-    from forerun.drafters import METHODS, make_drafter, parse_skip_layers
+    from forerun.drafters import HEAD_METHODS, METHODS, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
@@ -300,7 +300,7 @@ def run_bench(args) -> dict:
     method_k = {}
     for m in methods:
         base, _, k = m.partition(":")
-        if base.removesuffix("-tree") not in METHODS or (base.endswith("-tree") and base[:-5] not in ("eagle", "medusa")):
+        if base.removesuffix("-tree") not in METHODS or (base.endswith("-tree") and base[:-5] not in HEAD_METHODS):
             raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)})")
         method_k[m] = check_k(k) if k else args.k
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
@@ -323,7 +323,10 @@ def run_bench(args) -> dict:
     threads = getattr(args, "threads", None)
     from forerun.cli import _load, _tree
 
-    tree = _tree(args)
+    # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32).
+    tree_methods = {m for m in methods if m.partition(":")[0].endswith("-tree")}
+    tree = _tree(args)  # validated whether or not a tree method asks for it
+    tree = (tree or (32, None)) if tree_methods else None
     target = _load(args, [m.partition(":")[0] for m in methods])
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
     hf_model = target.hf_model
@@ -332,11 +335,10 @@ def run_bench(args) -> dict:
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
-    def build(m):  # "eagle-tree" (any head method + "-tree"): the same head verifying --tree-nodes trees
-        base, _, _ = m.partition(":")
-        kind = base.removesuffix("-tree")
+    def build(m):
+        kind = m.partition(":")[0].removesuffix("-tree")
         return make_drafter(kind, target, draft_model=draft, skip_layers=skip, head_path=heads.get(kind),
-                            tree=(tree or (32, None)) if base.endswith("-tree") else None)
+                            tree=tree if m in tree_methods else None)
 
     drafters = {m: build(m) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
@@ -367,7 +369,7 @@ def run_bench(args) -> dict:
     config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
               "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
-    config["tree"] = list(tree or (32, None)) if any(m.partition(":")[0].endswith("-tree") for m in methods) else None
+    config["tree"] = list(tree) if tree else None
     config["backend"] = type(target.backend).__name__
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
     if hasattr(target.backend, "batch_invariant"):
@@ -398,13 +400,13 @@ def run_bench(args) -> dict:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
     bar.close()
 
-    tree_rows = (tree or (32, None))[0] if any(m.partition(":")[0].endswith("-tree") for m in methods) else None
+    tree_rows = tree[0] if tree else None
     ks = list(range(1, 9)) + ([tree_rows] if tree_rows and tree_rows > 8 else [])
     results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks)
     results["lm_head_kernels_ms"] = head_kernel_times(target.backend)
     for name, m in results["methods"].items():
         if name in engines and name != "none":
-            rows = tree_rows if name.partition(":")[0].endswith("-tree") else None
+            rows = tree_rows if name in tree_methods else None
             m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"], rows)
     if hasattr(target.backend, "head_fallbacks"):
         results["greedy_head_fallbacks"] = target.backend.head_fallbacks

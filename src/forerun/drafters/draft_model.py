@@ -34,6 +34,20 @@ class DraftModelDrafter(Drafter):
         self.backend.truncate(min(self.backend.length, len(tokens) - 1))
 
 
+def pick_token(logits, params, generator, vocab_map=None, vocab_size=None):
+    """One draft token from logits [n]: (token id, q over the full vocabulary, or None when greedy).
+
+    ``vocab_map`` [n] (optional): the logits cover these token ids only; q is zero elsewhere.
+    """
+    if params.greedy:
+        tok = logits.argmax(-1)
+        return (tok if vocab_map is None else vocab_map[tok]), None
+    q = logits_to_probs(logits, params)
+    if vocab_map is not None:
+        q = torch.zeros(vocab_size, device=q.device).scatter_(0, vocab_map, q)
+    return sample(q, generator), q
+
+
 def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=None, **fwd) -> Draft:
     """Run ``feed`` at ``pos``, then draft k tokens one at a time. Shared by model-based drafters.
 
@@ -43,15 +57,8 @@ def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=Non
     for _ in range(k):
         logits = backend.forward(feed, pos, last_only=True, **fwd).logits[-1]
         pos += feed.numel()
-        if params.greedy:
-            tok = logits.argmax(-1)
-            if vocab_map is not None:
-                tok = vocab_map[tok]
-        else:
-            q = logits_to_probs(logits, params)
-            if vocab_map is not None:  # q is zero outside the draft vocabulary
-                q = torch.zeros(backend.vocab_size, device=q.device).scatter_(0, vocab_map, q)
-            tok = sample(q, generator)
+        tok, q = pick_token(logits, params, generator, vocab_map, backend.vocab_size)
+        if q is not None:
             qs.append(q)
         out.append(tok)
         feed = tok.view(1)

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from forerun.drafters.base import Draft, Drafter
+from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
-from forerun.sampling import logits_to_probs, sample
 
 
 class FeatureDrafter(Drafter):
@@ -47,11 +47,7 @@ class FeatureDrafter(Drafter):
 
     def _pick(self, logits: torch.Tensor):
         """One draft token from draft-vocabulary logits [draft_vocab]: (target token id, q or None)."""
-        if self.params.greedy:
-            return self.d2t[logits.argmax(-1)], None
-        q_small = logits_to_probs(logits, self.params)
-        q = torch.zeros(self.head.cfg.vocab_size, device=q_small.device).scatter_(0, self.d2t, q_small)  # zero outside the draft vocabulary
-        return sample(q, self.generator), q
+        return pick_token(logits, self.params, self.generator, self.d2t, self.head.cfg.vocab_size)
 
 
 class EagleDrafter(FeatureDrafter):
