@@ -49,15 +49,16 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
         if self.packed is None:
             return F.linear(x, self.weight)
-        if not self.autotune:
-            return self._run(x, "onednn")
         rows = x.shape[0]
+        if not self.autotune or rows > self.AUTOTUNE_ROWS:
+            return self._run(x, "onednn")
         how = self.choice.get(rows)
         if how is None:
             how = self.choice[rows] = self._measure(x)
         return self._run(x, how)
 
     KERNELS = ("onednn", "wxt", "plain")
+    AUTOTUNE_ROWS = 16  # verify passes of one sequence; batched passes of more rows stay on oneDNN
 
     def time_kernels(self, x: torch.Tensor, reps: int = 3) -> dict[str, float]:
         """Median seconds of each candidate kernel on ``x`` (one untimed run each first)."""
@@ -232,26 +233,9 @@ class NativeGemma3(BackendBase):
             masks = self._masks(pos, T)
         else:
             positions, masks = self._tree_masks(pos, tree)
-        rope = self._rope(positions)
         h = F.embedding(tokens, self.embed) * self.embed_scale  # [T, hidden]
-        skip = set(skip_layers)
-        want = {l: None for l in layers}
-        for i, layer in enumerate(self.layers):
-            if i in skip:
-                continue
-            kind = "sliding_attention" if layer.sliding else "full_attention"
-            cos, sin = rope[kind] if kind in rope else next(iter(rope.values()))
-            x = _rms_norm(h, layer.norms[0], self.eps)
-            x = self._attention(layer, i, x, pos, cos, sin, masks[layer.sliding])
-            h = h + _rms_norm(x, layer.norms[1], self.eps)
-            x = _rms_norm(h, layer.norms[2], self.eps)
-            gu = layer.gate_up(x)
-            x = layer.down(F.gelu(gu[:, : layer.inter], approximate="tanh") * gu[:, layer.inter :])
-            h = h + _rms_norm(x, layer.norms[3], self.eps)
-            if i in want:
-                want[i] = h
+        h, feats = self._body(h, [(self, pos, T, self._rope(positions), masks)], set(skip_layers), layers)
         self._len = end
-        feats = torch.cat([want[l] for l in layers], -1) if layers else None
         if not logits:
             return ForwardOutput(logits=None, layers=feats)
         h = _rms_norm(h[-1:] if last_only else h, self.final_norm, self.eps)
@@ -259,6 +243,55 @@ class NativeGemma3(BackendBase):
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return ForwardOutput(logits=out, hidden=h if return_hidden else None, layers=feats)
+
+    def _body(self, h, parts, skip, layers):
+        """The transformer layers over the rows ``h`` [rows, hidden] of one or more sequences.
+
+        ``parts``: per sequence (backend holding its cache, pos, T, rope, masks), in row order.
+        Linear layers run on every row at once; attention runs per sequence on its own cache.
+        Returns the last hidden states and the asked-for layers' outputs (or None)."""
+        want = {l: None for l in layers}
+        for i, layer in enumerate(self.layers):
+            if i in skip:
+                continue
+            x = _rms_norm(h, layer.norms[0], self.eps)
+            qkv = layer.qkv(x)
+            outs, r = [], 0
+            for seq, pos, T, rope, masks in parts:
+                kind = "sliding_attention" if layer.sliding else "full_attention"
+                cos, sin = rope[kind] if kind in rope else next(iter(rope.values()))
+                outs.append(seq._attention(layer, i, qkv[r: r + T], pos, cos, sin, masks[layer.sliding]))
+                r += T
+            x = layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
+            h = h + _rms_norm(x, layer.norms[1], self.eps)
+            x = _rms_norm(h, layer.norms[2], self.eps)
+            gu = layer.gate_up(x)
+            x = layer.down(F.gelu(gu[:, : layer.inter], approximate="tanh") * gu[:, layer.inter :])
+            h = h + _rms_norm(x, layer.norms[3], self.eps)
+            if i in want:
+                want[i] = h
+        return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: Sequence["NativeGemma3"], feeds: Sequence[torch.Tensor],
+                      positions: Sequence[int]) -> list[torch.Tensor]:
+        """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
+        cache (forks of this backend). Returns each sequence's logits [T_i, vocab], float32."""
+        parts, ids = [], []
+        for seq, feed, pos in zip(seqs, feeds, positions):
+            seq._check_forward(feed, pos)
+            T = feed.numel()
+            seq._ensure_capacity(pos + T)
+            parts.append((seq, pos, T, self._rope(torch.arange(pos, pos + T, device=self.device)), seq._masks(pos, T)))
+            ids.append(feed.to(self.device))
+        h = F.embedding(torch.cat(ids), self.embed) * self.embed_scale  # [rows, hidden]
+        h, _ = self._body(h, parts, set(), ())
+        for seq, pos, T, _, _ in parts:
+            seq._len = pos + T
+        out = self.lm_head(_rms_norm(h, self.final_norm, self.eps)).float()  # [rows, vocab]
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return list(out.split([p[2] for p in parts]))
 
     def _masks(self, pos: int, T: int):
         """Boolean masks [T, S] (True = attend) with the first key index, for full and sliding layers."""
@@ -300,10 +333,10 @@ class NativeGemma3(BackendBase):
             self.v_cache[:, :, pos + 1 : pos + 1 + n] = self.v_cache[:, :, src]
         self._len = min(self._len, pos + 1 + len(rows))
 
-    def _attention(self, layer: _Layer, idx: int, x, pos, cos, sin, mask_info):
-        T = x.shape[0]
+    def _attention(self, layer: _Layer, idx: int, qkv, pos, cos, sin, mask_info):
+        """Attention of rows ``qkv`` [T, q + k + v] at pos.. over this backend's cache (before the output projection)."""
+        T = qkv.shape[0]
         D = self.head_dim
-        qkv = layer.qkv(x)
         q = qkv[:, : layer.n_q].view(T, self.n_heads, D)
         k = qkv[:, layer.n_q : layer.n_q + layer.n_kv].view(T, self.n_kv_heads, D)
         v = qkv[:, layer.n_q + layer.n_kv :].view(T, self.n_kv_heads, D)
@@ -326,4 +359,4 @@ class NativeGemma3(BackendBase):
             scale=self.scale,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )  # [1, heads, T, D]
-        return layer.o(out[0].transpose(0, 1).reshape(T, self.n_heads * D))
+        return out[0].transpose(0, 1).reshape(T, self.n_heads * D)

@@ -1,0 +1,384 @@
+"""Batched speculative decoding: many sequences, one target pass per step.
+
+Each active sequence owns a slot: a fork of the target backend (its own KV cache) and its own
+drafter. A step drafts for every sequence, verifies all drafts in one target pass (the
+native backend runs the linear layers on every row at once and attention per sequence),
+then accepts, rolls back and emits per sequence, exactly as ``Engine.stream`` does for one.
+Sequences join (prefill) and leave between steps.
+
+How many tokens each sequence drafts is chosen every step by ``LoadAwareK`` from the measured
+cost of a target pass as a function of its rows and the measured acceptance, so that
+speculation is used only where it is predicted to raise throughput; under heavy load the
+draft length falls to zero and the step is plain batched decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from forerun.drafters.base import Draft, empty_draft
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.sampling import SamplingParams
+from forerun.stats import GenerationStats
+
+_ids = itertools.count(1)
+
+
+class QueueFull(ForerunError):
+    """The waiting queue is at its bound: the caller should retry later."""
+
+
+@dataclass
+class BatchRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    # Called on the engine thread: (new tokens, finish reason or None). Finish reasons: "stop"
+    # (EOS), "length", "context", "cancelled", "error".
+    on_event: Callable[[list[int], str | None], None] = lambda tokens, finish: None
+    id: int = field(default_factory=lambda: next(_ids))
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    error: str | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    # engine-side state
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+    produced: int = 0
+    slot: "_Slot | None" = None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Slot:
+    backend: object
+    drafter: object
+
+
+class LoadAwareK:
+    """Draft lengths for one step of a batch, from measured pass costs and acceptance.
+
+    A target pass over R rows is modelled by measured times (calibrated at start, refined with
+    every pass; linear interpolation between measured row counts). Acceptance is estimated per
+    trust bucket (e.g. the n-gram match length) with exponential forgetting; the j-th draft token
+    of a sequence adds a^j expected tokens. Candidates are taken in order of expected gain and
+    the prefix with the best predicted tokens per second wins; speculation must beat plain
+    batched decoding by ``margin`` or the step drafts nothing.
+    """
+
+    def __init__(self, k_max: int = 8, decay: float = 0.95, margin: float = 0.03):
+        self.k_max = k_max
+        self.decay = decay
+        self.margin = margin
+        self.costs: dict[int, float] = {}  # rows -> EMA seconds of a target pass
+        self.buckets: dict[object, list[float]] = {}  # bucket -> [accepted, rejections]
+        self.draft_cost = 0.0  # seconds per drafted token (drafters that are not cheap)
+
+    # -- measurements ----------------------------------------------------------------------
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        old = self.costs.get(rows)
+        self.costs[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            per = seconds / tokens
+            self.draft_cost = per if not self.draft_cost else 0.8 * self.draft_cost + 0.2 * per
+
+    def observe(self, bucket, k: int, accepted: int) -> None:
+        if k <= 0:
+            return
+        b = self.buckets.setdefault(bucket, [2.0, 2.0])
+        b[0] = self.decay * b[0] + accepted
+        b[1] = self.decay * b[1] + (1 if accepted < k else 0)
+
+    def acceptance(self, bucket) -> float:
+        b = self.buckets.get(bucket) or self.buckets.get(None) or [2.0, 2.0]
+        return min(b[0] / (b[0] + b[1]), 0.98)
+
+    def cost(self, rows: int) -> float:
+        if rows in self.costs:
+            return self.costs[rows]
+        if not self.costs:
+            return 1.0
+        known = sorted(self.costs)
+        lo = max((r for r in known if r < rows), default=None)
+        hi = min((r for r in known if r > rows), default=None)
+        if lo is not None and hi is not None:
+            w = (rows - lo) / (hi - lo)
+            return (1 - w) * self.costs[lo] + w * self.costs[hi]
+        if len(known) == 1:
+            return self.costs[known[0]]
+        a, b = (known[-2], known[-1]) if hi is None else (known[0], known[1])
+        slope = max(0.0, (self.costs[b] - self.costs[a]) / (b - a))
+        ref = b if hi is None else a
+        return max(1e-6, self.costs[ref] + slope * (rows - ref))
+
+    # -- choice ----------------------------------------------------------------------------
+    def choose(self, available: list[int], buckets: list, charge_drafting: bool) -> list[int]:
+        """Draft tokens to keep per sequence, given ``available[i]`` proposed (or proposable) ones."""
+        n = len(available)
+        if n == 0:
+            return []
+        cands = []
+        for i, (avail, bucket) in enumerate(zip(available, buckets)):
+            a = self.acceptance(bucket)
+            for j in range(1, min(avail, self.k_max) + 1):
+                cands.append((a**j, i))
+        if not cands:
+            return [0] * n
+        cands.sort(key=lambda c: -c[0])
+        base = n / self.cost(n)
+        best, best_m, tokens = base * (1 + self.margin), 0, float(n)
+        per_draft = self.draft_cost if charge_drafting else 0.0
+        for m, (gain, _) in enumerate(cands, 1):
+            tokens += gain
+            rate = tokens / (self.cost(n + m) + m * per_draft)
+            if rate > best:
+                best, best_m = rate, m
+        ks = [0] * n
+        for _, i in cands[:best_m]:
+            ks[i] += 1
+        return ks
+
+
+class BatchEngine:
+    """Decodes many requests together; drive it with ``run`` on its own thread (or ``step``)."""
+
+    def __init__(self, target, eos_token_ids=(), *, drafter_factory: Callable[[], object] | None = None,
+                 max_batch: int = 8, max_waiting: int = 64, k_max: int = 8, speculate: bool = True):
+        if max_batch < 1:
+            raise ForerunError(f"max_batch must be >= 1, got {max_batch}")
+        self.target = target
+        self.eos = set(int(i) for i in eos_token_ids)
+        self.drafter_factory = drafter_factory if speculate else None
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.policy = LoadAwareK(k_max=k_max)
+        self.waiting: deque[BatchRequest] = deque()
+        self.active: list[BatchRequest] = []
+        self._free: list[_Slot] = []
+        self._n_slots = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        # observers (metrics): on_step(rows, seconds, [(request, drafted, accepted)])
+        self.on_step: Callable | None = None
+        self.batched = hasattr(target, "forward_batch")
+
+    # -- requests (any thread) --------------------------------------------------------------
+    def submit(self, req: BatchRequest) -> BatchRequest:
+        if not req.prompt:
+            raise ForerunError("empty prompt")
+        if len(req.prompt) >= self.target.max_context:
+            raise ForerunError(f"prompt is {len(req.prompt)} tokens; the context limit is {self.target.max_context}")
+        with self._lock:
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (the limit); retry later")
+            self.waiting.append(req)
+        self._wake.set()
+        return req
+
+    def cancel(self, req: BatchRequest) -> None:
+        """Stop a request; its slot is freed before the next step."""
+        req.cancelled = True
+        self._wake.set()
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.active)
+
+    # -- engine thread ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until ``stop``; every failure is reported to the requests it touched, never raised."""
+        while not self._stop.is_set():
+            if not self.active and not self.waiting:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            self.step()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def calibrate(self, rows: list[int] | None = None, reps: int = 2) -> dict[int, float]:
+        """Time target passes of several row counts (a scratch sequence), seeding the cost model."""
+        if self.drafter_factory is None:
+            return {}
+        rows = rows or sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128} & set(
+            range(1, self.max_batch * (self.policy.k_max + 1) + 1)))
+        scratch = self.target.fork()
+        g = torch.Generator().manual_seed(0)
+        for r in rows:
+            if r + 64 > scratch.max_context:
+                break
+            feed = torch.randint(3, min(self.target.vocab_size, 1000), (64 + r,), generator=g)
+            scratch.reset()
+            scratch.forward(feed[:64], 0, last_only=True)
+            times = []
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                self._pass([scratch], [feed[64:]], [64])
+                times.append(time.perf_counter() - t)
+            self.policy.costs[r] = sorted(times[1:])[len(times[1:]) // 2]
+        del scratch
+        return dict(self.policy.costs)
+
+    def _slot(self) -> _Slot:
+        if self._free:
+            return self._free.pop()
+        self._n_slots += 1
+        backend = self.target.fork()
+        drafter = self.drafter_factory() if self.drafter_factory is not None else None
+        return _Slot(backend, drafter)
+
+    def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
+        if req in self.active:
+            self.active.remove(req)
+        if req.slot is not None:
+            self._free.append(req.slot)
+            req.slot = None
+        try:
+            req.on_event(tokens, reason)
+        except Exception:  # a broken listener must not stop the engine
+            pass
+
+    def _admit(self) -> None:
+        while len(self.active) < self.max_batch:
+            with self._lock:
+                if not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.cancelled:
+                self._finish(req, [], "cancelled")
+                continue
+            req.slot = self._slot()
+            try:
+                self._prefill(req)
+            except Exception as e:  # noqa: BLE001 - reported to this request only
+                req.error = f"{type(e).__name__}: {e}"
+                req.slot.backend.reset()
+                self._finish(req, [], "error")
+                continue
+            self.active.append(req)
+
+    def _prefill(self, req: BatchRequest) -> None:
+        t0 = time.perf_counter()
+        be, drafter = req.slot.backend, req.slot.drafter
+        req.tokens = list(req.prompt)
+        req.produced = 0
+        req.stats.prompt_tokens = len(req.prompt)
+        req.generator = None if req.params.greedy else req.params.generator(getattr(be, "device", torch.device("cpu")))
+        be.reset()
+        if drafter is not None:
+            drafter.begin(req.tokens, req.params, req.generator)
+        if len(req.tokens) > 1:
+            be.forward(torch.tensor(req.tokens[:-1], dtype=torch.long), 0, last_only=True)
+        req.stats.prefill_s = time.perf_counter() - t0
+
+    def _pass(self, backends, feeds, positions) -> list[torch.Tensor]:
+        if self.batched:
+            return self.target.forward_batch(backends, feeds, positions)
+        return [be.forward(f, p).logits for be, f, p in zip(backends, feeds, positions)]
+
+    def step(self) -> None:
+        """Admit waiting requests, then one draft / verify / accept round for every active one."""
+        for req in [r for r in self.active if r.cancelled]:
+            self._finish(req, [], "cancelled")
+        self._admit()
+        reqs = list(self.active)
+        if not reqs:
+            return
+        limit = self.target.max_context
+        rooms = [min(r.max_new_tokens - r.produced, limit - len(r.tokens)) for r in reqs]
+        # 1. Draft: cheap drafters propose at full length and are cut after; others propose what the policy plans.
+        t0 = time.perf_counter()
+        drafts: list[Draft] = []
+        cheap = all(r.slot.drafter is None or r.slot.drafter.cheap_proposals for r in reqs)
+        if self.drafter_factory is None:
+            drafts = [empty_draft() for _ in reqs]
+        elif cheap:
+            for r, room in zip(reqs, rooms):
+                want = min(self.policy.k_max, room - 1)
+                drafts.append(r.slot.drafter.propose(r.tokens, want) if want > 0 else empty_draft())
+            ks = self.policy.choose([len(d) for d in drafts], [d.bucket for d in drafts], charge_drafting=False)
+            drafts = [_cut(d, k) for d, k in zip(drafts, ks)]
+        else:
+            ks = self.policy.choose([max(0, room - 1) for room in rooms], [None] * len(reqs), charge_drafting=True)
+            for r, k in zip(reqs, ks):
+                drafts.append(_cut(r.slot.drafter.propose(r.tokens, k), k) if k > 0 else empty_draft())
+        t1 = time.perf_counter()
+        if not cheap:
+            self.policy.observe_draft(sum(len(d) for d in drafts), t1 - t0)
+
+        # 2. Verify every sequence's draft in one target pass.
+        feeds = [torch.cat([torch.tensor(r.tokens[-1:], dtype=torch.long), d.tokens.cpu()]) for r, d in zip(reqs, drafts)]
+        rows = sum(f.numel() for f in feeds)
+        try:
+            logits = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs])
+        except Exception as e:  # noqa: BLE001 - fail the requests of this pass, keep serving
+            for r in reqs:
+                r.error = f"{type(e).__name__}: {e}"
+                r.slot.backend.reset()
+                self._finish(r, [], "error")
+            return
+        t2 = time.perf_counter()
+        self.policy.observe_pass(rows, t2 - t1)
+
+        # 3. Accept, 4. roll back, per sequence.
+        report = []
+        for r, d, lg in zip(reqs, drafts, logits):
+            out, n_acc = Engine._accept(d, lg, r.params, r.generator)
+            new = out[: n_acc + 1]
+            finish = None
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new, finish = new[: i + 1], "stop"
+                    break
+            n_acc = min(n_acc, len(new) - 1) if finish else n_acc
+            r.tokens.extend(new)
+            r.produced += len(new)
+            r.slot.backend.truncate(len(r.tokens) - 1)
+            if r.slot.drafter is not None:
+                r.slot.drafter.accepted(r.tokens, n_acc)
+            self.policy.observe(d.bucket, len(d), n_acc)
+            s = r.stats
+            s.record_step(len(d), n_acc)
+            s.verify_s += (t2 - t1) * (len(d) + 1) / rows  # this sequence's share of the pass
+            s.draft_s += (t1 - t0) / len(reqs)
+            s.new_tokens = r.produced
+            s.wall_s = time.perf_counter() - r.t_submit
+            report.append((r, len(d), n_acc))
+            if finish is None and r.produced >= r.max_new_tokens:
+                finish = "length"
+            if finish is None and len(r.tokens) >= limit:
+                finish = "context"
+            if finish is not None:
+                self._finish(r, new, finish)
+            else:
+                try:
+                    r.on_event(new, None)
+                except Exception:
+                    pass
+        if self.on_step is not None:
+            try:
+                self.on_step(rows, t2 - t1, report)
+            except Exception:
+                pass
+
+
+def _cut(d: Draft, k: int) -> Draft:
+    if len(d) <= k:
+        return d
+    return Draft(tokens=d.tokens[:k], q=None if d.q is None else d.q[:k], bucket=d.bucket)

@@ -1,0 +1,145 @@
+"""Batched speculation: many sequences per target pass, each equal to its own plain decoding."""
+
+from __future__ import annotations
+
+import torch
+
+from forerun.batching import BatchEngine, BatchRequest, LoadAwareK, QueueFull
+from forerun.drafters.ngram import NgramDrafter
+from forerun.engine import Engine
+from forerun.sampling import SamplingParams
+
+import pytest
+
+
+def _prompts(n, vocab=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(4, vocab, (3 + i,), generator=g).tolist()
+        out.append([2] + base * 3)  # repeats: n-gram drafts find matches
+    return out
+
+
+def _run(engine, reqs):
+    done = {}
+
+    for r in reqs:
+        r.on_event = (lambda r: lambda toks, fin: done.setdefault(r.id, []).extend(toks))(r)
+        engine.submit(r)
+    while engine.active or engine.waiting:
+        engine.step()
+    return [done.get(r.id, []) for r in reqs]
+
+
+def test_forward_batch_equals_single_passes(gemma):
+    be = gemma.backend
+    seqs = [be.fork() for _ in range(3)]
+    prompts = _prompts(3)
+    singles = []
+    for s, p in zip(seqs, prompts):
+        s.forward(torch.tensor(p[:-2]), 0)
+        ref = be.fork()
+        ref.forward(torch.tensor(p[:-2]), 0)
+        singles.append(ref.forward(torch.tensor(p[-2:]), len(p) - 2).logits)
+    out = be.forward_batch(seqs, [torch.tensor(p[-2:]) for p in prompts], [len(p) - 2 for p in prompts])
+    for a, b, s, p in zip(out, singles, seqs, prompts):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert s.length == len(p)
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+def test_greedy_batch_equals_plain(gemma, speculate):
+    prompts = _prompts(5)
+    plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=20).token_ids for p in prompts]
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=NgramDrafter, max_batch=3, speculate=speculate)
+    eng.calibrate(reps=1)
+    reqs = [BatchRequest(prompt=p, max_new_tokens=20) for p in prompts]
+    outs = _run(eng, reqs)
+    assert outs == plain
+    drafted = sum(r.stats.drafted for r in reqs)
+    assert (drafted > 0) == speculate
+    assert eng._n_slots == 3  # slots are reused by later requests
+
+
+def test_requests_join_and_leave_between_steps(gemma):
+    prompts = _prompts(4, seed=1)
+    plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=n).token_ids
+             for p, n in zip(prompts, (3, 17, 9, 25))]
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=NgramDrafter, max_batch=4)
+    eng.calibrate(reps=1)
+    got = {}
+    reqs = [BatchRequest(prompt=p, max_new_tokens=n) for p, n in zip(prompts, (3, 17, 9, 25))]
+    for r in reqs:
+        r.on_event = (lambda r: lambda toks, fin: got.setdefault(r.id, []).extend(toks))(r)
+    eng.submit(reqs[0])
+    eng.submit(reqs[1])
+    eng.step()
+    eng.step()
+    eng.submit(reqs[2])  # joins while others run
+    eng.step()
+    eng.submit(reqs[3])
+    while eng.active or eng.waiting:
+        eng.step()
+    assert [got[r.id] for r in reqs] == plain
+
+
+def test_cancel_frees_the_slot_and_queue_is_bounded(gemma):
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=NgramDrafter, max_batch=1, max_waiting=1)
+    finishes = []
+    a = BatchRequest(prompt=_prompts(1)[0], max_new_tokens=50, on_event=lambda t, f: f and finishes.append(f))
+    b = BatchRequest(prompt=_prompts(1)[0], max_new_tokens=2, on_event=lambda t, f: f and finishes.append(f))
+    eng.submit(a)
+    eng.step()
+    eng.submit(b)
+    with pytest.raises(QueueFull):
+        eng.submit(BatchRequest(prompt=[2, 5], max_new_tokens=2))
+    eng.cancel(a)
+    eng.step()
+    assert finishes[0] == "cancelled" and eng.active == [b]
+    while eng.active:
+        eng.step()
+    assert finishes == ["cancelled", "length"]
+
+
+def test_sampling_in_a_batch_keeps_the_target_distribution(gemma):
+    """The first two sampled tokens, verified in batches against n-gram drafts, follow the target's distribution."""
+    from forerun.sampling import logits_to_probs
+
+    prompt = [2, 7, 9, 7, 9, 7]
+    params = SamplingParams(temperature=1.0, top_k=6)
+    be = gemma.backend.fork()
+    p1 = logits_to_probs(be.forward(torch.tensor(prompt), 0).logits[-1], params)
+    joint = torch.zeros(p1.numel(), p1.numel())
+    for t in torch.nonzero(p1 > 0).flatten().tolist():
+        be.truncate(len(prompt))
+        joint[t] = p1[t] * logits_to_probs(be.forward(torch.tensor([t]), len(prompt)).logits[-1], params)
+    eng = BatchEngine(gemma.backend, (), drafter_factory=NgramDrafter, max_batch=8)
+    eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free and always worth it: every step drafts
+    eng.policy.margin = -1.0
+    n = 3000
+    reqs = [BatchRequest(prompt=prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=i))
+            for i in range(n)]
+    counts = torch.zeros_like(joint)
+    for i in range(0, n, 8):
+        for o in _run(eng, reqs[i: i + 8]):
+            counts[o[0], o[1]] += 1
+    assert sum(r.stats.drafted for r in reqs) > n / 2  # speculation really happened
+    tv = 0.5 * (counts / n - joint).abs().sum().item()
+    assert tv < 0.09, tv  # 36 support cells, n = 3000: E[TV] is about 0.05
+
+
+def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
+    pol = LoadAwareK(k_max=4)
+    pol.buckets[None] = [5.0, 5.0]  # acceptance 0.5
+    pol.costs = {r: 0.010 for r in range(1, 6)}  # flat: drafts are free at batch 1
+    assert pol.choose([4], [None], charge_drafting=False) == [4]
+    pol.costs = {r: 0.010 * r for r in range(1, 100)}  # every row costs a full step: never pays
+    assert pol.choose([4] * 8, [None] * 8, charge_drafting=False) == [0] * 8
+    # a trusted bucket keeps its drafts when an untrusted one loses them
+    pol.costs = {r: 0.010 + 0.004 * r for r in range(1, 100)}
+    pol.buckets[3] = [19.0, 1.0]
+    pol.buckets[1] = [1.0, 19.0]
+    ks = pol.choose([4, 4], [3, 1], charge_drafting=False)
+    assert ks[0] > 0 and ks[1] == 0
