@@ -179,7 +179,8 @@ class BatchEngine:
         if len(req.prompt) >= self.target.max_context:
             raise ForerunError(f"prompt is {len(req.prompt)} tokens; the context limit is {self.target.max_context}")
         with self._lock:
-            if len(self.waiting) >= self.max_waiting:
+            # max_waiting counts requests beyond the free slots: those wait at least one step
+            if len(self.waiting) >= self.max_waiting + max(0, self.max_batch - len(self.active)):
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (the limit); retry later")
             self.waiting.append(req)
         self._wake.set()

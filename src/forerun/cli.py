@@ -1,4 +1,4 @@
-"""Command line: ``forerun generate | bench | train-draft | calibrate-layerskip``."""
+"""Command line: ``forerun generate | bench | serve | loadtest | train-draft | calibrate-layerskip``."""
 
 from __future__ import annotations
 
@@ -120,6 +120,36 @@ def build_parser() -> argparse.ArgumentParser:
                    "a rerun resumes from what is there")
     t.add_argument("--threads", type=int, default=None)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (batched speculation)")
+    _model_args(s)
+    s.add_argument("--method", default="ngram", help="none | ngram | draft (default ngram)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    s.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429 (default 64)")
+    s.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is stopped (default 600)")
+    s.add_argument("--k-max", type=int, default=8, help="longest draft per sequence; the load-aware policy picks 0..k-max")
+
+    lt = sub.add_parser("loadtest", help="concurrent clients against forerun serve: throughput and latency")
+    lt.add_argument("--url", default=None, help="a running server's base URL (default: start one per --methods entry)")
+    lt.add_argument("--methods", default="none,ngram", help="with no --url: serve each method in turn (default none,ngram)")
+    lt.add_argument("--model", default="bundled")
+    lt.add_argument("--backend", default="auto")
+    lt.add_argument("--threads", type=int, default=None)
+    lt.add_argument("--max-batch", type=int, default=16)
+    lt.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: built-in prompts)")
+    lt.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
+    lt.add_argument("--requests", type=int, default=None, help="requests per concurrency level (default 4 x concurrency, >= 8)")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--temperature", type=float, default=0.0)
+    lt.add_argument("--invalid-fraction", type=float, default=0.0, help="share of deliberately invalid requests (robustness run)")
+    lt.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before remaining requests are skipped")
+    lt.add_argument("--api-key", default=None)
+    lt.add_argument("--out", default=None, help="write the JSON report here")
+
     c = sub.add_parser("calibrate-layerskip", help="choose the layers layerskip drops, by measurement")
     _model_args(c)
     c.add_argument("--out", default=None, help="write the result JSON here (default: the model's cache entry)")
@@ -237,13 +267,28 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from forerun.server.run import serve
+
+    return serve(args)
+
+
+def cmd_loadtest(args) -> int:
+    from forerun.server.loadtest import run_loadtest
+
+    report = run_loadtest(args, log=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(report))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="forerun: %(message)s")
     try:
-        cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft, "calibrate-layerskip": cmd_calibrate}
+        cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft, "calibrate-layerskip": cmd_calibrate,
+                "serve": cmd_serve, "loadtest": cmd_loadtest}
         return cmds[args.cmd](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)

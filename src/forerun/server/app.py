@@ -1,0 +1,489 @@
+"""OpenAI-compatible HTTP server over the batched speculative engine.
+
+The engine runs on its own thread (``BatchEngine.run``); request handlers validate, tokenize,
+submit a ``BatchRequest`` and receive its tokens through an asyncio queue. Every error is
+answered in the OpenAI error shape; no request can stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forerun.batching import BatchEngine, BatchRequest, QueueFull
+from forerun.sampling import SamplingParams
+from forerun.server.metrics import Metrics
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass
+class Job:
+    """One validated request: token ids, limits, sampling, text stops."""
+
+    ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+class Service:
+    """Model + engine thread + metrics; ``create_app(service)`` puts HTTP in front of it."""
+
+    def __init__(self, model, engine: BatchEngine, *, name: str, api_key: str | None = None, max_tokens: int = 1024,
+                 request_timeout: float = 600.0, method: str = "ngram"):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.engine = engine
+        self.name = name
+        self.api_key = api_key
+        self.max_tokens = max_tokens
+        self.request_timeout = request_timeout
+        self.method = method
+        self.metrics = Metrics(engine)
+        engine.on_step = self.metrics.on_step
+        self.created = int(time.time())
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.engine.run, name="forerun-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    # -- prompts ---------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return tok(plain_chat_text(messages)).input_ids
+
+
+def plain_chat_text(messages: list[dict]) -> str:
+    """The fallback for tokenizers without a chat template: 'Role: content' blocks, then 'Assistant:'."""
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(parts) + "\n\nAssistant:"
+
+
+# -- validation ------------------------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _content_text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        out = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            out.append(part["text"])
+        return "".join(out)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def validate(body, service: Service, chat: bool) -> Job:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise _bad("missing required field 'model'", "model")
+    if not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    if model != service.name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{service.name}'",
+                       param="model", code="model_not_found")
+    for name, bad in (("logprobs", lambda v: v not in (None, False, 0)), ("top_logprobs", lambda v: v not in (None, 0)),
+                      ("echo", lambda v: v not in (None, False)), ("best_of", lambda v: v not in (None, 1)),
+                      ("suffix", lambda v: v not in (None, ""))):
+        if name in body and bad(body[name]):
+            raise _bad(f"'{name}' is not supported by this server", name)
+    n = body.get("n", 1)
+    if not _is_int(n) or n != 1:
+        raise _bad("only n=1 is supported", "n")
+
+    if chat:
+        msgs = body.get("messages")
+        if msgs is None:
+            raise _bad("missing required field 'messages'", "messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("'messages' must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+            role = m.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                raise _bad(f"messages[{i}].role must be system, developer, user or assistant", f"messages[{i}].role")
+            if "content" not in m:
+                raise _bad(f"messages[{i}] has no content", f"messages[{i}].content")
+            clean.append({"role": "system" if role == "developer" else role, "content": _content_text(m["content"], i)})
+        try:
+            ids = service.chat_prompt(clean)
+        except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
+            raise _bad(f"the chat template rejected these messages: {e}", "messages") from None
+    else:
+        if "prompt" not in body:
+            raise _bad("missing required field 'prompt'", "prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        vocab = service.engine.target.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise _bad("'prompt' is empty", "prompt")
+            ids = service.tokenizer(prompt).input_ids
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise _bad(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise _bad("one prompt per request (n=1, no prompt batches)", "prompt")
+        else:
+            raise _bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
+    if not ids:
+        raise _bad("the prompt is empty after tokenization", "messages" if chat else "prompt")
+    limit = service.engine.target.max_context
+    if len(ids) >= limit:
+        raise _bad(f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens (room for one new token "
+                   "is needed)", "messages" if chat else "prompt", code="context_length_exceeded")
+
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = min(service.max_tokens, 16) if not chat else service.max_tokens
+    elif not _is_int(max_tokens) or max_tokens < 1:
+        raise _bad(f"'{key}' must be an integer >= 1", key)
+    elif max_tokens > service.max_tokens:
+        raise _bad(f"'{key}' is {max_tokens}; this server allows at most {service.max_tokens}", key)
+
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not _is_num(temperature) or not 0 <= temperature <= 2:
+        raise _bad("'temperature' must be a number in [0, 2]", "temperature")
+    top_p = body.get("top_p", 1.0)
+    top_p = 1.0 if top_p is None else top_p
+    if not _is_num(top_p) or not 0 < top_p <= 1:
+        raise _bad("'top_p' must be a number in (0, 1]", "top_p")
+    top_k = body.get("top_k", 0)
+    top_k = 0 if top_k is None else top_k
+    if not _is_int(top_k) or top_k < 0:
+        raise _bad("'top_k' must be an integer >= 0 (0 = off)", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise _bad("'seed' must be a 64-bit integer", "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop")
+    stream = body.get("stream", False)
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise _bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                            seed=None if seed is None else seed % (2**63))
+    return Job(ids=ids, max_tokens=max_tokens, params=params, stop=stop, stream=stream,
+               include_usage=bool(opts.get("include_usage", False)))
+
+
+# -- text assembly ---------------------------------------------------------------------------
+
+class TextAssembler:
+    """Token ids in, text deltas out: holds back an unfinished character and any tail that could
+    still become a stop string; cuts the text where a stop string appears."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            safe = cut
+        else:
+            safe = len(text)
+            if not final:
+                while safe > self.sent and text[safe - 1] == "\ufffd":  # a multi-byte character still arriving
+                    safe -= 1
+                for s in self.stop:
+                    for n in range(min(len(s) - 1, safe), 0, -1):
+                        if text[:safe].endswith(s[:n]):
+                            safe = min(safe, len(text[:safe]) - n)
+                            break
+        delta = text[self.sent: safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return delta
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+def create_app(service: Service) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    app = FastAPI(title="forerun", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    metrics = service.metrics
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if service.api_key is not None and request.url.path != "/health":
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), service.api_key.encode()):
+                metrics.rejected.labels(status="401").inc()
+                return ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
+                                "authentication_error", code="invalid_api_key").response()
+        try:
+            response = await call_next(request)
+        except Exception as e:  # noqa: BLE001 - last resort: a JSON 500, the server keeps running
+            response = ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
+        if response.status_code >= 400:
+            metrics.rejected.labels(status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": service.engine.n_running, "waiting": service.engine.n_waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": service.created,
+                                            "owned_by": "forerun"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, chat=True)
+
+    async def _serve(request: Request, chat: bool):
+        t0 = time.perf_counter()
+        try:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                raise _bad("the request body is not valid JSON") from None
+            job = validate(body, service, chat)
+        except ApiError as e:
+            return e.response()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_event(tokens, finish):  # engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, (tokens, finish))
+
+        req = BatchRequest(prompt=job.ids, max_new_tokens=job.max_tokens, params=job.params, on_event=on_event)
+        try:
+            service.engine.submit(req)
+        except QueueFull as e:
+            return ApiError(429, f"the server is at capacity: {e}", "rate_limit_error", code="queue_full").response()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        run = _Run(service, req, job, queue, t0, chat, rid)
+        if job.stream:
+            return StreamingResponse(run.events(request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await run.collect(request)
+
+    return app
+
+
+class _Run:
+    """One submitted request as seen by its handler: tokens in from the engine, text out."""
+
+    def __init__(self, service: Service, req: BatchRequest, job: Job, queue: asyncio.Queue, t0: float, chat: bool,
+                 rid: str):
+        self.service, self.req, self.job, self.queue, self.t0, self.chat, self.rid = service, req, job, queue, t0, chat, rid
+        self.text = TextAssembler(service.tokenizer, job.stop)
+        self.n_tokens = 0
+        self.t_first = None
+        self.finish = None
+        self.created = int(time.time())
+
+    async def _next(self, request: Request):
+        """The next engine event, watching the deadline and the client's connection."""
+        deadline = self.t0 + self.service.request_timeout
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=min(0.5, left))
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ConnectionError from None
+
+    def _take(self, tokens: list[int], finish: str | None) -> str:
+        if tokens and self.t_first is None:
+            self.t_first = time.perf_counter()
+            self.service.metrics.ttft.observe(self.t_first - self.t0)
+        self.n_tokens += len(tokens)
+        delta = self.text.push(tokens, final=finish is not None)
+        if self.text.stopped:
+            if finish is None:
+                self.service.engine.cancel(self.req)  # a stop string: no more tokens are needed
+            self.finish = "stop"
+        elif finish is not None:  # engine reasons: stop (EOS), length, context, cancelled, error
+            self.finish = {"context": "length"}.get(finish, finish)
+        return delta
+
+    def _record_end(self) -> None:
+        m = self.service.metrics
+        now = time.perf_counter()
+        m.e2e.observe(now - self.t0)
+        m.prompt_tokens.inc(len(self.job.ids))
+        m.generation_tokens.inc(self.n_tokens)
+        if self.t_first is not None and self.n_tokens > 1:
+            m.tpot.observe((now - self.t_first) / (self.n_tokens - 1))
+        m.finished.labels(finished_reason=self.finish or "abort").inc()
+
+    def usage(self) -> dict:
+        s = self.req.stats
+        return {"prompt_tokens": len(self.job.ids), "completion_tokens": self.n_tokens,
+                "total_tokens": len(self.job.ids) + self.n_tokens,
+                "speculative": {"method": self.service.method, "target_passes": s.target_passes, "drafted_tokens": s.drafted,
+                                "accepted_tokens": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
+                                "mean_accepted_length": round(s.mean_accepted_len, 4)}}
+
+    async def collect(self, request: Request):
+        parts = []
+        try:
+            while self.finish is None:
+                tokens, finish = await self._next(request)
+                parts.append(self._take(tokens, finish))
+        except TimeoutError:
+            self.service.engine.cancel(self.req)
+            return ApiError(504, f"the request did not finish within {self.service.request_timeout:g} s", "timeout",
+                            code="request_timeout").response()
+        except ConnectionError:
+            self.service.engine.cancel(self.req)
+            return Response(status_code=499)
+        if self.req.error:
+            return ApiError(500, f"generation failed: {self.req.error}", "server_error").response()
+        self._record_end()
+        text = "".join(parts)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish}
+            obj = "text_completion"
+        return JSONResponse({"id": self.rid, "object": obj, "created": self.created, "model": self.service.name,
+                             "choices": [choice], "usage": self.usage()})
+
+    def _chunk(self, delta: str | None, finish: str | None, first: bool = False) -> str:
+        if self.chat:
+            d = {} if delta is None else {"content": delta}
+            if first:
+                d = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.service.name, "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events(self, request: Request):
+        done = False
+        try:
+            if self.chat:
+                yield self._chunk(None, None, first=True)
+            while self.finish is None:
+                try:
+                    tokens, finish = await self._next(request)
+                except TimeoutError:
+                    self.service.engine.cancel(self.req)
+                    err = {"error": {"message": f"the request did not finish within {self.service.request_timeout:g} s",
+                                     "type": "timeout", "param": None, "code": "request_timeout"}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                delta = self._take(tokens, finish)
+                if delta:
+                    yield self._chunk(delta, None)
+            if self.req.error:
+                err = {"error": {"message": f"generation failed: {self.req.error}", "type": "server_error",
+                                 "param": None, "code": None}}
+                yield f"data: {json.dumps(err)}\n\n"
+            elif self.finish is not None:
+                self._record_end()
+                yield self._chunk(None, self.finish)
+                if self.job.include_usage:
+                    body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                            "created": self.created, "model": self.service.name, "choices": [], "usage": self.usage()}
+                    yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+            done = True
+        except ConnectionError:
+            pass
+        finally:
+            if not done:  # the client left: free the slot now
+                self.service.engine.cancel(self.req)

@@ -1,0 +1,80 @@
+"""``forerun serve``: build the engine for a model and method, then run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+from forerun.batching import BatchEngine
+from forerun.errors import ForerunError
+
+SERVE_METHODS = ("none", "ngram", "draft")
+log = logging.getLogger("forerun")
+
+
+def drafter_factory(method: str, target, draft_model=None, ngram_max: int = 4):
+    """A function that builds one drafter per engine slot (each sequence needs its own state)."""
+    if method == "none":
+        return None
+    if method == "ngram":
+        from forerun.drafters.ngram import NgramDrafter
+
+        return lambda: NgramDrafter(max_ngram=ngram_max)
+    if method == "draft":
+        from forerun.drafters import check_vocab
+        from forerun.drafters.draft_model import DraftModelDrafter
+
+        if draft_model is None:
+            raise ForerunError("method draft needs a draft model (--draft MODEL)")
+        check_vocab(target, draft_model)
+        return lambda: DraftModelDrafter(draft_model.backend.fork())
+    raise ForerunError(f"forerun serve supports the methods {', '.join(SERVE_METHODS)}, not {method!r}")
+
+
+def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
+                  max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
+                  k_max: int = 8, calibrate: bool = True):
+    from forerun.server.app import Service
+
+    for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
+                         ("--k-max", k_max, 1)):
+        if v < lo:
+            raise ForerunError(f"{label} must be >= {lo}, got {v}")
+    if request_timeout <= 0:
+        raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
+    factory = drafter_factory(method, model, draft_model)
+    engine = BatchEngine(model.backend, model.eos_token_ids, drafter_factory=factory, max_batch=max_batch,
+                         max_waiting=max_waiting, k_max=k_max, speculate=factory is not None)
+    if calibrate and factory is not None:
+        costs = engine.calibrate()
+        log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
+    return Service(model, engine, name=name or model.name, api_key=api_key, max_tokens=max_tokens,
+                   request_timeout=request_timeout, method=method)
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from forerun.models import load_model
+    from forerun.server.app import create_app
+
+    if args.method not in SERVE_METHODS:
+        raise ForerunError(f"forerun serve supports the methods {', '.join(SERVE_METHODS)}, not {args.method!r}")
+    if args.method == "draft" and not args.draft:
+        raise ForerunError("method draft needs a draft model (--draft MODEL)")
+    if not 0 <= args.port <= 65535:
+        raise ForerunError(f"--port must be in 0..65535, got {args.port}")
+    # The torch backend batches sequences into one pass; llama.cpp contexts here hold one sequence each.
+    backend = "torch" if args.backend == "auto" else args.backend
+    model = load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
+    draft = None
+    if args.method == "draft":
+        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
+    service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name or args.model,
+                            api_key=args.api_key, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                            max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max)
+    if not getattr(model.backend, "forward_batch", None):
+        log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
+                    type(model.backend).__name__)
+    print(f"forerun: serving {service.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

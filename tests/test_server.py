@@ -1,0 +1,279 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from forerun.engine import Engine  # noqa: E402
+from forerun.server.run import build_service  # noqa: E402
+
+
+class Live:
+    """uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, service):
+        import uvicorn
+
+        from forerun.server.app import create_app
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.service = service
+        cfg = uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="error", access_log=False)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+    def request(self, method, path, body=None, headers=None, raw=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        data = raw if raw is not None else (None if body is None else json.dumps(body))
+        c.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = c.getresponse()
+        text = r.read().decode()
+        c.close()
+        try:
+            return r.status, json.loads(text)
+        except ValueError:
+            return r.status, text
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def live(gemma):
+    srv = Live(build_service(gemma, method="ngram", name="tiny", max_batch=4, max_tokens=100))
+    yield srv
+    srv.close()
+
+
+def _plain_text(gemma, ids, n):
+    out = Engine(gemma.backend.fork(), None, gemma.eos_token_ids).generate(ids, max_new_tokens=n).token_ids
+    return gemma.tokenizer.decode(out, skip_special_tokens=True), out
+
+
+def test_openai_client_completion_chat_and_streaming(live, gemma):
+    client = live.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt="w5 w6 w7 w5 w6 w7", max_tokens=12, temperature=0)
+    ids = gemma.tokenizer("w5 w6 w7 w5 w6 w7").input_ids
+    want, toks = _plain_text(gemma, ids, 12)
+    assert r.choices[0].text == want
+    assert r.usage.completion_tokens == len(toks) and r.usage.prompt_tokens == len(ids)
+    spec = r.usage.model_extra["speculative"]
+    assert spec["method"] == "ngram" and spec["target_passes"] >= 1 and spec["mean_accepted_length"] >= 1
+
+    chunks = list(client.completions.create(model="tiny", prompt="w5 w6 w7 w5 w6 w7", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    msgs = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == chat.usage.completion_tokens
+    # sampling with a seed repeats itself
+    a = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    b = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=8, temperature=1.0, top_p=0.9, seed=7,
+                                  extra_body={"top_k": 20})
+    c = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    assert a.choices[0].text == c.choices[0].text
+    assert b.usage.completion_tokens >= 1
+
+
+def test_stop_strings_cut_the_text(live, gemma):
+    client = live.client()
+    full = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=20, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 4
+    stop = words[3]
+    cut = full[: full.find(stop)]
+    r = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    s = list(client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in s) == cut
+
+
+def test_greedy_outputs_under_concurrency_equal_each_alone(live, gemma):
+    g = torch.Generator().manual_seed(3)
+    prompts = [[2] + torch.randint(4, 96, (4,), generator=g).tolist() * 3 for _ in range(10)]
+    want = [_plain_text(gemma, p, 24)[0] for p in prompts]
+    client = live.client()
+
+    def one(p):
+        return client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == want
+
+
+BAD = [
+    ("/v1/completions", None, "{not json", 400),
+    ("/v1/completions", [1, 2], None, 400),
+    ("/v1/completions", {"prompt": "w5"}, None, 400),
+    ("/v1/completions", {"model": "tiny"}, None, 400),
+    ("/v1/completions", {"model": 5, "prompt": "w5"}, None, 400),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "w5"}, None, 404),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": 17}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 999999]}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": ["w5", "w6"]}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "max_tokens": 0}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "max_tokens": "5"}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "max_tokens": 101}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "temperature": -1}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "temperature": "hot"}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "top_p": 0}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "top_k": -2}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "top_k": 1.5}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "seed": "x"}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "n": 2}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stream": "yes"}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": 3}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "logprobs": 2}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": " ".join(["w5"] * 300)}, None, 400),  # past the 256-token context
+    ("/v1/chat/completions", {"model": "tiny"}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "w5"}]}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, None, 400),
+    ("/v1/nowhere", {"model": "tiny"}, None, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,raw,status", BAD)
+def test_bad_inputs_get_openai_errors(live, path, body, raw, status):
+    code, resp = live.request("POST", path, body=body, raw=raw)
+    assert code == status, resp
+    assert isinstance(resp, dict) and set(resp["error"]) >= {"message", "type", "param", "code"}
+    assert resp["error"]["message"]
+
+
+def test_wrong_method_and_server_survives(live):
+    code, resp = live.request("GET", "/v1/completions")
+    assert code == 405 and "error" in resp
+    assert live.request("GET", "/health")[0] == 200
+
+
+def test_metrics_present_and_moving(live):
+    def scrape():
+        code, text = live.request("GET", "/metrics")
+        assert code == 200
+        vals = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                vals[k] = float(v)
+        return vals
+
+    before = scrape()
+    for name in ("forerun:spec_decode_num_drafts_total", "forerun:num_requests_running", "forerun:num_requests_waiting",
+                 "forerun:time_to_first_token_seconds_count", "forerun:time_per_output_token_seconds_count",
+                 "forerun:spec_decode_num_accepted_tokens_total", "forerun:spec_decode_mean_accepted_length"):
+        assert name in before, name
+    live.client().completions.create(model="tiny", prompt="w5 w6 w7 w5 w6 w7 w5 w6", max_tokens=20, temperature=0)
+    after = scrape()
+    assert after["forerun:generation_tokens_total"] > before["forerun:generation_tokens_total"]
+    assert after["forerun:time_to_first_token_seconds_count"] == before["forerun:time_to_first_token_seconds_count"] + 1
+    assert after["forerun:spec_decode_num_draft_tokens_total"] > before["forerun:spec_decode_num_draft_tokens_total"]
+    assert any(k.startswith('forerun:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') for k in after)
+
+
+def test_disconnect_mid_stream_frees_the_slot(gemma):
+    service = build_service(gemma, method="ngram", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
+    slow = service.engine._pass
+
+    def slow_pass(*a):  # make generation outlast the client
+        time.sleep(0.03)
+        return slow(*a)
+
+    service.engine._pass = slow_pass
+    srv = Live(service)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        c.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "w5 w9", "max_tokens": 200,
+                                                              "temperature": 0, "stream": True}),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.fp.readline()
+        assert service.engine.n_running == 1
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
+        t0 = time.time()
+        while service.engine.n_running and time.time() - t0 < 5:
+            time.sleep(0.02)
+        assert service.engine.n_running == 0
+        assert time.time() - t0 < 2.5  # freed promptly, long before the 200 tokens would be done
+    finally:
+        srv.close()
+
+
+def test_auth_queue_and_timeout(gemma):
+    service = build_service(gemma, method="none", name="tiny", api_key="s3cret", max_batch=1, max_waiting=0,
+                            max_tokens=200, request_timeout=0.6, calibrate=False)
+    slow = service.engine._pass
+
+    def slow_pass(*a):
+        time.sleep(0.02)
+        return slow(*a)
+
+    service.engine._pass = slow_pass
+    srv = Live(service)
+    try:
+        assert srv.request("GET", "/health")[0] == 200  # no key needed
+        code, resp = srv.request("GET", "/v1/models")
+        assert code == 401 and resp["error"]["code"] == "invalid_api_key"
+        assert srv.request("GET", "/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        with pytest.raises(openai.AuthenticationError):
+            srv.client("bad").completions.create(model="tiny", prompt="w5", max_tokens=2)
+        ok = srv.client("s3cret").completions.create(model="tiny", prompt="w5", max_tokens=2, temperature=0)
+        assert ok.usage.completion_tokens >= 1
+
+        # one slot, no waiting room: a second concurrent request is turned away with 429
+        body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 200, "temperature": 0}
+        key = {"Authorization": "Bearer s3cret"}
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(srv.request, "POST", "/v1/completions", body, key)
+            t0 = time.time()
+            while service.engine.n_running == 0 and time.time() - t0 < 5:
+                time.sleep(0.01)
+            code, resp = srv.request("POST", "/v1/completions", body, key)
+            assert code == 429 and resp["error"]["code"] == "queue_full"
+            code, resp = first.result()
+        assert code == 504 and resp["error"]["code"] == "request_timeout"  # 200 slow tokens outlast 0.6 s
+        t0 = time.time()
+        while service.engine.n_running and time.time() - t0 < 5:
+            time.sleep(0.02)
+        assert service.engine.n_running == 0
+    finally:
+        srv.close()
