@@ -171,3 +171,34 @@ def test_train_draft_and_head_errors(capsys, tiny_folder, argv, needle):
     argv = [str(tiny_folder) if a == "MODEL" else a for a in argv]
     rc, _, err = run(capsys, *argv)
     assert_clean_error(rc, err, needle)
+
+
+def test_loadtest_end_to_end(capsys, tiny_folder, tmp_path):
+    """loadtest starts a server per method, mixes invalid requests in, reports both and their ratio."""
+    out = tmp_path / "load.json"
+    code = main(["loadtest", "--model", str(tiny_folder), "--methods", "none,ngram", "--concurrency", "1,3",
+                 "--requests", "9", "--max-tokens", "8", "--invalid-fraction", "0.3", "--out", str(out)])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    for m in ("none", "ngram"):
+        for lv in report["methods"][m]["levels"]:
+            assert lv["requests"] == 9 and lv["server_errors_5xx"] == 0 and lv["connection_failures"] == 0
+            assert lv["invalid_answered_4xx"] == lv["invalid_sent"] and lv["ok"] == 9 - lv["invalid_sent"]
+            assert lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0 and lv["server_alive"]
+    ng = report["methods"]["ngram"]["levels"][1]
+    assert ng["vs_none"] > 0
+    a, b = ng["greedy_equal_to_none"].split("/")
+    assert a == b and int(b) > 0
+    assert "texts" in json.loads(out.read_text())["methods"]["none"]["levels"][0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--method", "eagle"], "supports the methods"),
+    (["serve", "--method", "draft"], "needs a draft model"),
+    (["serve", "--port", "70000"], "--port"),
+    (["loadtest", "--concurrency", "0"], "--concurrency"),
+    (["loadtest", "--invalid-fraction", "2"], "--invalid-fraction"),
+])
+def test_serve_and_loadtest_bad_inputs(capsys, argv, needle):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
