@@ -77,13 +77,16 @@ class LoadAwareK:
         self.k_max = k_max
         self.decay = decay
         self.margin = margin
-        self.costs: dict[int, float] = {}  # rows -> EMA seconds of a target pass
+        self.costs: dict[int, float | None] = {}  # rows -> EMA seconds of a target pass (None: seen once)
         self.buckets: dict[object, list[float]] = {}  # bucket -> [accepted, rejections]
         self.draft_cost = 0.0  # seconds per drafted token (drafters that are not cheap)
 
     # -- measurements ----------------------------------------------------------------------
     def observe_pass(self, rows: int, seconds: float) -> None:
-        old = self.costs.get(rows)
+        if rows not in self.costs:  # the first pass of a row count may include one-time kernel tuning: not a cost sample
+            self.costs[rows] = None  # type: ignore[assignment]
+            return
+        old = self.costs[rows]
         self.costs[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
@@ -103,11 +106,11 @@ class LoadAwareK:
         return min(b[0] / (b[0] + b[1]), 0.98)
 
     def cost(self, rows: int) -> float:
-        if rows in self.costs:
+        if self.costs.get(rows) is not None:
             return self.costs[rows]
-        if not self.costs:
+        known = sorted(r for r, t in self.costs.items() if t is not None)
+        if not known:
             return 1.0
-        known = sorted(self.costs)
         lo = max((r for r in known if r < rows), default=None)
         hi = min((r for r in known if r > rows), default=None)
         if lo is not None and hi is not None:
@@ -200,14 +203,21 @@ class BatchEngine:
         return len(self.active)
 
     # -- engine thread ------------------------------------------------------------------------
-    def run(self) -> None:
-        """Step until ``stop``; every failure is reported to the requests it touched, never raised."""
-        while not self._stop.is_set():
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step until ``stop`` (or ``until()`` is true); failures are reported to the requests they touched."""
+        while not self._stop.is_set() and not (until is not None and until()):
             if not self.active and not self.waiting:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - e.g. a drafter failing: end the requests of this step
+                for req in list(self.active):
+                    req.error = f"{type(e).__name__}: {e}"
+                    if req.slot is not None:
+                        req.slot.backend.reset()
+                    self._finish(req, [], "error")
 
     def stop(self) -> None:
         self._stop.set()
@@ -217,7 +227,8 @@ class BatchEngine:
         """Time target passes of several row counts (a scratch sequence), seeding the cost model."""
         if self.drafter_factory is None:
             return {}
-        rows = rows or sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128} & set(
+        # every row count up to 16 (kernels are chosen per row count on first use), then a coarser grid
+        rows = rows or sorted((set(range(1, 17)) | {24, 32, 48, 64, 96, 128}) & set(
             range(1, self.max_batch * (self.policy.k_max + 1) + 1)))
         scratch = self.target.fork()
         g = torch.Generator().manual_seed(0)

@@ -104,7 +104,14 @@ def head_kernel_times(backend, rows=range(1, 10), reps: int = 7) -> dict | None:
         return None
     g = torch.Generator().manual_seed(0)
     return {str(n): {k: v * 1000 for k, v in head.time_kernels(torch.randn(n, head.weight.shape[1], generator=g).to(head.weight), reps).items()}
-            | {"chosen": head.choice.get(n)} for n in rows}
+            | {"chosen": _kernel_name(head.choice.get(n), n)} for n in rows}
+
+
+def _kernel_name(choice, rows: int) -> str | None:
+    if choice is None:
+        return None
+    how, padded = choice
+    return how if padded == rows else f"{how} (padded to {padded} rows)"
 
 
 def _hf_generate(model, ids, max_new, eos, lookup: bool):

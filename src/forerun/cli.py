@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-batch", type=int, default=16)
     lt.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: built-in prompts)")
     lt.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
-    lt.add_argument("--requests", type=int, default=None, help="requests per concurrency level (default 4 x concurrency, >= 8)")
+    lt.add_argument("--requests", type=int, default=None, help="requests per concurrency level (default: 4 x concurrency, at least 26 = 2 per Spec-Bench category)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--temperature", type=float, default=0.0)
     lt.add_argument("--invalid-fraction", type=float, default=0.0, help="share of deliberately invalid requests (robustness run)")

@@ -25,7 +25,8 @@ class _Linear:
     ``F.linear`` takes ~45 ms for 1 row and ~80-140 ms for 2-9 rows; a oneDNN-prepacked
     weight ~16 ms for 1 row and ~25-30 ms for 4-9; ``(W @ x.T).T`` ~17-24 ms for 2-4 rows
     but ~45 ms for 1. Which wins depends on the machine, so with ``autotune`` the first
-    call for each row count times the candidates and keeps the fastest. Small-row
+    call for each row count times the candidates, also with the rows padded up to a multiple
+    of 4 (MKL's sgemm took ~20 ms for 4 rows but ~45 ms for 3 here), and keeps the fastest. Small-row
     products are what verify passes are made of. (Tuning the body's small layers the same
     way was measured slower end to end: timed in isolation their weights sit in cache,
     which misleads the choice; they stay on oneDNN.)
@@ -52,9 +53,12 @@ class _Linear:
         rows = x.shape[0]
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
-        how = self.choice.get(rows)
-        if how is None:
-            how = self.choice[rows] = self._measure(x)
+        choice = self.choice.get(rows)
+        if choice is None:
+            choice = self.choice[rows] = self._measure(x)
+        how, padded = choice
+        if padded > rows:  # a larger pass can be faster (e.g. 4 rows on MKL's sgemm): pad with zero rows
+            return self._run(torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]), how)[:rows]
         return self._run(x, how)
 
     KERNELS = ("onednn", "wxt", "plain")
@@ -75,8 +79,14 @@ class _Linear:
             out[how] = sorted(ts)[reps // 2]
         return out
 
-    def _measure(self, x: torch.Tensor) -> str:
-        times = self.time_kernels(x, reps=5)
+    def _measure(self, x: torch.Tensor) -> tuple[str, int]:
+        """(kernel, rows to run) fastest for x's row count; padding up to the next multiple of 4 is a candidate."""
+        rows = x.shape[0]
+        times = {(how, rows): t for how, t in self.time_kernels(x, reps=5).items()}
+        padded = -(-rows // 4) * 4
+        if padded != rows:
+            xp = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+            times.update({(how, padded): t for how, t in self.time_kernels(xp, reps=5).items() if how != "plain"})
         return min(times, key=times.get)
 
 

@@ -56,15 +56,20 @@ INVALID = [
 def load_prompts(path: str | None) -> list[str]:
     if not path:
         return list(BUILTIN_PROMPTS)
-    out = []
+    by_cat: dict[str, list[str]] = {}
     with open(path) as f:
         for line in f:
             if line.strip():
-                turns = json.loads(line).get("turns") or []
+                row = json.loads(line)
+                turns = row.get("turns") or []
                 if turns and isinstance(turns[0], str) and turns[0].strip():
-                    out.append(turns[0])
-    if not out:
+                    by_cat.setdefault(str(row.get("category", "")), []).append(turns[0])
+    if not by_cat:
         raise ForerunError(f"no prompts found in {path}")
+    # round-robin over categories, so that any number of requests spans them all
+    out = []
+    for i in range(max(len(v) for v in by_cat.values())):
+        out += [v[i] for v in by_cat.values() if i < len(v)]
     return out
 
 
@@ -286,7 +291,7 @@ def run_loadtest(args, log=print) -> dict:
                 model = json.loads(body)["data"][0]["id"]
             out = {"levels": []}
             for c in levels:
-                n = args.requests or max(8, 4 * c)
+                n = args.requests or max(26, 4 * c)
                 mem = {}
 
                 def on_count(k, pid=proc.pid if proc else None, mem=mem):

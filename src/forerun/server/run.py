@@ -75,6 +75,21 @@ def serve(args) -> int:
     if not getattr(model.backend, "forward_batch", None):
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)
+    import threading
+
+    config = uvicorn.Config(create_app(service, engine_thread=False), host=args.host, port=args.port,
+                            log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    web = threading.Thread(target=server.run, name="forerun-http", daemon=True)
+    web.start()
     print(f"forerun: serving {service.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
+    engine = service.engine
+    try:
+        # The engine steps on the main thread (faster torch kernels there); HTTP runs beside it.
+        engine.run(until=lambda: not web.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        web.join(timeout=10)
     return 0
