@@ -143,3 +143,18 @@ def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
     pol.buckets[1] = [1.0, 19.0]
     ks = pol.choose([4, 4], [3, 1], charge_drafting=False)
     assert ks[0] > 0 and ks[1] == 0
+
+
+def test_draft_model_batches_equal_plain(gemma, gemma_draft):
+    """A draft model per slot (not cheap: the policy plans K before drafting) stays token-identical."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    prompts = _prompts(4, seed=2)
+    plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=15).token_ids for p in prompts]
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=lambda: DraftModelDrafter(gemma_draft.backend.fork()),
+                      max_batch=2)
+    eng.policy.margin = -1.0  # always draft, so the draft path is exercised
+    eng.calibrate(reps=1)
+    reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
+    assert _run(eng, reqs) == plain
+    assert sum(r.stats.drafted for r in reqs) > 0

@@ -252,6 +252,8 @@ class BatchEngine:
             return self._free.pop()
         self._n_slots += 1
         backend = self.target.fork()
+        if hasattr(backend, "reserve"):  # the whole context up front: memory does not creep up with long prompts
+            backend.reserve(backend.max_context)
         drafter = self.drafter_factory() if self.drafter_factory is not None else None
         return _Slot(backend, drafter)
 

@@ -188,6 +188,10 @@ class NativeGemma3(BackendBase):
             v[:, :, : self._cap] = self.v_cache
         self.k_cache, self.v_cache, self._cap = k, v, cap
 
+    def reserve(self, n: int) -> None:
+        """Allocate the cache for ``n`` positions now (a server slot: memory stays flat afterwards)."""
+        self._ensure_capacity(min(n, self.max_context))
+
     def truncate(self, length: int) -> None:
         # Static cache: positions past `length` are overwritten by the next forward.
         self._len = min(self._len, max(0, length))

@@ -297,6 +297,8 @@ def run_loadtest(args, log=print) -> dict:
                 def on_count(k, pid=proc.pid if proc else None, mem=mem):
                     if k == min(50, n):
                         mem["rss_after_50"] = _rss(pid)
+                    if k % 50 == 0:
+                        mem.setdefault("rss_every_50", []).append(_rss(pid))
 
                 # one unmeasured request first: the server's first pass pays one-time costs
                 run_level(url, model, prompts, 1, 1, max_tokens=4, temperature=0.0, api_key=args.api_key)

@@ -51,6 +51,26 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
                    request_timeout=request_timeout, method=method)
 
 
+def _steady_heap() -> None:
+    """Ask glibc to serve large blocks (logits of a batched pass, prompt activations: megabytes whose
+    size changes every step) with mmap and give them back on free. With its default, adaptive threshold
+    they come from the heap after the first few frees and leave it fragmented, so resident memory
+    creeps up over hours of serving."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 4 << 20)  # setting it also turns the adaptive threshold off
+        libc.mallopt(M_TRIM_THRESHOLD, 16 << 20)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 def serve(args) -> int:
     import uvicorn
 
@@ -63,12 +83,17 @@ def serve(args) -> int:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     if not 0 <= args.port <= 65535:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
+    _steady_heap()
     # The torch backend batches sequences into one pass; llama.cpp contexts here hold one sequence each.
     backend = "torch" if args.backend == "auto" else args.backend
-    model = load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
+    if args.max_context < 2:
+        raise ForerunError(f"--max-context must be >= 2, got {args.max_context}")
+    model = load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
+                       max_context=args.max_context)
     draft = None
     if args.method == "draft":
-        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
+        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
+                           max_context=args.max_context)
     service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name or args.model,
                             api_key=args.api_key, max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max)
