@@ -154,6 +154,8 @@ class LoadAwareK:
 class BatchEngine:
     """Decodes many requests together; drive it with ``run`` on its own thread (or ``step``)."""
 
+    HOUSEKEEPING_STEPS = 50
+
     def __init__(self, target, eos_token_ids=(), *, drafter_factory: Callable[[], object] | None = None,
                  max_batch: int = 8, max_waiting: int = 64, k_max: int = 8, speculate: bool = True):
         if max_batch < 1:
@@ -174,6 +176,8 @@ class BatchEngine:
         # observers (metrics): on_step(rows, seconds, [(request, drafted, accepted)])
         self.on_step: Callable | None = None
         self.batched = hasattr(target, "forward_batch")
+        self.housekeeping: Callable | None = None  # called every HOUSEKEEPING_STEPS steps by run (e.g. heap trimming)
+        self._steps = 0
 
     # -- requests (any thread) --------------------------------------------------------------
     def submit(self, req: BatchRequest) -> BatchRequest:
@@ -210,6 +214,9 @@ class BatchEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self._steps += 1
+            if self.housekeeping is not None and self._steps % self.HOUSEKEEPING_STEPS == 0:
+                self.housekeeping()
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - e.g. a drafter failing: end the requests of this step
