@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from forerun.drafters.base import Draft, empty_draft
-from forerun.engine import Engine
+from forerun.engine import accept_chain, clip_draft, commit_tokens
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
@@ -334,11 +334,11 @@ class BatchEngine:
                 want = min(self.policy.k_max, room - 1)
                 drafts.append(r.slot.drafter.propose(r.tokens, want) if want > 0 else empty_draft())
             ks = self.policy.choose([len(d) for d in drafts], [d.bucket for d in drafts], charge_drafting=False)
-            drafts = [_cut(d, k) for d, k in zip(drafts, ks)]
+            drafts = [clip_draft(d, k) for d, k in zip(drafts, ks)]
         else:
             ks = self.policy.choose([max(0, room - 1) for room in rooms], [None] * len(reqs), charge_drafting=True)
             for r, k in zip(reqs, ks):
-                drafts.append(_cut(r.slot.drafter.propose(r.tokens, k), k) if k > 0 else empty_draft())
+                drafts.append(clip_draft(r.slot.drafter.propose(r.tokens, k), k) if k > 0 else empty_draft())
         t1 = time.perf_counter()
         if not cheap:
             self.policy.observe_draft(sum(len(d) for d in drafts), t1 - t0)
@@ -360,14 +360,8 @@ class BatchEngine:
         # 3. Accept, 4. roll back, per sequence.
         report = []
         for r, d, lg in zip(reqs, drafts, logits):
-            out, n_acc = Engine._accept(d, lg, r.params, r.generator)
-            new = out[: n_acc + 1]
-            finish = None
-            for i, tok in enumerate(new):
-                if tok in self.eos:
-                    new, finish = new[: i + 1], "stop"
-                    break
-            n_acc = min(n_acc, len(new) - 1) if finish else n_acc
+            out, n_acc = accept_chain(d, lg, r.params, r.generator)
+            new, n_acc, finish = commit_tokens(out, n_acc, self.eos)
             r.tokens.extend(new)
             r.produced += len(new)
             r.slot.backend.truncate(len(r.tokens) - 1)
@@ -398,8 +392,3 @@ class BatchEngine:
             except Exception:
                 pass
 
-
-def _cut(d: Draft, k: int) -> Draft:
-    if len(d) <= k:
-        return d
-    return Draft(tokens=d.tokens[:k], q=None if d.q is None else d.q[:k], bucket=d.bucket)

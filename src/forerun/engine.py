@@ -108,9 +108,9 @@ class Engine:
             # 1. Draft.
             t0 = time.perf_counter()
             draft = self.drafter.propose(tokens, want) if want > 0 else empty_draft()
-            draft = _clip(draft, want)
+            draft = clip_draft(draft, want)
             if per_bucket and draft.bucket is not None:
-                draft = _clip(draft, policy.choose(draft.bucket, len(draft)))
+                draft = clip_draft(draft, policy.choose(draft.bucket, len(draft)))
             t1 = time.perf_counter()
 
             # 2. Verify every draft position (and one more) in one target pass.
@@ -140,14 +140,8 @@ class Engine:
                 out, n = greedy_accept(draft.tokens[None], target_ids[None])
                 out, n_acc = out[0].tolist(), int(n[0])
             else:
-                out, n_acc = self._accept(draft, logits, params, generator)
-            new = out[: n_acc + 1]
-            finish = None
-            for i, tok in enumerate(new):  # EOS inside an accepted run ends the output there
-                if tok in self.eos:
-                    new, finish = new[: i + 1], "stop"
-                    break
-            n_acc = min(n_acc, len(new) - 1) if finish else n_acc
+                out, n_acc = accept_chain(draft, logits, params, generator)
+            new, n_acc, finish = commit_tokens(out, n_acc, self.eos)
             tokens.extend(new)
             produced += len(new)
 
@@ -190,23 +184,34 @@ class Engine:
             return greedy_tree_accept(draft.tokens, draft.parents, logits.argmax(-1).cpu())
         return sample_tree_accept(draft.tokens, draft.parents, logits_to_probs(logits, params), generator)
 
-    @staticmethod
-    def _accept(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator):
-        k = len(draft)
-        d = draft.tokens.to(logits.device)[None]  # [1, k]
-        if params.greedy:
-            out, n = greedy_verify(d, logits[None])
-        else:
-            p = logits_to_probs(logits, params)[None]  # [1, k + 1, vocab]
-            if draft.q is not None:
-                q = draft.q.to(p.device)[None]
-            else:  # deterministic drafter: q is one-hot on its proposal
-                q = torch.zeros_like(p[:, :k]).scatter_(-1, d[..., None], 1.0)
-            out, n = rejection_sample(d, q, p, generator)
-        return out[0].tolist(), int(n[0])
+
+def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[int], int]:
+    """Verify a chain draft against the target's logits [k + 1, vocab]: (tokens, accepted drafts)."""
+    k = len(draft)
+    d = draft.tokens.to(logits.device)[None]  # [1, k]
+    if params.greedy:
+        out, n = greedy_verify(d, logits[None])
+    else:
+        p = logits_to_probs(logits, params)[None]  # [1, k + 1, vocab]
+        if draft.q is not None:
+            q = draft.q.to(p.device)[None]
+        else:  # deterministic drafter: q is one-hot on its proposal
+            q = torch.zeros_like(p[:, :k]).scatter_(-1, d[..., None], 1.0)
+        out, n = rejection_sample(d, q, p, generator)
+    return out[0].tolist(), int(n[0])
 
 
-def _clip(draft: Draft, k: int) -> Draft:
+def commit_tokens(out: list[int], n_acc: int, eos: set[int]) -> tuple[list[int], int, str | None]:
+    """What a step commits: the accepted drafts plus one token, cut after an EOS inside the run
+    (which ends the output). Returns (tokens, accepted drafts among them, "stop" or None)."""
+    new = out[: n_acc + 1]
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[: i + 1], min(n_acc, i), "stop"
+    return new, n_acc, None
+
+
+def clip_draft(draft: Draft, k: int) -> Draft:
     if draft.parents is not None:  # a tree's depth is bounded by the drafter itself
         if draft.depth > k:
             raise ForerunError(f"drafter returned a tree of depth {draft.depth}, more than the {k} asked for")
