@@ -42,7 +42,7 @@ def test_forward_batch_equals_single_passes(gemma):
         ref = be.fork()
         ref.forward(torch.tensor(p[:-2]), 0)
         singles.append(ref.forward(torch.tensor(p[-2:]), len(p) - 2).logits)
-    out = be.forward_batch(seqs, [torch.tensor(p[-2:]) for p in prompts], [len(p) - 2 for p in prompts])
+    out = [o.logits for o in be.forward_batch(seqs, [torch.tensor(p[-2:]) for p in prompts], [len(p) - 2 for p in prompts])]
     for a, b, s, p in zip(out, singles, seqs, prompts):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -155,6 +155,19 @@ def test_draft_model_batches_equal_plain(gemma, gemma_draft):
                       max_batch=2)
     eng.policy.margin = -1.0  # always draft, so the draft path is exercised
     eng.calibrate(reps=1)
+    reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
+    assert _run(eng, reqs) == plain
+    assert sum(r.stats.drafted for r in reqs) > 0
+
+
+def test_layerskip_batches_equal_plain(gemma):
+    from forerun.server.run import drafter_factory
+
+    prompts = _prompts(3, seed=4)
+    plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=15).token_ids for p in prompts]
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=drafter_factory("layerskip", gemma, skip_layers=[1]),
+                      max_batch=3)
+    eng.policy.margin = -1.0
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
     assert _run(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0

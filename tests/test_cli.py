@@ -193,7 +193,7 @@ def test_loadtest_end_to_end(capsys, tiny_folder, tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["serve", "--method", "eagle"], "supports the methods"),
+    (["serve", "--method", "magic"], "unknown method"),
     (["serve", "--method", "draft"], "needs a draft model"),
     (["serve", "--port", "70000"], "--port"),
     (["loadtest", "--concurrency", "0"], "--concurrency"),

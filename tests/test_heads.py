@@ -204,3 +204,25 @@ class _LetterTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_heads_in_batches_equal_plain(heads, gemma, kind):
+    """Batched serving feeds each slot's head its own sequence's features: output stays plain greedy."""
+    from forerun.batching import BatchEngine, BatchRequest
+    from forerun.server.run import drafter_factory
+
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=3,
+                      drafter_factory=drafter_factory(kind, gemma, head_path=heads[kind][0]))
+    eng.policy.margin = -1.0  # always draft
+    eng.calibrate(reps=1)
+    want = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=20).token_ids for p in PROMPTS]
+    got = {}
+    reqs = [BatchRequest(prompt=p, max_new_tokens=20,
+                         on_event=(lambda i: lambda t, f: got.setdefault(i, []).extend(t))(i)) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        eng.submit(r)
+    while eng.active or eng.waiting:
+        eng.step()
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert sum(r.stats.drafted for r in reqs) > 0

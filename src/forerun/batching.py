@@ -176,6 +176,11 @@ class BatchEngine:
         # observers (metrics): on_step(rows, seconds, [(request, drafted, accepted)])
         self.on_step: Callable | None = None
         self.batched = hasattr(target, "forward_batch")
+        # Trained heads read target features at some layers, after the prefill and every pass.
+        probe = self.drafter_factory() if self.drafter_factory is not None else None
+        self._spare_drafters = [probe] if probe is not None else []  # the first slot takes it
+        self.layers = tuple(getattr(probe, "feature_layers", ()))
+        self._fwd = {"layers": self.layers} if self.layers else {}
         self.housekeeping: Callable | None = None  # called every HOUSEKEEPING_STEPS steps by run (e.g. heap trimming)
         self._steps = 0
 
@@ -261,7 +266,9 @@ class BatchEngine:
         backend = self.target.fork()
         if hasattr(backend, "reserve"):  # the whole context up front: memory does not creep up with long prompts
             backend.reserve(backend.max_context)
-        drafter = self.drafter_factory() if self.drafter_factory is not None else None
+        drafter = None
+        if self.drafter_factory is not None:
+            drafter = self._spare_drafters.pop() if self._spare_drafters else self.drafter_factory()
         return _Slot(backend, drafter)
 
     def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
@@ -305,13 +312,16 @@ class BatchEngine:
         if drafter is not None:
             drafter.begin(req.tokens, req.params, req.generator)
         if len(req.tokens) > 1:
-            be.forward(torch.tensor(req.tokens[:-1], dtype=torch.long), 0, last_only=True)
+            passed = be.forward(torch.tensor(req.tokens[:-1], dtype=torch.long), 0, last_only=True, **self._fwd)
+            if self.layers:
+                drafter.take_features(0, passed.layers)
         req.stats.prefill_s = time.perf_counter() - t0
 
-    def _pass(self, backends, feeds, positions) -> list[torch.Tensor]:
+    def _pass(self, backends, feeds, positions) -> list:
+        """Target outputs (logits, and the drafters' feature layers) for every sequence."""
         if self.batched:
-            return self.target.forward_batch(backends, feeds, positions)
-        return [be.forward(f, p).logits for be, f, p in zip(backends, feeds, positions)]
+            return self.target.forward_batch(backends, feeds, positions, **self._fwd)
+        return [be.forward(f, p, **self._fwd) for be, f, p in zip(backends, feeds, positions)]
 
     def step(self) -> None:
         """Admit waiting requests, then one draft / verify / accept round for every active one."""
@@ -347,7 +357,7 @@ class BatchEngine:
         feeds = [torch.cat([torch.tensor(r.tokens[-1:], dtype=torch.long), d.tokens.cpu()]) for r, d in zip(reqs, drafts)]
         rows = sum(f.numel() for f in feeds)
         try:
-            logits = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs])
+            passed = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs])
         except Exception as e:  # noqa: BLE001 - fail the requests of this pass, keep serving
             for r in reqs:
                 r.error = f"{type(e).__name__}: {e}"
@@ -359,12 +369,15 @@ class BatchEngine:
 
         # 3. Accept, 4. roll back, per sequence.
         report = []
-        for r, d, lg in zip(reqs, drafts, logits):
-            out, n_acc = accept_chain(d, lg, r.params, r.generator)
+        for r, d, out_i in zip(reqs, drafts, passed):
+            out, n_acc = accept_chain(d, out_i.logits, r.params, r.generator)
             new, n_acc, finish = commit_tokens(out, n_acc, self.eos)
+            root = len(r.tokens) - 1
             r.tokens.extend(new)
             r.produced += len(new)
             r.slot.backend.truncate(len(r.tokens) - 1)
+            if self.layers:  # features of the kept positions: the last committed token and the accepted drafts
+                r.slot.drafter.take_features(root, out_i.layers[: n_acc + 1])
             if r.slot.drafter is not None:
                 r.slot.drafter.accepted(r.tokens, n_acc)
             self.policy.observe(d.bucket, len(d), n_acc)

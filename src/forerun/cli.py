@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (batched speculation)")
     _model_args(s)
-    s.add_argument("--method", default="ngram", help="none | ngram | draft (default ngram)")
+    s.add_argument("--method", default="ngram",
+                   help="none | ngram | draft | layerskip | eagle | medusa (default ngram; chains, no token trees)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")

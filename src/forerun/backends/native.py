@@ -288,9 +288,10 @@ class NativeGemma3(BackendBase):
 
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence["NativeGemma3"], feeds: Sequence[torch.Tensor],
-                      positions: Sequence[int]) -> list[torch.Tensor]:
+                      positions: Sequence[int], layers: Sequence[int] = ()) -> list[ForwardOutput]:
         """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
-        cache (forks of this backend). Returns each sequence's logits [T_i, vocab], float32."""
+        cache (forks of this backend). Returns each sequence's logits [T_i, vocab] (float32) and,
+        with ``layers``, those layers' outputs."""
         parts, ids = [], []
         for seq, feed, pos in zip(seqs, feeds, positions):
             seq._check_forward(feed, pos)
@@ -299,13 +300,15 @@ class NativeGemma3(BackendBase):
             parts.append((seq, pos, T, self._rope(torch.arange(pos, pos + T, device=self.device)), seq._masks(pos, T)))
             ids.append(feed.to(self.device))
         h = F.embedding(torch.cat(ids), self.embed) * self.embed_scale  # [rows, hidden]
-        h, _ = self._body(h, parts, set(), ())
+        h, feats = self._body(h, parts, set(), layers)
         for seq, pos, T, _, _ in parts:
             seq._len = pos + T
         out = self.lm_head(_rms_norm(h, self.final_norm, self.eps)).float()  # [rows, vocab]
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
-        return list(out.split([p[2] for p in parts]))
+        sizes = [p[2] for p in parts]
+        per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
+        return [ForwardOutput(logits=lg, layers=f) for lg, f in zip(out.split(sizes), per_seq)]
 
     def _masks(self, pos: int, T: int):
         """Boolean masks [T, S] (True = attend) with the first key index, for full and sliding layers."""

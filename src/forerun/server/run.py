@@ -7,12 +7,14 @@ import logging
 from forerun.batching import BatchEngine
 from forerun.errors import ForerunError
 
-SERVE_METHODS = ("none", "ngram", "draft")
+from forerun.drafters import METHODS as SERVE_METHODS  # every method generate has (token trees excepted)
 log = logging.getLogger("forerun")
 
 
-def drafter_factory(method: str, target, draft_model=None, ngram_max: int = 4):
+def drafter_factory(method: str, target, draft_model=None, ngram_max: int = 4, skip_layers=None, head_path=None):
     """A function that builds one drafter per engine slot (each sequence needs its own state)."""
+    if method not in SERVE_METHODS:
+        raise ForerunError(f"unknown method {method!r} (choose {', '.join(SERVE_METHODS)})")
     if method == "none":
         return None
     if method == "ngram":
@@ -27,12 +29,22 @@ def drafter_factory(method: str, target, draft_model=None, ngram_max: int = 4):
             raise ForerunError("method draft needs a draft model (--draft MODEL)")
         check_vocab(target, draft_model)
         return lambda: DraftModelDrafter(draft_model.backend.fork())
-    raise ForerunError(f"forerun serve supports the methods {', '.join(SERVE_METHODS)}, not {method!r}")
+    from forerun.drafters import make_drafter
+
+    # layerskip / eagle / medusa: built (and checked) once; each slot gets its own state over the
+    # same weights (layer skipping: its own cache; heads: the same trained head).
+    proto = make_drafter(method, target, skip_layers=skip_layers, head_path=head_path)
+    if method == "layerskip":
+        from forerun.drafters.layer_skip import LayerSkipDrafter
+
+        return lambda: LayerSkipDrafter(target.backend, proto.skip, proto.context_vocab, proto.extra_vocab)
+    kind = type(proto)
+    return lambda: kind(proto.head, proto.embed)
 
 
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
-                  k_max: int = 8, calibrate: bool = True):
+                  k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
@@ -41,7 +53,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
             raise ForerunError(f"{label} must be >= {lo}, got {v}")
     if request_timeout <= 0:
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
-    factory = drafter_factory(method, model, draft_model)
+    factory = drafter_factory(method, model, draft_model, skip_layers=skip_layers, head_path=head_path)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter_factory=factory, max_batch=max_batch,
                          max_waiting=max_waiting, k_max=k_max, speculate=factory is not None)
     if calibrate and factory is not None:
@@ -77,8 +89,11 @@ def serve(args) -> int:
     from forerun.models import load_model
     from forerun.server.app import create_app
 
+    from forerun.drafters import parse_skip_layers
+
     if args.method not in SERVE_METHODS:
-        raise ForerunError(f"forerun serve supports the methods {', '.join(SERVE_METHODS)}, not {args.method!r}")
+        raise ForerunError(f"unknown method {args.method!r} (choose {', '.join(SERVE_METHODS)})")
+    skip = parse_skip_layers(args.skip_layers)
     if args.method == "draft" and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     if not 0 <= args.port <= 65535:
@@ -95,7 +110,8 @@ def serve(args) -> int:
                            max_context=args.max_context)
     service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name or args.model,
                             api_key=args.api_key, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                            max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max)
+                            max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
+                            skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None)
     if not getattr(model.backend, "forward_batch", None):
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)
