@@ -31,10 +31,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @dataclass
@@ -410,6 +412,17 @@ class _Run:
             m.tpot.observe((now - self.t_first) / (self.n_tokens - 1))
         m.finished.labels(finished_reason=self.finish or "abort").inc()
 
+    def _timeout(self) -> ApiError:
+        return ApiError(504, f"the request did not finish within {self.service.request_timeout:g} s", "timeout",
+                        code="request_timeout")
+
+    def _failed(self) -> ApiError:
+        return ApiError(500, f"generation failed: {self.req.error}", "server_error")
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.service.name, "choices": choices,
+                **extra}
+
     def usage(self) -> dict:
         s = self.req.stats
         return {"prompt_tokens": len(self.job.ids), "completion_tokens": self.n_tokens,
@@ -426,13 +439,12 @@ class _Run:
                 parts.append(self._take(tokens, finish))
         except TimeoutError:
             self.service.engine.cancel(self.req)
-            return ApiError(504, f"the request did not finish within {self.service.request_timeout:g} s", "timeout",
-                            code="request_timeout").response()
+            return self._timeout().response()
         except ConnectionError:
             self.service.engine.cancel(self.req)
             return Response(status_code=499)
         if self.req.error:
-            return ApiError(500, f"generation failed: {self.req.error}", "server_error").response()
+            return self._failed().response()
         self._record_end()
         text = "".join(parts)
         if self.chat:
@@ -442,8 +454,7 @@ class _Run:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish}
             obj = "text_completion"
-        return JSONResponse({"id": self.rid, "object": obj, "created": self.created, "model": self.service.name,
-                             "choices": [choice], "usage": self.usage()})
+        return JSONResponse(self._envelope(obj, [choice], usage=self.usage()))
 
     def _chunk(self, delta: str | None, finish: str | None, first: bool = False) -> str:
         if self.chat:
@@ -451,12 +462,13 @@ class _Run:
             if first:
                 d = {"role": "assistant", "content": ""}
             choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.service.name, "choices": [choice]}
-        return f"data: {json.dumps(body)}\n\n"
+        return _sse(self._envelope(self._chunk_object, [choice]))
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
 
     async def events(self, request: Request):
         done = False
@@ -468,24 +480,18 @@ class _Run:
                     tokens, finish = await self._next(request)
                 except TimeoutError:
                     self.service.engine.cancel(self.req)
-                    err = {"error": {"message": f"the request did not finish within {self.service.request_timeout:g} s",
-                                     "type": "timeout", "param": None, "code": "request_timeout"}}
-                    yield f"data: {json.dumps(err)}\n\n"
+                    yield _sse(self._timeout().body())
                     break
                 delta = self._take(tokens, finish)
                 if delta:
                     yield self._chunk(delta, None)
             if self.req.error:
-                err = {"error": {"message": f"generation failed: {self.req.error}", "type": "server_error",
-                                 "param": None, "code": None}}
-                yield f"data: {json.dumps(err)}\n\n"
+                yield _sse(self._failed().body())
             elif self.finish is not None:
                 self._record_end()
                 yield self._chunk(None, self.finish)
                 if self.job.include_usage:
-                    body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                            "created": self.created, "model": self.service.name, "choices": [], "usage": self.usage()}
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield _sse(self._envelope(self._chunk_object, [], usage=self.usage()))
             yield "data: [DONE]\n\n"
             done = True
         except ConnectionError:
@@ -493,3 +499,8 @@ class _Run:
         finally:
             if not done:  # the client left: free the slot now
                 self.service.engine.cancel(self.req)
+
+
+def _sse(obj: dict) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(obj)}\n\n"
