@@ -226,10 +226,7 @@ class BatchEngine:
                 self.step()
             except Exception as e:  # noqa: BLE001 - e.g. a drafter failing: end the requests of this step
                 for req in list(self.active):
-                    req.error = f"{type(e).__name__}: {e}"
-                    if req.slot is not None:
-                        req.slot.backend.reset()
-                    self._finish(req, [], "error")
+                    self._fail(req, e)
 
     def stop(self) -> None:
         self._stop.set()
@@ -277,10 +274,14 @@ class BatchEngine:
         if req.slot is not None:
             self._free.append(req.slot)
             req.slot = None
-        try:
-            req.on_event(tokens, reason)
-        except Exception:  # a broken listener must not stop the engine
-            pass
+        _emit(req, tokens, reason)
+
+    def _fail(self, req: BatchRequest, e: Exception) -> None:
+        """End a request with an error; its cache is dropped (the failure may have left it half written)."""
+        req.error = f"{type(e).__name__}: {e}"
+        if req.slot is not None:
+            req.slot.backend.reset()
+        self._finish(req, [], "error")
 
     def _admit(self) -> None:
         while len(self.active) < self.max_batch:
@@ -295,9 +296,7 @@ class BatchEngine:
             try:
                 self._prefill(req)
             except Exception as e:  # noqa: BLE001 - reported to this request only
-                req.error = f"{type(e).__name__}: {e}"
-                req.slot.backend.reset()
-                self._finish(req, [], "error")
+                self._fail(req, e)
                 continue
             self.active.append(req)
 
@@ -360,9 +359,7 @@ class BatchEngine:
             passed = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs])
         except Exception as e:  # noqa: BLE001 - fail the requests of this pass, keep serving
             for r in reqs:
-                r.error = f"{type(e).__name__}: {e}"
-                r.slot.backend.reset()
-                self._finish(r, [], "error")
+                self._fail(r, e)
             return
         t2 = time.perf_counter()
         self.policy.observe_pass(rows, t2 - t1)
@@ -371,8 +368,8 @@ class BatchEngine:
         report = []
         for r, d, out_i in zip(reqs, drafts, passed):
             out, n_acc = accept_chain(d, out_i.logits, r.params, r.generator)
-            new, n_acc, finish = commit_tokens(out, n_acc, self.eos)
             root = len(r.tokens) - 1
+            new, n_acc, finish = commit_tokens(out, n_acc, self.eos, r.max_new_tokens - r.produced, limit - len(r.tokens))
             r.tokens.extend(new)
             r.produced += len(new)
             r.slot.backend.truncate(len(r.tokens) - 1)
@@ -388,20 +385,19 @@ class BatchEngine:
             s.new_tokens = r.produced
             s.wall_s = time.perf_counter() - r.t_submit
             report.append((r, len(d), n_acc))
-            if finish is None and r.produced >= r.max_new_tokens:
-                finish = "length"
-            if finish is None and len(r.tokens) >= limit:
-                finish = "context"
             if finish is not None:
                 self._finish(r, new, finish)
             else:
-                try:
-                    r.on_event(new, None)
-                except Exception:
-                    pass
+                _emit(r, new, None)
         if self.on_step is not None:
             try:
                 self.on_step(rows, t2 - t1, report)
             except Exception:
                 pass
 
+
+def _emit(req: BatchRequest, tokens: list[int], finish: str | None) -> None:
+    try:
+        req.on_event(tokens, finish)
+    except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
+        pass

@@ -141,7 +141,7 @@ class Engine:
                 out, n_acc = out[0].tolist(), int(n[0])
             else:
                 out, n_acc = accept_chain(draft, logits, params, generator)
-            new, n_acc, finish = commit_tokens(out, n_acc, self.eos)
+            new, n_acc, finish = commit_tokens(out, n_acc, self.eos, max_new_tokens - produced, limit - len(tokens))
             tokens.extend(new)
             produced += len(new)
 
@@ -160,10 +160,6 @@ class Engine:
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
             policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket if per_bucket else None)
-            if finish is None and produced >= max_new_tokens:
-                finish = "length"
-            if finish is None and len(tokens) >= limit:
-                finish = "context"
             stats.wall_s = time.perf_counter() - t_start
             yield StepOutput(tokens=new, finish_reason=finish)
             if finish is not None:
@@ -201,14 +197,19 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, gen
     return out[0].tolist(), int(n[0])
 
 
-def commit_tokens(out: list[int], n_acc: int, eos: set[int]) -> tuple[list[int], int, str | None]:
-    """What a step commits: the accepted drafts plus one token, cut after an EOS inside the run
-    (which ends the output). Returns (tokens, accepted drafts among them, "stop" or None)."""
+def commit_tokens(out: list[int], n_acc: int, eos: set[int], left_new: int, left_context: int
+                  ) -> tuple[list[int], int, str | None]:
+    """What a step commits: the accepted drafts plus one token, cut after an EOS inside the run.
+    ``left_new`` / ``left_context``: room left under max_new_tokens / the context limit before
+    this step. Returns (tokens, accepted drafts among them, finish reason: "stop" (EOS),
+    "length", "context" or None)."""
     new = out[: n_acc + 1]
     for i, tok in enumerate(new):
         if tok in eos:
             return new[: i + 1], min(n_acc, i), "stop"
-    return new, n_acc, None
+    if len(new) >= left_new:
+        return new, n_acc, "length"
+    return new, n_acc, "context" if len(new) >= left_context else None
 
 
 def clip_draft(draft: Draft, k: int) -> Draft:
