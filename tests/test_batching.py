@@ -53,7 +53,7 @@ def test_forward_batch_equals_single_passes(gemma):
 def test_greedy_batch_equals_plain(gemma, speculate):
     prompts = _prompts(5)
     plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=20).token_ids for p in prompts]
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=NgramDrafter, max_batch=3, speculate=speculate)
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=3, speculate=speculate)
     eng.calibrate(reps=1)
     reqs = [BatchRequest(prompt=p, max_new_tokens=20) for p in prompts]
     outs = _run(eng, reqs)
@@ -67,7 +67,7 @@ def test_requests_join_and_leave_between_steps(gemma):
     prompts = _prompts(4, seed=1)
     plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=n).token_ids
              for p, n in zip(prompts, (3, 17, 9, 25))]
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=NgramDrafter, max_batch=4)
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=4)
     eng.calibrate(reps=1)
     got = {}
     reqs = [BatchRequest(prompt=p, max_new_tokens=n) for p, n in zip(prompts, (3, 17, 9, 25))]
@@ -86,7 +86,7 @@ def test_requests_join_and_leave_between_steps(gemma):
 
 
 def test_cancel_frees_the_slot_and_queue_is_bounded(gemma):
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=NgramDrafter, max_batch=1, max_waiting=1)
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1, max_waiting=1)
     finishes = []
     a = BatchRequest(prompt=_prompts(1)[0], max_new_tokens=50, on_event=lambda t, f: f and finishes.append(f))
     b = BatchRequest(prompt=_prompts(1)[0], max_new_tokens=2, on_event=lambda t, f: f and finishes.append(f))
@@ -115,7 +115,7 @@ def test_sampling_in_a_batch_keeps_the_target_distribution(gemma):
     for t in torch.nonzero(p1 > 0).flatten().tolist():
         be.truncate(len(prompt))
         joint[t] = p1[t] * logits_to_probs(be.forward(torch.tensor([t]), len(prompt)).logits[-1], params)
-    eng = BatchEngine(gemma.backend, (), drafter_factory=NgramDrafter, max_batch=8)
+    eng = BatchEngine(gemma.backend, (), drafter=NgramDrafter(), max_batch=8)
     eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free and always worth it: every step drafts
     eng.policy.margin = -1.0
     n = 3000
@@ -151,7 +151,7 @@ def test_draft_model_batches_equal_plain(gemma, gemma_draft):
 
     prompts = _prompts(4, seed=2)
     plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=15).token_ids for p in prompts]
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=lambda: DraftModelDrafter(gemma_draft.backend.fork()),
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=DraftModelDrafter(gemma_draft.backend),
                       max_batch=2)
     eng.policy.margin = -1.0  # always draft, so the draft path is exercised
     eng.calibrate(reps=1)
@@ -161,11 +161,11 @@ def test_draft_model_batches_equal_plain(gemma, gemma_draft):
 
 
 def test_layerskip_batches_equal_plain(gemma):
-    from forerun.server.run import drafter_factory
+    from forerun.drafters import make_drafter
 
     prompts = _prompts(3, seed=4)
     plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=15).token_ids for p in prompts]
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter_factory=drafter_factory("layerskip", gemma, skip_layers=[1]),
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=make_drafter("layerskip", gemma, skip_layers=[1]),
                       max_batch=3)
     eng.policy.margin = -1.0
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]

@@ -210,10 +210,9 @@ class _LetterTokenizer:
 def test_heads_in_batches_equal_plain(heads, gemma, kind):
     """Batched serving feeds each slot's head its own sequence's features: output stays plain greedy."""
     from forerun.batching import BatchEngine, BatchRequest
-    from forerun.server.run import drafter_factory
 
     eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=3,
-                      drafter_factory=drafter_factory(kind, gemma, head_path=heads[kind][0]))
+                      drafter=make_drafter(kind, gemma, head_path=heads[kind][0]))
     eng.policy.margin = -1.0  # always draft
     eng.calibrate(reps=1)
     want = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=20).token_ids for p in PROMPTS]

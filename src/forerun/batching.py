@@ -156,13 +156,15 @@ class BatchEngine:
 
     HOUSEKEEPING_STEPS = 50
 
-    def __init__(self, target, eos_token_ids=(), *, drafter_factory: Callable[[], object] | None = None,
-                 max_batch: int = 8, max_waiting: int = 64, k_max: int = 8, speculate: bool = True):
+    def __init__(self, target, eos_token_ids=(), *, drafter=None, max_batch: int = 8, max_waiting: int = 64,
+                 k_max: int = 8, speculate: bool = True):
+        """``drafter``: a prototype; every slot gets its own ``drafter.fork()``. None (or
+        ``speculate=False``): plain batched decoding."""
         if max_batch < 1:
             raise ForerunError(f"max_batch must be >= 1, got {max_batch}")
         self.target = target
         self.eos = set(int(i) for i in eos_token_ids)
-        self.drafter_factory = drafter_factory if speculate else None
+        self.drafter = drafter if speculate else None
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.policy = LoadAwareK(k_max=k_max)
@@ -177,9 +179,7 @@ class BatchEngine:
         self.on_step: Callable | None = None
         self.batched = hasattr(target, "forward_batch")
         # Trained heads read target features at some layers, after the prefill and every pass.
-        probe = self.drafter_factory() if self.drafter_factory is not None else None
-        self._spare_drafters = [probe] if probe is not None else []  # the first slot takes it
-        self.layers = tuple(getattr(probe, "feature_layers", ()))
+        self.layers = tuple(getattr(self.drafter, "feature_layers", ()))
         self._fwd = {"layers": self.layers} if self.layers else {}
         self.housekeeping: Callable | None = None  # called every HOUSEKEEPING_STEPS steps by run (e.g. heap trimming)
         self._steps = 0
@@ -234,7 +234,7 @@ class BatchEngine:
 
     def calibrate(self, rows: list[int] | None = None, reps: int = 2) -> dict[int, float]:
         """Time target passes of several row counts (a scratch sequence), seeding the cost model."""
-        if self.drafter_factory is None:
+        if self.drafter is None:
             return {}
         # every row count up to 16 (kernels are chosen per row count on first use), then a coarser grid
         rows = rows or sorted((set(range(1, 17)) | {24, 32, 48, 64, 96, 128}) & set(
@@ -263,10 +263,7 @@ class BatchEngine:
         backend = self.target.fork()
         if hasattr(backend, "reserve"):  # the whole context up front: memory does not creep up with long prompts
             backend.reserve(backend.max_context)
-        drafter = None
-        if self.drafter_factory is not None:
-            drafter = self._spare_drafters.pop() if self._spare_drafters else self.drafter_factory()
-        return _Slot(backend, drafter)
+        return _Slot(backend, None if self.drafter is None else self.drafter.fork())
 
     def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
         if req in self.active:
@@ -335,8 +332,8 @@ class BatchEngine:
         # 1. Draft: cheap drafters propose at full length and are cut after; others propose what the policy plans.
         t0 = time.perf_counter()
         drafts: list[Draft] = []
-        cheap = all(r.slot.drafter is None or r.slot.drafter.cheap_proposals for r in reqs)
-        if self.drafter_factory is None:
+        cheap = self.drafter is None or self.drafter.cheap_proposals
+        if self.drafter is None:
             drafts = [empty_draft() for _ in reqs]
         elif cheap:
             for r, room in zip(reqs, rooms):

@@ -50,6 +50,11 @@ class Drafter:
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         """Called after a verify pass; ``tokens`` now holds the accepted drafts and the new token."""
 
+    def fork(self) -> "Drafter":
+        """A drafter of the same kind over the same weights with state (and caches) of its own:
+        one per sequence when several are decoded together."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be forked")
+
 
 def empty_draft() -> Draft:
     return Draft(tokens=torch.zeros(0, dtype=torch.long))

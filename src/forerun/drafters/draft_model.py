@@ -18,6 +18,9 @@ class DraftModelDrafter(Drafter):
         super().begin(prompt, params, generator)
         self.backend.reset()
 
+    def fork(self) -> "DraftModelDrafter":
+        return DraftModelDrafter(self.backend.fork())
+
     def propose(self, tokens: list[int], k: int) -> Draft:
         be = self.backend
         # Catch up on tokens the draft has not seen (the last one, plus any correction/bonus).

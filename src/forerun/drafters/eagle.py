@@ -38,6 +38,9 @@ class FeatureDrafter(Drafter):
         self.feat_pos = 0  # target position of the first row of self.feats
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
 
+    def fork(self) -> "FeatureDrafter":
+        return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None)
+
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
         """Features of target positions pos..pos+rows-1 (committed positions only)."""
         if self.feats is not None and pos <= self.feat_pos + len(self.feats):

@@ -37,6 +37,9 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.context_vocab = context_vocab
         self.extra_vocab = [int(t) for t in extra_vocab]
 
+    def fork(self) -> "LayerSkipDrafter":
+        return LayerSkipDrafter(self.backend, self.skip, self.context_vocab, self.extra_vocab)
+
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
         self._vocab: set[int] = set(self.extra_vocab)

@@ -17,6 +17,9 @@ class NgramDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+    def fork(self) -> "NgramDrafter":
+        return NgramDrafter(self.max_ngram, self.min_ngram)
+
     def propose(self, tokens: list[int], k: int) -> Draft:
         follow, n = lookup_match(tokens, k, self.max_ngram, self.min_ngram)
         # A longer matched suffix is a far better predictor (measured on Spec-Bench: first-token

@@ -5,41 +5,10 @@ from __future__ import annotations
 import logging
 
 from forerun.batching import BatchEngine
+from forerun.drafters import METHODS, make_drafter
 from forerun.errors import ForerunError
 
-from forerun.drafters import METHODS as SERVE_METHODS  # every method generate has (token trees excepted)
 log = logging.getLogger("forerun")
-
-
-def drafter_factory(method: str, target, draft_model=None, ngram_max: int = 4, skip_layers=None, head_path=None):
-    """A function that builds one drafter per engine slot (each sequence needs its own state)."""
-    if method not in SERVE_METHODS:
-        raise ForerunError(f"unknown method {method!r} (choose {', '.join(SERVE_METHODS)})")
-    if method == "none":
-        return None
-    if method == "ngram":
-        from forerun.drafters.ngram import NgramDrafter
-
-        return lambda: NgramDrafter(max_ngram=ngram_max)
-    if method == "draft":
-        from forerun.drafters import check_vocab
-        from forerun.drafters.draft_model import DraftModelDrafter
-
-        if draft_model is None:
-            raise ForerunError("method draft needs a draft model (--draft MODEL)")
-        check_vocab(target, draft_model)
-        return lambda: DraftModelDrafter(draft_model.backend.fork())
-    from forerun.drafters import make_drafter
-
-    # layerskip / eagle / medusa: built (and checked) once; each slot gets its own state over the
-    # same weights (layer skipping: its own cache; heads: the same trained head).
-    proto = make_drafter(method, target, skip_layers=skip_layers, head_path=head_path)
-    if method == "layerskip":
-        from forerun.drafters.layer_skip import LayerSkipDrafter
-
-        return lambda: LayerSkipDrafter(target.backend, proto.skip, proto.context_vocab, proto.extra_vocab)
-    kind = type(proto)
-    return lambda: kind(proto.head, proto.embed)
 
 
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
@@ -53,10 +22,11 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
             raise ForerunError(f"{label} must be >= {lo}, got {v}")
     if request_timeout <= 0:
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
-    factory = drafter_factory(method, model, draft_model, skip_layers=skip_layers, head_path=head_path)
-    engine = BatchEngine(model.backend, model.eos_token_ids, drafter_factory=factory, max_batch=max_batch,
-                         max_waiting=max_waiting, k_max=k_max, speculate=factory is not None)
-    if calibrate and factory is not None:
+    # every method of generate, verified as chains; each slot forks this drafter
+    drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path)
+    engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
+                         max_waiting=max_waiting, k_max=k_max)
+    if calibrate and drafter is not None:
         costs = engine.calibrate()
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
     return Service(model, engine, name=name or model.name, api_key=api_key, max_tokens=max_tokens,
@@ -91,8 +61,8 @@ def serve(args) -> int:
 
     from forerun.drafters import parse_skip_layers
 
-    if args.method not in SERVE_METHODS:
-        raise ForerunError(f"unknown method {args.method!r} (choose {', '.join(SERVE_METHODS)})")
+    if args.method not in METHODS:
+        raise ForerunError(f"unknown method {args.method!r} (choose {', '.join(METHODS)})")
     skip = parse_skip_layers(args.skip_layers)
     if args.method == "draft" and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
@@ -112,7 +82,7 @@ def serve(args) -> int:
                             api_key=args.api_key, max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
                             skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None)
-    if not getattr(model.backend, "forward_batch", None):
+    if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)
     import threading
