@@ -58,7 +58,7 @@ class _Linear:
             choice = self.choice[rows] = self._measure(x)
         how, padded = choice
         if padded > rows:  # a larger pass can be faster (e.g. 4 rows on MKL's sgemm): pad with zero rows
-            return self._run(torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]), how)[:rows]
+            return self._run(_pad_rows(x, padded), how)[:rows]
         return self._run(x, how)
 
     KERNELS = ("onednn", "wxt", "plain")
@@ -85,9 +85,14 @@ class _Linear:
         times = {(how, rows): t for how, t in self.time_kernels(x, reps=5).items()}
         padded = -(-rows // 4) * 4
         if padded != rows:
-            xp = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-            times.update({(how, padded): t for how, t in self.time_kernels(xp, reps=5).items() if how != "plain"})
+            times.update({(how, padded): t for how, t in self.time_kernels(_pad_rows(x, padded), reps=5).items()
+                          if how != "plain"})
         return min(times, key=times.get)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [T, in] with zero rows appended up to ``rows``."""
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def _rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
@@ -253,10 +258,14 @@ class NativeGemma3(BackendBase):
         if not logits:
             return ForwardOutput(logits=None, layers=feats)
         h = _rms_norm(h[-1:] if last_only else h, self.final_norm, self.eps)
+        return ForwardOutput(logits=self._logits(h, head), hidden=h if return_hidden else None, layers=feats)
+
+    def _logits(self, h: torch.Tensor, head: "_Linear | None" = None) -> torch.Tensor:
+        """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""
         out = (head or self.lm_head)(h).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
-        return ForwardOutput(logits=out, hidden=h if return_hidden else None, layers=feats)
+        return out
 
     def _body(self, h, parts, skip, layers):
         """The transformer layers over the rows ``h`` [rows, hidden] of one or more sequences.
@@ -303,9 +312,7 @@ class NativeGemma3(BackendBase):
         h, feats = self._body(h, parts, set(), layers)
         for seq, pos, T, _, _ in parts:
             seq._len = pos + T
-        out = self.lm_head(_rms_norm(h, self.final_norm, self.eps)).float()  # [rows, vocab]
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
+        out = self._logits(_rms_norm(h, self.final_norm, self.eps))  # [rows, vocab]
         sizes = [p[2] for p in parts]
         per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
         return [ForwardOutput(logits=lg, layers=f) for lg, f in zip(out.split(sizes), per_seq)]
