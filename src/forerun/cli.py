@@ -174,7 +174,7 @@ def _load(args, methods=()):
 
 
 def cmd_generate(args) -> int:
-    from forerun.drafters import METHODS, make_drafter, parse_skip_layers
+    from forerun.drafters import check_method, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
@@ -184,11 +184,8 @@ def cmd_generate(args) -> int:
         raise ForerunError("empty prompt")
     if args.max_new_tokens < 1:
         raise ForerunError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.method not in METHODS:
-        raise ForerunError(f"unknown method {args.method!r} (choose {', '.join(METHODS)})")
+    check_method(args.method, bool(args.draft))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.method == "draft" and not args.draft:
-        raise ForerunError("method draft needs a draft model (--draft MODEL)")
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     skip = parse_skip_layers(args.skip_layers)

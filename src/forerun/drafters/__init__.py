@@ -58,6 +58,14 @@ def parse_skip_layers(text: str | None) -> list[int] | None:
         raise ForerunError(f"--skip-layers must be comma-separated integers, got {text!r}") from None
 
 
+def check_method(method: str, has_draft: bool) -> None:
+    """Before any model loads: the method exists, and method draft has its draft model."""
+    if method not in METHODS:
+        raise ForerunError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
+    if method == "draft" and not has_draft:
+        raise ForerunError("method draft needs a draft model (--draft MODEL)")
+
+
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
                  head_path=None, tree=None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
@@ -65,8 +73,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     to verify token trees instead of chains (eagle/medusa only)."""
     if tree is not None and method not in HEAD_METHODS:
         raise ForerunError(f"token trees (--tree-nodes) work with eagle and medusa, not {method}")
-    if method not in METHODS:
-        raise ForerunError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
+    check_method(method, draft_model is not None)
     if method == "none":
         return None
     if method == "ngram":
@@ -78,8 +85,6 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter
 
-        if draft_model is None:
-            raise ForerunError("method draft needs a draft model (--draft MODEL)")
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
     if not getattr(target.backend, "supports_layer_skip", False):
@@ -92,4 +97,4 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "make_drafter", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from forerun.batching import BatchEngine
-from forerun.drafters import METHODS, make_drafter
+from forerun.drafters import check_method, make_drafter
 from forerun.errors import ForerunError
 
 log = logging.getLogger("forerun")
@@ -57,15 +57,11 @@ def serve(args) -> int:
     import uvicorn
 
     from forerun.models import load_model
+    from forerun.drafters import parse_skip_layers
     from forerun.server.app import create_app
 
-    from forerun.drafters import parse_skip_layers
-
-    if args.method not in METHODS:
-        raise ForerunError(f"unknown method {args.method!r} (choose {', '.join(METHODS)})")
+    check_method(args.method, bool(args.draft))
     skip = parse_skip_layers(args.skip_layers)
-    if args.method == "draft" and not args.draft:
-        raise ForerunError("method draft needs a draft model (--draft MODEL)")
     if not 0 <= args.port <= 65535:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
     # The torch backend batches sequences into one pass; llama.cpp contexts here hold one sequence each.
