@@ -78,7 +78,8 @@ def _compile_kernel():
         return None
     lib.forerun_q8_rows.restype = ctypes.c_int
     lib.forerun_q8_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_void_p]
     lib.forerun_q8_threads.argtypes = [ctypes.c_int]
     return lib
 
@@ -92,7 +93,9 @@ class Q8Head:
         V = raw.shape[0]
         nb = dim // QK
         blocks = np.ascontiguousarray(raw).reshape(V, nb, 2 + QK)
-        self.d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [V, nb]
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [V, nb] fp16, as in the file
+        self.dh = torch.from_numpy(scales.view(np.int16))  # what the kernel reads (half the bytes of float32)
+        self.d = torch.from_numpy(scales.astype(np.float32))
         self.q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))  # [V, nb, 32]
         self.V, self.D, self.nb = V, dim, nb
         self.lib = lib if lib is not None else _compile_kernel()
@@ -106,17 +109,20 @@ class Q8Head:
     def available(self) -> bool:
         return self.lib is not None
 
-    def logits(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """float32 logits [n, V] of Q8_0 activations (q [n, nb, 32], d [n, nb]) from the C kernel."""
+    def logits(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q8_0 activations (q [n, nb, 32], d [n, nb]) -> float32 logits [n, V] from the C kernel,
+        with each row's two largest logits [n, 2] and their token ids [n, 2] (ties: lower id first)."""
         n = q.shape[0]
         qx = q.to(torch.int8).contiguous()
         dx = d.contiguous()
         out = torch.empty(n, self.V)
-        rc = self.lib.forerun_q8_rows(self.q.data_ptr(), self.d.data_ptr(), self.V, self.nb,
-                                      qx.data_ptr(), dx.data_ptr(), n, out.data_ptr())
+        top = torch.empty(n, 2)
+        idx = torch.empty(n, 2, dtype=torch.long)
+        rc = self.lib.forerun_q8_rows(self.q.data_ptr(), self.dh.data_ptr(), self.V, self.nb,
+                                      qx.data_ptr(), dx.data_ptr(), n, out.data_ptr(), top.data_ptr(), idx.data_ptr())
         if rc != 0:
             raise RuntimeError(f"q8 head kernel failed ({rc})")
-        return out
+        return out, top, idx
 
     def exact_logits(self, q: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of tokens idx for one row (q [nb, 32], d [nb]) in float64, and llama.cpp's float32 error bound."""
@@ -135,11 +141,10 @@ class Q8Head:
         ok = torch.zeros(n, dtype=torch.bool)
         for s in range(0, n, self.MAX_ROWS):
             qs, ds = q[s: s + self.MAX_ROWS], d[s: s + self.MAX_ROWS]
-            f = self.logits(qs, ds)  # [r, V]
+            f, best, idx = self.logits(qs, ds)  # [r, V], [r, 2], [r, 2]
             xn = (qs * ds[..., None]).flatten(1).norm(dim=-1)
             # ours and llama.cpp's float32 sums each lie within eps of the exact value
             eps = 2 * (self.nb + 6) * _U32 * self.w_norm * xn * 1.01
-            best, idx = f.topk(2, dim=-1)
             m, top = best[:, 0], idx[:, 0]
             single = best[:, 1] < m - 2 * eps  # no other token within the bounds: certified at once
             out[s: s + len(f)] = top

@@ -477,7 +477,7 @@ class LlamaCppBackend(BackendBase):
         by greedy verification and may be -1.
         """
         T = tokens.numel()
-        use = self.fast_greedy and self.ctx.tap is not None and 1 < T <= self.ctx.n_batch
+        use = self.fast_greedy and self.ctx.tap is not None and 0 < T <= self.ctx.n_batch
         head = self.model.greedy_head() if use else None
         if head is None:
             return self.forward(tokens, pos).logits.argmax(-1)

@@ -1,16 +1,23 @@
-/* Multi-row product of a Q8_0 matrix with Q8_0-quantized activations.
+/* Multi-row product of a Q8_0 matrix with Q8_0-quantized activations, with each row's top two.
  *
  * out[r][v] = sum_b  d_w[v][b] * d_x[r][b] * sum_j q_w[v][b][j] * q_x[r][b][j]
  *
  * The same quantity llama.cpp computes for its Q8_0 LM head, but every weight block is
  * loaded once for all rows, so n rows cost little more than one (llama.cpp's kernels
  * cost about one full pass over the weights per row on small CPUs). The float
- * summation order differs from llama.cpp's; the caller bounds that difference.
+ * summation order differs from llama.cpp's; the caller bounds that difference. Every
+ * float term passes through at most nb/2 + 6 roundings here (AVX-512: nb/2 lane
+ * accumulations + a 16-lane reduction; AVX2: nb + 3), within the caller's (nb + 6) bound.
  *
- * Layout: qw [V][nb][32] int8, dw [V][nb] float, qx [n][nb][32] int8, dx [n][nb] float,
- * out [n][V] float. Built with -O3 -march=native; OpenMP splits the vocabulary.
+ * Layout: qw [V][nb][32] int8, dw [V][nb] fp16 (as stored in the GGUF file), qx [n][nb][32]
+ * int8, dx [n][nb] float, out [n][V] float, top [n][2] float and top_idx [n][2] int64: the
+ * largest and second-largest logit of each row (ties: the lower index first).
+ * Built with -O3 -march=native; OpenMP splits the vocabulary.
  */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
 #include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -18,6 +25,40 @@
 
 #define QK 32
 #define MAXR 64
+#define RG 8 /* rows per register group */
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline void top2_push(float f, int64_t v, float *b1, int64_t *i1, float *b2, int64_t *i2) {
+    /* v arrives in increasing order within a thread: a tie keeps the earlier index first. */
+    if (f > *b1) {
+        *b2 = *b1; *i2 = *i1; *b1 = f; *i1 = v;
+    } else if (f > *b2) {
+        *b2 = f; *i2 = v;
+    }
+}
 
 #if defined(__AVX2__)
 static inline __m256i dot_i8(__m256i w, __m256i x) {
@@ -43,39 +84,157 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-int forerun_q8_rows(const int8_t *qw, const float *dw, int64_t V, int nb,
-                    const int8_t *qx, const float *dx, int n, float *out) {
-    if (n < 1 || n > MAXR) return -1;
-#pragma omp parallel for schedule(static)
-    for (int64_t v = 0; v < V; v++) {
-        const int8_t *wrow = qw + v * nb * QK;
-        const float *dwr = dw + v * nb;
-#if defined(__AVX2__)
-        __m256 acc[MAXR];
-        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + b * QK));
-            float d = dwr[b];
-            for (int r = 0; r < n; r++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(qx + ((int64_t)r * nb + b) * QK));
-                __m256 s = _mm256_set1_ps(d * dx[r * nb + b]);
-                acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot_i8(w, x)), acc[r]);
-            }
-        }
-        for (int r = 0; r < n; r++) out[(int64_t)r * V + v] = hsum(acc[r]);
-#else
-        for (int r = 0; r < n; r++) {
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                int32_t isum = 0;
-                const int8_t *w = wrow + b * QK, *x = qx + ((int64_t)r * nb + b) * QK;
-                for (int j = 0; j < QK; j++) isum += (int32_t)w[j] * (int32_t)x[j];
-                acc += (dwr[b] * dx[r * nb + b]) * (float)isum;
-            }
-            out[(int64_t)r * V + v] = acc;
-        }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FORERUN_Q8_AVX512 1
 #endif
+
+/* One vocabulary row v for rows [r0, r0 + m): logits into vals[0..m). */
+#ifdef FORERUN_Q8_AVX512
+static inline __attribute__((always_inline)) void row_avx512(const int8_t *wrow, const uint16_t *dwr, int nb,
+                                                             const uint8_t *xu, const float *dxe, int r0,
+                                                             const int m, float *vals) {
+    /* m is a compile-time constant at every call site (see row_avx512_n), so the loops over
+     * rows unroll and the accumulators stay in registers. */
+    /* Two 32-blocks per zmm. Activations are offset to unsigned (x + 128) for vpdpbusd, and
+     * the offset is taken back exactly by starting each accumulation at -128 * sum(w). */
+    const int np = nb / 2;
+    __m512 acc[RG];
+    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i c128 = _mm512_set1_epi8((char)0x80);
+    const __m512i lo8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int p = 0; p < np; p++) {
+        __m512i w = _mm512_loadu_si512((const void *)(wrow + (int64_t)p * 2 * QK));
+        __m512i nws = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, w));
+        __m512 pair = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                    fp16_to_f32(dwr[2 * p + 1]), fp16_to_f32(dwr[2 * p]));
+        __m512 dwv = _mm512_permutexvar_ps(lo8, pair);
+        for (int r = 0; r < m; r++) {
+            const int rr = r0 + r;
+            __m512i x = _mm512_loadu_si512((const void *)(xu + ((int64_t)rr * nb + 2 * p) * QK));
+            __m512i isum = _mm512_dpbusd_epi32(nws, x, w);
+            __m512 sc = _mm512_mul_ps(dwv, _mm512_loadu_ps(dxe + ((int64_t)rr * np + p) * 16));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[r]);
+        }
     }
+    for (int r = 0; r < m; r++) vals[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static void row_avx512_n(const int8_t *wrow, const uint16_t *dwr, int nb, const uint8_t *xu, const float *dxe,
+                         int r0, int m, float *vals) {
+    switch (m) {
+    case 1: row_avx512(wrow, dwr, nb, xu, dxe, r0, 1, vals); break;
+    case 2: row_avx512(wrow, dwr, nb, xu, dxe, r0, 2, vals); break;
+    case 3: row_avx512(wrow, dwr, nb, xu, dxe, r0, 3, vals); break;
+    case 4: row_avx512(wrow, dwr, nb, xu, dxe, r0, 4, vals); break;
+    case 5: row_avx512(wrow, dwr, nb, xu, dxe, r0, 5, vals); break;
+    case 6: row_avx512(wrow, dwr, nb, xu, dxe, r0, 6, vals); break;
+    case 7: row_avx512(wrow, dwr, nb, xu, dxe, r0, 7, vals); break;
+    default: row_avx512(wrow, dwr, nb, xu, dxe, r0, 8, vals); break;
+    }
+}
+#endif
+
+int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
+                    const int8_t *qx, const float *dx, int n, float *out,
+                    float *top, int64_t *top_idx) {
+    if (n < 1 || n > MAXR) return -1;
+    int nth = 1;
+#ifdef _OPENMP
+    nth = omp_get_max_threads();
+#endif
+    float *tb = (float *)malloc(sizeof(float) * 2 * n * nth);
+    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * 2 * n * nth);
+    if (!tb || !ti) { free(tb); free(ti); return -2; }
+    for (int i = 0; i < 2 * n * nth; i++) { tb[i] = -INFINITY; ti[i] = -1; }
+#ifdef FORERUN_Q8_AVX512
+    const int wide = (nb % 2) == 0;
+    uint8_t *xu = NULL;
+    float *dxe = NULL;
+    if (wide) {
+        xu = (uint8_t *)malloc((size_t)n * nb * QK);
+        dxe = (float *)malloc(sizeof(float) * (size_t)n * (nb / 2) * 16);
+        if (!xu || !dxe) { free(xu); free(dxe); free(tb); free(ti); return -2; }
+        for (int64_t i = 0; i < (int64_t)n * nb * QK; i++) xu[i] = (uint8_t)((int)qx[i] + 128);
+        for (int r = 0; r < n; r++)
+            for (int p = 0; p < nb / 2; p++)
+                for (int l = 0; l < 16; l++) dxe[((int64_t)r * (nb / 2) + p) * 16 + l] = dx[r * nb + 2 * p + l / 8];
+    }
+#endif
+#pragma omp parallel
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *b = tb + 2 * n * t;
+        int64_t *bi = ti + 2 * n * t;
+#pragma omp for schedule(static)
+        for (int64_t v = 0; v < V; v++) {
+            const int8_t *wrow = qw + v * nb * QK;
+            const uint16_t *dwr = dw + v * nb;
+            float vals[MAXR];
+#ifdef FORERUN_Q8_AVX512
+            if (wide) {
+                for (int r0 = 0; r0 < n; r0 += RG) {
+                    int m = n - r0 < RG ? n - r0 : RG;
+                    row_avx512_n(wrow, dwr, nb, xu, dxe, r0, m, vals + r0);
+                }
+            } else
+#endif
+            {
+#if defined(__AVX2__)
+                for (int r0 = 0; r0 < n; r0 += RG) {
+                    int m = n - r0 < RG ? n - r0 : RG;
+                    __m256 acc[RG];
+                    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+                    for (int bb = 0; bb < nb; bb++) {
+                        __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + bb * QK));
+                        float d = fp16_to_f32(dwr[bb]);
+                        for (int r = 0; r < m; r++) {
+                            int rr = r0 + r;
+                            __m256i x = _mm256_loadu_si256((const __m256i *)(qx + ((int64_t)rr * nb + bb) * QK));
+                            __m256 s = _mm256_set1_ps(d * dx[rr * nb + bb]);
+                            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot_i8(w, x)), acc[r]);
+                        }
+                    }
+                    for (int r = 0; r < m; r++) vals[r0 + r] = hsum(acc[r]);
+                }
+#else
+                for (int r = 0; r < n; r++) {
+                    float acc = 0.0f;
+                    for (int bb = 0; bb < nb; bb++) {
+                        int32_t isum = 0;
+                        const int8_t *w = wrow + bb * QK, *x = qx + ((int64_t)r * nb + bb) * QK;
+                        for (int j = 0; j < QK; j++) isum += (int32_t)w[j] * (int32_t)x[j];
+                        acc += (fp16_to_f32(dwr[bb]) * dx[r * nb + bb]) * (float)isum;
+                    }
+                    vals[r] = acc;
+                }
+#endif
+            }
+            for (int r = 0; r < n; r++) {
+                out[(int64_t)r * V + v] = vals[r];
+                top2_push(vals[r], v, &b[2 * r], &bi[2 * r], &b[2 * r + 1], &bi[2 * r + 1]);
+            }
+        }
+    }
+    /* Merge the threads' top two (threads hold increasing ranges of v, merged in order). */
+    for (int r = 0; r < n; r++) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+        int64_t i1 = -1, i2 = -1;
+        for (int t = 0; t < nth; t++)
+            for (int k = 0; k < 2; k++)
+                if (ti[2 * n * t + 2 * r + k] >= 0)
+                    top2_push(tb[2 * n * t + 2 * r + k], ti[2 * n * t + 2 * r + k], &b1, &i1, &b2, &i2);
+        top[2 * r] = b1; top[2 * r + 1] = b2;
+        top_idx[2 * r] = i1; top_idx[2 * r + 1] = i2;
+    }
+#ifdef FORERUN_Q8_AVX512
+    free(xu);
+    free(dxe);
+#endif
+    free(tb);
+    free(ti);
     return 0;
 }
 
