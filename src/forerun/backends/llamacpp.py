@@ -209,7 +209,8 @@ class LlamaCppModel:
         Greedy speculation is token-identical to plain decoding only if they do. Exact mode
         (the default) chooses llama.cpp settings under which ggml computes every row the same
         way whatever the pass size; the probe confirms it on this machine and build (a pass of
-        the longest verification, MAX_K + 1 tokens, after a 40-token prompt, against one-token steps).
+        the longest verification, MAX_K + 1 tokens, after a 230-token prompt, against one-token
+        steps run as the backend runs them).
         """
         if self._invariant is None:
             from forerun.draft_length import MAX_K
@@ -217,16 +218,18 @@ class LlamaCppModel:
             rng = np.random.default_rng(0)
             hi = min(self.n_vocab, 20000)
             n = MAX_K + 1
-            prompt = rng.integers(100, hi, 40).astype(np.int32)
+            P = 230  # the pass straddles position 256, where the attention kernel of one-token passes changes
+            pad_from = LlamaCppBackend.SINGLE_PAD_FROM if self.exact else 1 << 30
+            prompt = rng.integers(100, hi, P).astype(np.int32)
             extra = rng.integers(100, hi, n).astype(np.int32)
-            ctx = _Context(self, 128, threads)
+            ctx = _Context(self, 512, threads)
             ctx.decode(prompt, 0, "none")
-            ctx.decode(extra, 40, "all")
+            ctx.decode(extra, P, "all")
             together = ctx.logits(n, self.n_vocab)
-            ctx.remove_from(40)
+            ctx.remove_from(P)
             ok = True
             for k in range(n):
-                ctx.decode(extra[k: k + 1], 40 + k, "last")
+                ctx.decode(extra[k: k + 1], P + k, "last", pad=P + k >= pad_from)
                 ok = ok and torch.equal(ctx.logits(1, self.n_vocab)[0], together[k])
             del ctx
             self._invariant = ok
@@ -293,14 +296,16 @@ class _Context:
             p.cb_eval = self.tap.fn
             p.cb_eval_user_data = self.tap.user_data
         if model.exact:
-            # With llama.cpp's default f16 cache, attention is not the same computation for every
-            # pass size: flash attention splits one-token passes over >= 512 cached positions
-            # across threads (and tiles long passes), and without flash attention llamafile's
-            # sgemm takes the f16 products of >= 2 rows. With keys in Q8_0 and values in f16, flash
-            # attention runs its row-by-row kernel for every pass, as fast as the default here.
+            # Flash attention on an f16 cache computes every row of a pass of 2-63 tokens with its
+            # row-by-row kernel, the same whatever the pass size, and long prompt passes with its
+            # tiled kernel (prompt passes are shared by every method, so that is harmless). The one
+            # exception, one-token passes over >= 512 cache cells (split across threads), is
+            # avoided by the backend: such passes run as two-token passes (see SINGLE_PAD_FROM).
+            # Without flash attention llamafile's sgemm takes the f16 products of >= 2 rows, which
+            # round differently from the one-row product.
             p.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-            p.type_k = 8  # GGML_TYPE_Q8_0
-            p.type_v = 1  # GGML_TYPE_F16
+            p.type_k = 1  # GGML_TYPE_F16
+            p.type_v = 1
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_batch
@@ -342,16 +347,26 @@ class _Context:
     def clear(self) -> None:
         self.L.llama_memory_clear(self.mem, True)
 
-    def decode(self, tokens: np.ndarray, pos: int, outputs: str) -> int:
-        """Decode one chunk (<= n_batch tokens); outputs: 'all', 'last' or 'none'. Returns rows out."""
+    def decode(self, tokens: np.ndarray, pos: int, outputs: str, pad: bool = False) -> int:
+        """Decode one chunk (<= n_batch tokens); outputs: 'all', 'last' or 'none'. Returns rows out.
+
+        ``pad`` (one token only): run it as a two-token pass, the second a copy of the first
+        at the next position whose row is not output and whose cache entry is removed again.
+        """
         n = len(tokens)
         self.tok[:n] = tokens
         self.pos[:n] = np.arange(pos, pos + n, dtype=np.int32)
         self.out[:n] = 1 if outputs == "all" else 0
         if outputs == "last":
             self.out[n - 1] = 1
-        self.batch.n_tokens = n
+        m = n
+        if pad and n == 1:
+            self.tok[1], self.pos[1], self.out[1] = self.tok[0], pos + 1, 0
+            m = 2
+        self.batch.n_tokens = m
         rc = self.L.llama_decode(self.ptr, self.batch)
+        if m > n:
+            self.remove_from(pos + n)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc} at position {pos} ({n} tokens)")
         return n if outputs == "all" else (1 if outputs == "last" else 0)
@@ -378,10 +393,18 @@ class _Context:
 
 
 class LlamaCppBackend(BackendBase):
-    """The Backend interface over one llama.cpp context (one sequence)."""
+    """The Backend interface over one llama.cpp context (one sequence).
+
+    In exact mode a one-token pass at position >= ``SINGLE_PAD_FROM`` runs as a two-token pass
+    (``pad_single``): llama.cpp's flash attention takes a thread-split kernel for one-token
+    passes once the cache view reaches 512 cells (positions >= 256, the view grows in steps of
+    256), which rounds differently from the kernel of every longer pass. A drafter's own model
+    needs no such care and may turn ``pad_single`` off.
+    """
 
     supports_layer_skip = False
     hidden_is_normed = True  # llama.cpp gives the hidden state after the final norm
+    SINGLE_PAD_FROM = 240  # below 256, with a margin
 
     def __init__(self, model: LlamaCppModel, *, max_context: int | None = None, threads: int | None = None,
                  fast_greedy: bool = True):
@@ -396,7 +419,9 @@ class LlamaCppBackend(BackendBase):
         self.num_layers = model.n_layer
         self.device = torch.device("cpu")
         self.ctx = _Context(model, self.max_context, self.threads, tap=fast_greedy)
-        self.max_context = min(self.max_context, self.ctx.n_ctx)
+        self.pad_single = model.exact
+        # one cell kept free for the padding row of a one-token pass at the last position
+        self.max_context = min(self.max_context, self.ctx.n_ctx - 1)
         self._len = 0
 
     @property
@@ -419,7 +444,9 @@ class LlamaCppBackend(BackendBase):
         self._len = 0
 
     def fork(self) -> "LlamaCppBackend":
-        return LlamaCppBackend(self.model, max_context=self.max_context, threads=self.threads, fast_greedy=self.fast_greedy)
+        be = LlamaCppBackend(self.model, max_context=self.max_context, threads=self.threads, fast_greedy=self.fast_greedy)
+        be.pad_single = self.pad_single
+        return be
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
@@ -428,7 +455,8 @@ class LlamaCppBackend(BackendBase):
     def _decode(self, chunk: np.ndarray, pos: int, mode: str, start: int) -> int:
         """Decode one chunk at pos; on failure drop everything from ``start`` (this call's first position)."""
         try:
-            rows = self.ctx.decode(chunk, pos, mode)
+            pad = self.pad_single and len(chunk) == 1 and pos >= self.SINGLE_PAD_FROM
+            rows = self.ctx.decode(chunk, pos, mode, pad=pad)
         except RuntimeError:
             self._len = pos + len(chunk)  # llama.cpp may have kept part of the chunk: remove it all
             self.truncate(start)
