@@ -49,7 +49,8 @@ def test_forward_truncate_reset(lc):
 
 def test_passes_are_batch_invariant(lc):
     """Exact mode: every row of a multi-token pass equals a one-token step bit for bit, also past
-    512 cached positions (where llama.cpp's default attention changes its one-token kernel)."""
+    256 cached positions (where llama.cpp's attention changes its one-token kernel: the backend
+    runs those steps as two-token passes)."""
     be = lc.backend
     assert be.batch_invariant
     gen = torch.Generator().manual_seed(0)
@@ -139,6 +140,62 @@ def test_draft_model_on_llamacpp(lc):
     res = Engine(lc.backend, make_drafter("draft", lc, draft_model=draft), lc.eos_token_ids).generate(ids, max_new_tokens=16, k=3)
     assert res.token_ids == ref.token_ids
     assert res.stats.accepted > 0
+
+
+def test_layer_outputs_on_llamacpp(lc):
+    """Layer outputs read through the graph callback: the same in a prompt pass, a verify pass with
+    logits and an argmax pass (bit for bit, every pass size), and close to the torch backend's."""
+    be = lc.backend
+    if be.model.greedy_head() is None:
+        pytest.skip(be.model._head_reason)
+    ids = torch.tensor(lc.tokenizer(spec_bench_prompts("rag", 1)[0]).input_ids[:40])
+    assert len(ids) == 40
+    layers = (2, 9, 17)
+    be.reset()
+    prompt = be.forward(ids, 0, last_only=True, layers=layers)
+    assert prompt.logits is None and prompt.layers.shape == (40, 3 * 640)
+    be.truncate(30)
+    verify = be.forward(ids[30:], 30, layers=layers)
+    assert verify.logits.shape[0] == 10 and torch.equal(verify.layers, prompt.layers[30:])
+    be.truncate(30)
+    am, feats = be.argmax_forward(ids[30:], 30, layers=layers)
+    assert torch.equal(feats, prompt.layers[30:]) and torch.equal(am, verify.logits.argmax(-1))
+    be.truncate(35)
+    assert torch.equal(be.argmax_forward(ids[35:36], 35, layers=layers)[1], prompt.layers[35:36])
+    with pytest.raises(ValueError, match="out of range"):
+        be.forward(ids[:2], 0, layers=(18,))
+
+
+def test_embedding_rows_match_gguf(lc):
+    """The heads' token embeddings on llama.cpp are the GGUF table's rows, dequantized as gguf does."""
+    gguf = pytest.importorskip("gguf")
+    be = lc.backend
+    if be.model.greedy_head() is None:
+        pytest.skip(be.model._head_reason)
+    t = next(t for t in gguf.GGUFReader(be.model.path).tensors if t.name == "token_embd.weight")
+    idx = torch.tensor([0, 1, 2, 1000, 123456, be.vocab_size - 1])
+    ref = torch.from_numpy(gguf.quants.dequantize(t.data[idx.numpy()], t.tensor_type))
+    assert torch.equal(be.embed[idx], ref)
+    assert be.embed.shape == (be.vocab_size, 640)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_trained_heads_on_llamacpp(lc, method):
+    """The shipped heads draft chains on llama.cpp from its layer outputs: token-identical to plain
+    decoding; token trees are refused with a clear message."""
+    if lc.backend.model.greedy_head() is None:
+        pytest.skip(lc.backend.model._head_reason)
+    eng_none = Engine(lc.backend, None, lc.eos_token_ids)
+    eng = Engine(lc.backend, make_drafter(method, lc), lc.eos_token_ids)
+    accepted = 0
+    for text in spec_bench_prompts("math_reasoning", 1) + spec_bench_prompts("writing", 1):
+        ids = lc.tokenizer(text).input_ids
+        res = eng.generate(ids, max_new_tokens=40, k=3)
+        assert res.token_ids == eng_none.generate(ids, max_new_tokens=40).token_ids
+        accepted += res.stats.accepted
+    assert accepted > 0
+    with pytest.raises(ForerunError, match="token trees need the torch backend"):
+        make_drafter(method, lc, tree=(8, 4))
 
 
 def test_layerskip_refused_on_llamacpp(lc):

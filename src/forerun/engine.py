@@ -83,7 +83,7 @@ class Engine:
         # Trained heads read the target's hidden states at some layers, sent after every pass.
         layers = tuple(getattr(self.drafter, "feature_layers", ()))
         fwd = {"layers": layers} if layers else {}
-        fast_argmax = hasattr(target, "argmax_forward") and not layers
+        fast_argmax = hasattr(target, "argmax_forward") and (not layers or getattr(target, "argmax_layers", False))
         target.reset()
         tokens = list(prompt)
         if self.drafter is not None:
@@ -123,10 +123,13 @@ class Engine:
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
             if params.greedy and fast_argmax and tree is None:  # the backend gives exact argmaxes cheaper than logits
                 logits = None
-                target_ids = target.argmax_forward(feed, root)  # [n_draft + 1]
+                if layers:  # the argmaxes and the features a trained head reads
+                    target_ids, feats = target.argmax_forward(feed, root, layers=layers)
+                else:
+                    target_ids = target.argmax_forward(feed, root)  # [n_draft + 1]
             else:
                 passed = target.forward(feed, root, **fwd, **({} if tree is None else {"tree": tree}))
-                logits = passed.logits  # [len(draft) + 1, vocab]
+                logits, feats = passed.logits, passed.layers  # [len(draft) + 1, vocab]
             if device.type == "cuda":  # kernels run asynchronously: time the pass, not its launch
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
@@ -150,7 +153,7 @@ class Engine:
             if rows is not None:
                 target.keep_rows(root, rows[:n_acc])
             if layers:  # features of the positions kept: the last committed token and the accepted drafts
-                self.drafter.take_features(root, passed.layers[kept])
+                self.drafter.take_features(root, feats[kept])
             target.truncate(len(tokens) - 1)
             if self.drafter is not None:
                 self.drafter.accepted(tokens, n_acc)

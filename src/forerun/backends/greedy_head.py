@@ -105,6 +105,10 @@ class Q8Head:
         # sum_j |W_vj x_j| <= ||W_v|| ||x|| bounds the rounding of both float32 sums.
         self.w_norm = float((self.d.square().sum(-1).sqrt() * 127.0 * QK ** 0.5).max())
 
+    def embedding_rows(self) -> "Q8Rows":
+        """The same table as token embeddings, dequantized row by row when indexed."""
+        return Q8Rows(self.q, self.d)
+
     @property
     def available(self) -> bool:
         return self.lib is not None
@@ -158,3 +162,22 @@ class Q8Head:
                 others = torch.cat([logit[:j] + bound[:j], logit[j + 1:] + bound[j + 1:]])
                 ok[i] = bool(logit[j] - bound[j] > others.max())
         return out, ok
+
+
+class Q8Rows:
+    """A Q8_0 table [V, D] that dequantizes only the rows it is indexed with (d * q in float32,
+    as ggml and gguf dequantize), so a 262,144-row embedding needs no float copy."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        self.q, self.d = q, d  # [V, nb, 32] int8, [V, nb] float32
+        self.shape = torch.Size((q.shape[0], q.shape[1] * q.shape[2]))
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        q, d = self.q[idx], self.d[idx]
+        return (q.float() * d[..., None]).flatten(-2)
+
+    def to(self, *args, **kwargs):  # already where it can be
+        return self

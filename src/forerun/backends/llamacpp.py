@@ -100,10 +100,14 @@ def _ggml():
     return _GGML
 
 
+_TAP_MAX = 8  # FORERUN_TAP_MAX in tap.c
+
+
 class _TapState(ctypes.Structure):
     _fields_ = [("get_name", ctypes.c_void_p), ("get_data", ctypes.c_void_p), ("nelements", ctypes.c_void_p),
-                ("body", ctypes.c_int32), ("captured", ctypes.c_int32), ("n", ctypes.c_int64),
-                ("cap", ctypes.c_int64), ("buf", ctypes.c_void_p), ("node", ctypes.c_char * 64)]
+                ("active", ctypes.c_int32), ("stop", ctypes.c_int32), ("n_nodes", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("cap", ctypes.c_int64), ("buf", ctypes.c_void_p * _TAP_MAX),
+                ("n", ctypes.c_int64 * _TAP_MAX), ("node", (ctypes.c_char * 64) * _TAP_MAX)]
 
 
 _TAP_LIB = None
@@ -119,39 +123,61 @@ def _tap_lib():
 
 
 class _HiddenTap:
-    """Graph evaluation callback (``tap.c``) that hands over the final normed hidden state.
+    """Graph evaluation callback (``tap.c``) that hands over named nodes of llama.cpp's graph.
 
-    In body mode it asks ggml's scheduler for the node named ``result_norm``, copies it and
-    stops the graph there, so the LM head (``result_output``) is never computed. The callback
-    is C: ggml calls it for every node of every decode (~700 per token here).
+    ``start(stop=True)`` asks ggml's scheduler for the node named ``result_norm`` (the final
+    normed hidden state), copies it and stops the graph there, so the LM head
+    (``result_output``) is never computed. ``layers`` also copies those layers' outputs (nodes
+    ``l_out-N``, the residual stream after layer N) for trained draft heads, without stopping.
+    The callback is C: ggml calls it for every node of every decode (~700 per token here).
     """
 
-    NODE = b"result_norm"
+    NORM = "result_norm"
 
     def __init__(self, L, lib, n_embd: int, n_batch: int):
         g = _ggml()
-        self.buf = np.zeros(n_embd * n_batch, dtype=np.float32)
+        self.n_embd = n_embd
+        self.bufs = [np.zeros(n_embd * n_batch, dtype=np.float32)]  # more are made as layers are asked for
         st = _TapState()
         st.get_name = ctypes.cast(g.ggml_get_name, ctypes.c_void_p)
         st.get_data = ctypes.cast(g.ggml_get_data_f32, ctypes.c_void_p)
         st.nelements = ctypes.cast(g.ggml_nelements, ctypes.c_void_p)
-        st.cap = self.buf.size
-        st.buf = self.buf.ctypes.data
-        st.node = self.NODE
+        st.cap = self.bufs[0].size
         self.state = st  # C holds pointers into these: keep them alive with the tap
         self.fn = ctypes.cast(lib.forerun_tap_eval, L.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.cast(ctypes.pointer(st), ctypes.c_void_p)
+        self.names: list[str] = []
 
-    def start(self) -> None:
-        self.state.body, self.state.captured, self.state.n = 1, 0, 0
+    def start(self, stop: bool = True, layers: Sequence[int] = ()) -> None:
+        names = ([self.NORM] if stop else []) + [f"l_out-{i}" for i in layers]
+        if len(names) > _TAP_MAX:
+            raise ValueError(f"at most {_TAP_MAX - 1} feature layers can be read from llama.cpp")
+        while len(self.bufs) < len(names):
+            self.bufs.append(np.zeros_like(self.bufs[0]))
+        st = self.state
+        for k, name in enumerate(names):
+            st.node[k].value = name.encode()
+            st.buf[k] = self.bufs[k].ctypes.data
+            st.n[k] = 0
+        st.n_nodes, st.stop, st.active = len(names), int(stop), 1
+        self.names = names
 
     def stop(self) -> None:
-        self.state.body = 0
+        self.state.active = 0
 
-    def hidden(self, rows: int, n_embd: int) -> np.ndarray:
-        if self.state.captured != 1 or self.state.n != rows * n_embd:
-            raise RuntimeError("llama.cpp did not hand over the final hidden state")
-        return self.buf[: rows * n_embd].reshape(rows, n_embd).copy()
+    def _get(self, k: int, rows: int) -> np.ndarray:
+        if self.state.n[k] != rows * self.n_embd:
+            raise RuntimeError(f"llama.cpp did not hand over {self.names[k]} for {rows} rows")
+        return self.bufs[k][: rows * self.n_embd].reshape(rows, self.n_embd).copy()
+
+    def hidden(self, rows: int) -> np.ndarray:
+        """The final normed hidden state [rows, n_embd] (after start(stop=True))."""
+        return self._get(0, rows)
+
+    def layer_outputs(self, rows: int) -> np.ndarray:
+        """The asked-for layers' outputs side by side: [rows, len(layers) * n_embd]."""
+        first = 1 if self.names and self.names[0] == self.NORM else 0
+        return np.concatenate([self._get(k, rows) for k in range(first, len(self.names))], axis=1)
 
 
 _WARNED: set[str] = set()
@@ -473,7 +499,11 @@ class LlamaCppBackend(BackendBase):
         skip_layers: Sequence[int] = (),
         return_hidden: bool = False,
         last_only: bool = False,
+        layers: Sequence[int] = (),
     ) -> ForwardOutput:
+        """``layers``: also return those layers' outputs at every position (read through the graph
+        callback). With ``last_only`` and ``layers`` (a prompt pass for a trained head) no logits
+        are computed (``logits`` is None): the LM head is skipped for every row."""
         if skip_layers:
             raise ValueError("llama.cpp cannot skip layers; layer skipping needs the torch backend")
         self._check_forward(tokens, pos)
@@ -482,43 +512,81 @@ class LlamaCppBackend(BackendBase):
         T = len(ids)
         if T == 0:
             raise ValueError("forward needs at least one token")
+        layers = tuple(layers)
+        tap = self._feature_tap(layers)
+        body_only = bool(layers) and last_only
         self.ctx.set_embeddings(return_hidden)
         step = self.ctx.n_batch
-        logits, hidden = [], []
+        logits, hidden, feats = [], [], []
         for s in range(0, T, step):
             chunk = ids[s: s + step]
-            mode = ("last" if s + step >= T else "none") if last_only else "all"
-            rows = self._decode(chunk, pos + s, mode, start=pos)
-            if rows:
+            # The last layer computes only the rows that are output: every row is output when its
+            # features are wanted, and then the head is skipped (the tap stops at the final norm).
+            mode = "all" if (layers or not last_only) else ("last" if s + step >= T else "none")
+            if tap is not None:
+                tap.start(stop=body_only, layers=layers)
+            try:
+                rows = self._decode(chunk, pos + s, mode, start=pos)
+            finally:
+                if tap is not None:
+                    tap.stop()
+            if layers:
+                feats.append(torch.from_numpy(tap.layer_outputs(len(chunk))))
+            if rows and not body_only:
                 logits.append(self.ctx.logits(rows, self.vocab_size))
                 if return_hidden:
                     hidden.append(self.ctx.hidden(rows, self.model.n_embd))
-        return ForwardOutput(logits=torch.cat(logits) if len(logits) > 1 else logits[0],
-                             hidden=(torch.cat(hidden) if len(hidden) > 1 else hidden[0]) if return_hidden else None)
+        return ForwardOutput(logits=None if body_only else (torch.cat(logits) if len(logits) > 1 else logits[0]),
+                             hidden=(torch.cat(hidden) if len(hidden) > 1 else hidden[0]) if return_hidden else None,
+                             layers=(torch.cat(feats) if len(feats) > 1 else feats[0]) if layers else None)
 
+    def _feature_tap(self, layers: tuple):
+        if not layers:
+            return None
+        if self.ctx.tap is None:
+            raise ForerunError("reading layer outputs from llama.cpp needs its graph callback (tap.c), which needs a C compiler")
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range (the model has {self.num_layers})")
+        return self.ctx.tap
 
-    @torch.inference_mode()
-    def argmax_forward(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+    @property
+    def embed(self):
+        """The token embeddings [vocab, hidden] (dequantized rows of the Q8_0 table, made on demand),
+        for trained draft heads; absent (AttributeError) where the greedy head is unavailable."""
+        head = self.model.greedy_head() if self.ctx.tap is not None else None
+        if head is None:
+            raise AttributeError("embed")
+        return head.embedding_rows()
+
+    argmax_layers = True  # argmax_forward can also return layer outputs (for trained heads)
+
+    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = ()):
         """Greedy targets of a verify pass: argmax [T] at every position, exactly as llama.cpp's head gives.
 
         Rows after the first row whose argmax differs from the next input token are not needed
-        by greedy verification and may be -1.
+        by greedy verification and may be -1. With ``layers``, returns (argmax, layer outputs
+        [T, len(layers) * hidden]).
         """
         T = tokens.numel()
+        layers = tuple(layers)
         use = self.fast_greedy and self.ctx.tap is not None and 0 < T <= self.ctx.n_batch
         head = self.model.greedy_head() if use else None
         if head is None:
-            return self.forward(tokens, pos).logits.argmax(-1)
+            passed = self.forward(tokens, pos, layers=layers)
+            ids = passed.logits.argmax(-1)
+            return (ids, passed.layers) if layers else ids
         self._check_forward(tokens, pos)
         self.truncate(pos)
         ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
         tap = self.ctx.tap
-        tap.start()
+        tap.start(stop=True, layers=layers)
         try:
             self._decode(ids, pos, "all", start=pos)
         finally:
             tap.stop()
-        h = torch.from_numpy(tap.hidden(T, self.model.n_embd))
+        h = torch.from_numpy(tap.hidden(T))
+        feats = torch.from_numpy(tap.layer_outputs(T)) if layers else None
         out, ok = head.argmax(h)
         if not self._checked:  # once per backend: the certified rows must equal llama.cpp's own head
             self._checked = True
@@ -528,7 +596,14 @@ class LlamaCppBackend(BackendBase):
 
                 logging.getLogger("forerun").warning("the fast greedy head disagreed with llama.cpp's; using llama.cpp's head")
                 self.fast_greedy = False
-                return full
+                return (full, feats) if layers else full
+        # Rows of one pass are bit-identical to one-token steps (exact mode), so the features of
+        # this pass stay valid even where a near tie below re-decodes some rows.
+        out = self._settle_ties(tokens, pos, out, ok)
+        return (out, feats) if layers else out
+
+    def _settle_ties(self, tokens: torch.Tensor, pos: int, out: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        T = tokens.numel()
         nxt = tokens.cpu()
         for i in range(T):
             if not ok[i]:

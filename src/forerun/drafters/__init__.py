@@ -26,7 +26,9 @@ def load_head_drafter(method: str, target, head_path=None, tree=None):
     be = target.backend
     if not hasattr(be, "embed"):
         raise ForerunError(f"method {method} reads the target's hidden states: it needs the torch backend on a Gemma 3 "
-                           "model (--backend torch)")
+                           "model (--backend torch), or the llama.cpp backend with a Q8_0 LM head and a C compiler")
+    if tree is not None and not hasattr(be, "keep_rows"):
+        raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
     path = head_path or shipped_head(method, target.name)
     if path is None:
         raise ForerunError(f"no {method} head is shipped for {target.name}; train one with `forerun train-draft --kind "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 
 import torch
-import torch.nn.functional as F
 
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import pick_token
@@ -67,7 +66,7 @@ class EagleDrafter(FeatureDrafter):
         self.cache = None  # head keys/values: committed entries first, then this round's guesses
 
     def _emb(self, ids) -> torch.Tensor:
-        return F.embedding(ids, self.embed).float() * self.scale
+        return self.embed[ids].float() * self.scale
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> Draft:
