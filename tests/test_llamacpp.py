@@ -162,6 +162,15 @@ def test_layer_outputs_on_llamacpp(lc):
     assert torch.equal(feats, prompt.layers[30:]) and torch.equal(am, verify.logits.argmax(-1))
     be.truncate(35)
     assert torch.equal(be.argmax_forward(ids[35:36], 35, layers=layers)[1], prompt.layers[35:36])
+    # past position 240 one-token passes are padded to two tokens: still one row of features
+    long = torch.tensor(lc.tokenizer(" ".join(spec_bench_prompts("rag", 2))).input_ids[:260])
+    assert len(long) == 260
+    be.reset()
+    be.forward(long[:250], 0, last_only=True)
+    full = be.forward(long[250:], 250, layers=layers).layers  # a 10-row pass (prompt passes of >= 64 rows differ)
+    be.truncate(250)
+    assert torch.equal(be.argmax_forward(long[250:251], 250, layers=layers)[1], full[:1])
+    assert torch.equal(be.forward(long[251:252], 251, layers=layers).layers, full[1:2])
     with pytest.raises(ValueError, match="out of range"):
         be.forward(ids[:2], 0, layers=(18,))
 

@@ -166,7 +166,10 @@ class _HiddenTap:
         self.state.active = 0
 
     def _get(self, k: int, rows: int) -> np.ndarray:
-        if self.state.n[k] != rows * self.n_embd:
+        # A node may hold more rows than asked for: a padded one-token pass (see
+        # LlamaCppBackend.SINGLE_PAD_FROM) computes its second row in every layer but the last.
+        n = self.state.n[k]
+        if n < rows * self.n_embd or n % self.n_embd:
             raise RuntimeError(f"llama.cpp did not hand over {self.names[k]} for {rows} rows")
         return self.bufs[k][: rows * self.n_embd].reshape(rows, self.n_embd).copy()
 
