@@ -80,6 +80,9 @@ def _compile_kernel():
     lib.forerun_q8_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_void_p]
+    lib.forerun_q8_rows_x16.restype = ctypes.c_int
+    lib.forerun_q8_rows_x16.argtypes = lib.forerun_q8_rows.argtypes
+    lib.forerun_q8_has_x16.restype = ctypes.c_int
     lib.forerun_q8_threads.argtypes = [ctypes.c_int]
     return lib
 
@@ -101,9 +104,26 @@ class Q8Head:
         self.lib = lib if lib is not None else _compile_kernel()
         if self.lib is not None and threads:
             self.lib.forerun_q8_threads(int(threads))
+        self.wu = self.dh16 = None
+        if self.lib is not None and self.lib.forerun_q8_has_x16():
+            self._interleave()
         # A bound on ||W_v|| for every row v (|q| <= 127 in each of its 32-blocks), so that
         # sum_j |W_vj x_j| <= ||W_v|| ||x|| bounds the rounding of both float32 sums.
         self.w_norm = float((self.d.square().sum(-1).sqrt() * 127.0 * QK ** 0.5).max())
+
+    def _interleave(self) -> None:
+        """The weights again, 16 vocabulary rows per 64-byte vector (see q8_head.c): [G, nb, 8, 16, 4]
+        bytes q + 128, and the scales as [G, nb, 16] fp16; rows past V are zero."""
+        V, nb = self.V, self.nb
+        G = (V + 15) // 16
+        q = self.q.numpy().view(np.uint8) ^ np.uint8(0x80)  # two's complement q + 128, as unsigned bytes
+        if G * 16 != V:
+            q = np.concatenate([q, np.full((G * 16 - V, nb, QK), 0x80, np.uint8)])
+        self.wu = torch.from_numpy(np.ascontiguousarray(q.reshape(G, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)))
+        d = self.dh.numpy()
+        if G * 16 != V:
+            d = np.concatenate([d, np.zeros((G * 16 - V, nb), d.dtype)])
+        self.dh16 = torch.from_numpy(np.ascontiguousarray(d.reshape(G, 16, nb).transpose(0, 2, 1)))
 
     def embedding_rows(self) -> "Q8Rows":
         """The same table as token embeddings, dequantized row by row when indexed."""
@@ -122,8 +142,12 @@ class Q8Head:
         out = torch.empty(n, self.V)
         top = torch.empty(n, 2)
         idx = torch.empty(n, 2, dtype=torch.long)
-        rc = self.lib.forerun_q8_rows(self.q.data_ptr(), self.dh.data_ptr(), self.V, self.nb,
-                                      qx.data_ptr(), dx.data_ptr(), n, out.data_ptr(), top.data_ptr(), idx.data_ptr())
+        if self.wu is not None:
+            fn, w, d = self.lib.forerun_q8_rows_x16, self.wu, self.dh16
+        else:
+            fn, w, d = self.lib.forerun_q8_rows, self.q, self.dh
+        rc = fn(w.data_ptr(), d.data_ptr(), self.V, self.nb, qx.data_ptr(), dx.data_ptr(), n, out.data_ptr(),
+                top.data_ptr(), idx.data_ptr())
         if rc != 0:
             raise RuntimeError(f"q8 head kernel failed ({rc})")
         return out, top, idx

@@ -238,6 +238,143 @@ int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
     return 0;
 }
 
+/* ---- Interleaved layout: 16 vocabulary rows per 64-byte vector (AVX-512 VNNI) ----
+ *
+ * wu [G][nb][8][16][4] uint8: weight q + 128 of vocabulary row 16g + lane, bytes 4k..4k+3 of
+ * block b; dh [G][nb][16] fp16 block scales (rows past V: q = 0, scale 0). One vpdpbusd then
+ * adds 4 products for 16 vocabulary rows at once, so a block's integer dot needs 8 of them and
+ * no horizontal sums. Each accumulation starts at -128 * sum(x) of the block, which takes the
+ * +128 offset back exactly. Per lane (one logit) the float terms pass through nb + 2 roundings.
+ */
+int forerun_q8_has_x16(void) {
+#ifdef FORERUN_Q8_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef FORERUN_Q8_AVX512
+static inline __attribute__((always_inline)) void group_x16(const uint8_t *wg, const uint16_t *dg, int nb,
+                                                            const int8_t *qx, const float *dx, const int32_t *corr,
+                                                            int r0, const int m, float *vals) {
+    __m512 acc[RG];
+    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = wg + (int64_t)b * 512;
+        __m512i w0 = _mm512_loadu_si512((const void *)(wb + 0)), w1 = _mm512_loadu_si512((const void *)(wb + 64));
+        __m512i w2 = _mm512_loadu_si512((const void *)(wb + 128)), w3 = _mm512_loadu_si512((const void *)(wb + 192));
+        __m512i w4 = _mm512_loadu_si512((const void *)(wb + 256)), w5 = _mm512_loadu_si512((const void *)(wb + 320));
+        __m512i w6 = _mm512_loadu_si512((const void *)(wb + 384)), w7 = _mm512_loadu_si512((const void *)(wb + 448));
+        __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + (int64_t)b * 16)));
+        for (int r = 0; r < m; r++) {
+            const int rr = r0 + r;
+            const int32_t *xp = (const int32_t *)(qx + ((int64_t)rr * nb + b) * QK);
+            __m512i i = _mm512_set1_epi32(-corr[rr * nb + b]);
+            i = _mm512_dpbusd_epi32(i, w0, _mm512_set1_epi32(xp[0]));
+            i = _mm512_dpbusd_epi32(i, w1, _mm512_set1_epi32(xp[1]));
+            i = _mm512_dpbusd_epi32(i, w2, _mm512_set1_epi32(xp[2]));
+            i = _mm512_dpbusd_epi32(i, w3, _mm512_set1_epi32(xp[3]));
+            i = _mm512_dpbusd_epi32(i, w4, _mm512_set1_epi32(xp[4]));
+            i = _mm512_dpbusd_epi32(i, w5, _mm512_set1_epi32(xp[5]));
+            i = _mm512_dpbusd_epi32(i, w6, _mm512_set1_epi32(xp[6]));
+            i = _mm512_dpbusd_epi32(i, w7, _mm512_set1_epi32(xp[7]));
+            __m512 sc = _mm512_mul_ps(dwv, _mm512_set1_ps(dx[rr * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), sc, acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm512_storeu_ps(vals + (int64_t)r * 16, acc[r]);
+}
+
+static void group_x16_n(const uint8_t *wg, const uint16_t *dg, int nb, const int8_t *qx, const float *dx,
+                        const int32_t *corr, int r0, int m, float *vals) {
+    switch (m) {
+    case 1: group_x16(wg, dg, nb, qx, dx, corr, r0, 1, vals); break;
+    case 2: group_x16(wg, dg, nb, qx, dx, corr, r0, 2, vals); break;
+    case 3: group_x16(wg, dg, nb, qx, dx, corr, r0, 3, vals); break;
+    case 4: group_x16(wg, dg, nb, qx, dx, corr, r0, 4, vals); break;
+    case 5: group_x16(wg, dg, nb, qx, dx, corr, r0, 5, vals); break;
+    case 6: group_x16(wg, dg, nb, qx, dx, corr, r0, 6, vals); break;
+    case 7: group_x16(wg, dg, nb, qx, dx, corr, r0, 7, vals); break;
+    default: group_x16(wg, dg, nb, qx, dx, corr, r0, 8, vals); break;
+    }
+}
+#endif
+
+int forerun_q8_rows_x16(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb,
+                        const int8_t *qx, const float *dx, int n, float *out,
+                        float *top, int64_t *top_idx) {
+#ifndef FORERUN_Q8_AVX512
+    (void)wu; (void)dh; (void)V; (void)nb; (void)qx; (void)dx; (void)n; (void)out; (void)top; (void)top_idx;
+    return -3;
+#else
+    if (n < 1 || n > MAXR) return -1;
+    const int64_t G = (V + 15) / 16;
+    int nth = 1;
+#ifdef _OPENMP
+    nth = omp_get_max_threads();
+#endif
+    float *tb = (float *)malloc(sizeof(float) * 2 * n * nth);
+    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * 2 * n * nth);
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)n * nb);
+    if (!tb || !ti || !corr) { free(tb); free(ti); free(corr); return -2; }
+    for (int i = 0; i < 2 * n * nth; i++) { tb[i] = -INFINITY; ti[i] = -1; }
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < nb; b++) {
+            int32_t sx = 0;
+            for (int j = 0; j < QK; j++) sx += qx[((int64_t)r * nb + b) * QK + j];
+            corr[r * nb + b] = 128 * sx;
+        }
+#pragma omp parallel
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *bt = tb + 2 * n * t;
+        int64_t *bi = ti + 2 * n * t;
+        float vals[MAXR * 16];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *wg = wu + g * (int64_t)nb * 512;
+            const uint16_t *dg = dh + g * (int64_t)nb * 16;
+            for (int r0 = 0; r0 < n; r0 += RG) {
+                int m = n - r0 < RG ? n - r0 : RG;
+                group_x16_n(wg, dg, nb, qx, dx, corr, r0, m, vals + (int64_t)r0 * 16);
+            }
+            const int64_t v0 = g * 16;
+            const int lanes = V - v0 < 16 ? (int)(V - v0) : 16;
+            for (int r = 0; r < n; r++) {
+                const float *vr = vals + (int64_t)r * 16;
+                float *o = out + (int64_t)r * V + v0;
+                if (lanes == 16) {
+                    _mm512_storeu_ps(o, _mm512_loadu_ps(vr));
+                    if (_mm512_reduce_max_ps(_mm512_loadu_ps(vr)) <= bt[2 * r + 1]) continue;
+                } else {
+                    memcpy(o, vr, sizeof(float) * lanes);
+                }
+                for (int l = 0; l < lanes; l++)
+                    top2_push(vr[l], v0 + l, &bt[2 * r], &bi[2 * r], &bt[2 * r + 1], &bi[2 * r + 1]);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+        int64_t i1 = -1, i2 = -1;
+        for (int t = 0; t < nth; t++)
+            for (int k = 0; k < 2; k++)
+                if (ti[2 * n * t + 2 * r + k] >= 0)
+                    top2_push(tb[2 * n * t + 2 * r + k], ti[2 * n * t + 2 * r + k], &b1, &i1, &b2, &i2);
+        top[2 * r] = b1; top[2 * r + 1] = b2;
+        top_idx[2 * r] = i1; top_idx[2 * r + 1] = i2;
+    }
+    free(tb);
+    free(ti);
+    free(corr);
+    return 0;
+#endif
+}
+
 void forerun_q8_threads(int n) {
 #ifdef _OPENMP
     if (n > 0) omp_set_num_threads(n);
