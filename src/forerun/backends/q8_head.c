@@ -6,12 +6,15 @@
  * loaded once for all rows, so n rows cost little more than one (llama.cpp's kernels
  * cost about one full pass over the weights per row on small CPUs). The float
  * summation order differs from llama.cpp's; the caller bounds that difference. Every
- * float term passes through at most nb/2 + 6 roundings here (AVX-512: nb/2 lane
- * accumulations + a 16-lane reduction; AVX2: nb + 3), within the caller's (nb + 6) bound.
+ * float term passes through at most nb + 3 roundings here (row-major: nb lane accumulations
+ * and an 8-lane sum; interleaved: nb accumulations and the scale product), within the
+ * caller's (nb + 6) bound.
  *
- * Layout: qw [V][nb][32] int8, dw [V][nb] fp16 (as stored in the GGUF file), qx [n][nb][32]
- * int8, dx [n][nb] float, out [n][V] float, top [n][2] float and top_idx [n][2] int64: the
- * largest and second-largest logit of each row (ties: the lower index first).
+ * Two layouts of the weights: row-major (forerun_q8_rows: qw [V][nb][32] int8, dw [V][nb]
+ * fp16 as stored in the GGUF file; AVX2 or plain C) and interleaved (forerun_q8_rows_x16,
+ * AVX-512 VNNI, see below). Both take qx [n][nb][32] int8, dx [n][nb] float and write out
+ * [n][V] float, top [n][2] float and top_idx [n][2] int64: the largest and second-largest
+ * logit of each row (ties: the lower index first).
  * Built with -O3 -march=native; OpenMP splits the vocabulary.
  */
 #include <stdint.h>
@@ -88,84 +91,59 @@ static inline float hsum(__m256 v) {
 #define FORERUN_Q8_AVX512 1
 #endif
 
-/* One vocabulary row v for rows [r0, r0 + m): logits into vals[0..m). */
-#ifdef FORERUN_Q8_AVX512
-static inline __attribute__((always_inline)) void row_avx512(const int8_t *wrow, const uint16_t *dwr, int nb,
-                                                             const uint8_t *xu, const float *dxe, int r0,
-                                                             const int m, float *vals) {
-    /* m is a compile-time constant at every call site (see row_avx512_n), so the loops over
-     * rows unroll and the accumulators stay in registers. */
-    /* Two 32-blocks per zmm. Activations are offset to unsigned (x + 128) for vpdpbusd, and
-     * the offset is taken back exactly by starting each accumulation at -128 * sum(w). */
-    const int np = nb / 2;
-    __m512 acc[RG];
-    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i c128 = _mm512_set1_epi8((char)0x80);
-    const __m512i lo8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int p = 0; p < np; p++) {
-        __m512i w = _mm512_loadu_si512((const void *)(wrow + (int64_t)p * 2 * QK));
-        __m512i nws = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, w));
-        __m512 pair = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                    fp16_to_f32(dwr[2 * p + 1]), fp16_to_f32(dwr[2 * p]));
-        __m512 dwv = _mm512_permutexvar_ps(lo8, pair);
-        for (int r = 0; r < m; r++) {
-            const int rr = r0 + r;
-            __m512i x = _mm512_loadu_si512((const void *)(xu + ((int64_t)rr * nb + 2 * p) * QK));
-            __m512i isum = _mm512_dpbusd_epi32(nws, x, w);
-            __m512 sc = _mm512_mul_ps(dwv, _mm512_loadu_ps(dxe + ((int64_t)rr * np + p) * 16));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[r]);
-        }
-    }
-    for (int r = 0; r < m; r++) vals[r] = _mm512_reduce_add_ps(acc[r]);
+/* Each thread keeps the top two of every row; merged in thread order (threads hold increasing
+ * ranges of the vocabulary), so a tie keeps the lower index first. */
+static int top2_alloc(int n, int nth, float **tb, int64_t **ti) {
+    *tb = (float *)malloc(sizeof(float) * 2 * n * nth);
+    *ti = (int64_t *)malloc(sizeof(int64_t) * 2 * n * nth);
+    if (!*tb || !*ti) { free(*tb); free(*ti); return -2; }
+    for (int i = 0; i < 2 * n * nth; i++) { (*tb)[i] = -INFINITY; (*ti)[i] = -1; }
+    return 0;
 }
 
-static void row_avx512_n(const int8_t *wrow, const uint16_t *dwr, int nb, const uint8_t *xu, const float *dxe,
-                         int r0, int m, float *vals) {
-    switch (m) {
-    case 1: row_avx512(wrow, dwr, nb, xu, dxe, r0, 1, vals); break;
-    case 2: row_avx512(wrow, dwr, nb, xu, dxe, r0, 2, vals); break;
-    case 3: row_avx512(wrow, dwr, nb, xu, dxe, r0, 3, vals); break;
-    case 4: row_avx512(wrow, dwr, nb, xu, dxe, r0, 4, vals); break;
-    case 5: row_avx512(wrow, dwr, nb, xu, dxe, r0, 5, vals); break;
-    case 6: row_avx512(wrow, dwr, nb, xu, dxe, r0, 6, vals); break;
-    case 7: row_avx512(wrow, dwr, nb, xu, dxe, r0, 7, vals); break;
-    default: row_avx512(wrow, dwr, nb, xu, dxe, r0, 8, vals); break;
+static void top2_merge(int n, int nth, float *tb, int64_t *ti, float *top, int64_t *top_idx) {
+    for (int r = 0; r < n; r++) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+        int64_t i1 = -1, i2 = -1;
+        for (int t = 0; t < nth; t++)
+            for (int k = 0; k < 2; k++)
+                if (ti[2 * n * t + 2 * r + k] >= 0)
+                    top2_push(tb[2 * n * t + 2 * r + k], ti[2 * n * t + 2 * r + k], &b1, &i1, &b2, &i2);
+        top[2 * r] = b1; top[2 * r + 1] = b2;
+        top_idx[2 * r] = i1; top_idx[2 * r + 1] = i2;
     }
+    free(tb);
+    free(ti);
 }
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
 #endif
+}
 
+static int thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Row-major layout (CPUs without AVX-512 VNNI): one vocabulary row at a time, all activation rows. */
 int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
                     const int8_t *qx, const float *dx, int n, float *out,
                     float *top, int64_t *top_idx) {
     if (n < 1 || n > MAXR) return -1;
-    int nth = 1;
-#ifdef _OPENMP
-    nth = omp_get_max_threads();
-#endif
-    float *tb = (float *)malloc(sizeof(float) * 2 * n * nth);
-    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * 2 * n * nth);
-    if (!tb || !ti) { free(tb); free(ti); return -2; }
-    for (int i = 0; i < 2 * n * nth; i++) { tb[i] = -INFINITY; ti[i] = -1; }
-#ifdef FORERUN_Q8_AVX512
-    const int wide = (nb % 2) == 0;
-    uint8_t *xu = NULL;
-    float *dxe = NULL;
-    if (wide) {
-        xu = (uint8_t *)malloc((size_t)n * nb * QK);
-        dxe = (float *)malloc(sizeof(float) * (size_t)n * (nb / 2) * 16);
-        if (!xu || !dxe) { free(xu); free(dxe); free(tb); free(ti); return -2; }
-        for (int64_t i = 0; i < (int64_t)n * nb * QK; i++) xu[i] = (uint8_t)((int)qx[i] + 128);
-        for (int r = 0; r < n; r++)
-            for (int p = 0; p < nb / 2; p++)
-                for (int l = 0; l < 16; l++) dxe[((int64_t)r * (nb / 2) + p) * 16 + l] = dx[r * nb + 2 * p + l / 8];
-    }
-#endif
+    const int nth = max_threads();
+    float *tb;
+    int64_t *ti;
+    if (top2_alloc(n, nth, &tb, &ti)) return -2;
 #pragma omp parallel
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        const int t = thread_num();
         float *b = tb + 2 * n * t;
         int64_t *bi = ti + 2 * n * t;
 #pragma omp for schedule(static)
@@ -173,14 +151,6 @@ int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
             const int8_t *wrow = qw + v * nb * QK;
             const uint16_t *dwr = dw + v * nb;
             float vals[MAXR];
-#ifdef FORERUN_Q8_AVX512
-            if (wide) {
-                for (int r0 = 0; r0 < n; r0 += RG) {
-                    int m = n - r0 < RG ? n - r0 : RG;
-                    row_avx512_n(wrow, dwr, nb, xu, dxe, r0, m, vals + r0);
-                }
-            } else
-#endif
             {
 #if defined(__AVX2__)
                 for (int r0 = 0; r0 < n; r0 += RG) {
@@ -218,23 +188,7 @@ int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
             }
         }
     }
-    /* Merge the threads' top two (threads hold increasing ranges of v, merged in order). */
-    for (int r = 0; r < n; r++) {
-        float b1 = -INFINITY, b2 = -INFINITY;
-        int64_t i1 = -1, i2 = -1;
-        for (int t = 0; t < nth; t++)
-            for (int k = 0; k < 2; k++)
-                if (ti[2 * n * t + 2 * r + k] >= 0)
-                    top2_push(tb[2 * n * t + 2 * r + k], ti[2 * n * t + 2 * r + k], &b1, &i1, &b2, &i2);
-        top[2 * r] = b1; top[2 * r + 1] = b2;
-        top_idx[2 * r] = i1; top_idx[2 * r + 1] = i2;
-    }
-#ifdef FORERUN_Q8_AVX512
-    free(xu);
-    free(dxe);
-#endif
-    free(tb);
-    free(ti);
+    top2_merge(n, nth, tb, ti, top, top_idx);
     return 0;
 }
 
@@ -310,15 +264,12 @@ int forerun_q8_rows_x16(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb
 #else
     if (n < 1 || n > MAXR) return -1;
     const int64_t G = (V + 15) / 16;
-    int nth = 1;
-#ifdef _OPENMP
-    nth = omp_get_max_threads();
-#endif
-    float *tb = (float *)malloc(sizeof(float) * 2 * n * nth);
-    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * 2 * n * nth);
+    const int nth = max_threads();
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)n * nb);
-    if (!tb || !ti || !corr) { free(tb); free(ti); free(corr); return -2; }
-    for (int i = 0; i < 2 * n * nth; i++) { tb[i] = -INFINITY; ti[i] = -1; }
+    float *tb;
+    int64_t *ti;
+    if (!corr) return -2;
+    if (top2_alloc(n, nth, &tb, &ti)) { free(corr); return -2; }
     for (int r = 0; r < n; r++)
         for (int b = 0; b < nb; b++) {
             int32_t sx = 0;
@@ -327,10 +278,7 @@ int forerun_q8_rows_x16(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb
         }
 #pragma omp parallel
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        const int t = thread_num();
         float *bt = tb + 2 * n * t;
         int64_t *bi = ti + 2 * n * t;
         float vals[MAXR * 16];
@@ -358,18 +306,7 @@ int forerun_q8_rows_x16(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb
             }
         }
     }
-    for (int r = 0; r < n; r++) {
-        float b1 = -INFINITY, b2 = -INFINITY;
-        int64_t i1 = -1, i2 = -1;
-        for (int t = 0; t < nth; t++)
-            for (int k = 0; k < 2; k++)
-                if (ti[2 * n * t + 2 * r + k] >= 0)
-                    top2_push(tb[2 * n * t + 2 * r + k], ti[2 * n * t + 2 * r + k], &b1, &i1, &b2, &i2);
-        top[2 * r] = b1; top[2 * r + 1] = b2;
-        top_idx[2 * r] = i1; top_idx[2 * r + 1] = i2;
-    }
-    free(tb);
-    free(ti);
+    top2_merge(n, nth, tb, ti, top, top_idx);
     free(corr);
     return 0;
 #endif
