@@ -207,6 +207,29 @@ def test_trained_heads_on_llamacpp(lc, method):
         make_drafter(method, lc, tree=(8, 4))
 
 
+def test_batch_engine_on_llamacpp(lc):
+    """The server's batch engine on llama.cpp (sequences one after another): greedy requests take the
+    exact argmax pass and equal plain decoding; a sampled request in the same batch still runs."""
+    from forerun.batching import BatchEngine, BatchRequest
+
+    texts = spec_bench_prompts("writing", 1) + spec_bench_prompts("qa", 1) + spec_bench_prompts("math", 1)
+    prompts = [lc.tokenizer(t).input_ids for t in texts]
+    plain = [Engine(lc.backend, None, lc.eos_token_ids).generate(p, max_new_tokens=24).token_ids for p in prompts]
+    eng = BatchEngine(lc.backend, lc.eos_token_ids, drafter=make_drafter("ngram", lc), max_batch=4)
+    eng.calibrate(rows=[1, 2, 4], reps=1)
+    reqs = [BatchRequest(prompt=p, max_new_tokens=24) for p in prompts]
+    reqs.append(BatchRequest(prompt=prompts[0], max_new_tokens=8, params=SamplingParams(temperature=0.8, seed=1)))
+    done = {}
+    for r in reqs:
+        r.on_event = (lambda r: lambda toks, fin: done.setdefault(r.id, []).extend(toks))(r)
+        eng.submit(r)
+    while eng.active or eng.waiting:
+        eng.step()
+    assert [done[r.id] for r in reqs[:3]] == plain
+    assert len(done[reqs[3].id]) == 8
+    assert sum(r.stats.accepted for r in reqs[:3]) > 0
+
+
 def test_layerskip_refused_on_llamacpp(lc):
     with pytest.raises(ForerunError, match="layerskip needs"):
         make_drafter("layerskip", lc)

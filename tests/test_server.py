@@ -211,9 +211,9 @@ def test_disconnect_mid_stream_frees_the_slot(gemma):
     service = build_service(gemma, method="ngram", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
     slow = service.engine._pass
 
-    def slow_pass(*a):  # make generation outlast the client
+    def slow_pass(*a, **kw):  # make generation outlast the client
         time.sleep(0.03)
-        return slow(*a)
+        return slow(*a, **kw)
 
     service.engine._pass = slow_pass
     srv = Live(service)
@@ -242,9 +242,9 @@ def test_auth_queue_and_timeout(gemma):
                             max_tokens=200, request_timeout=0.6, calibrate=False)
     slow = service.engine._pass
 
-    def slow_pass(*a):
+    def slow_pass(*a, **kw):
         time.sleep(0.02)
-        return slow(*a)
+        return slow(*a, **kw)
 
     service.engine._pass = slow_pass
     srv = Live(service)

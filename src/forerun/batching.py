@@ -26,7 +26,7 @@ import torch
 from forerun.drafters.base import Draft, empty_draft
 from forerun.engine import accept_chain, clip_draft, commit_tokens
 from forerun.errors import ForerunError
-from forerun.sampling import SamplingParams
+from forerun.sampling import SamplingParams, greedy_accept
 from forerun.stats import GenerationStats
 
 _ids = itertools.count(1)
@@ -70,11 +70,14 @@ class LoadAwareK:
     trust bucket (e.g. the n-gram match length) with exponential forgetting; the j-th draft token
     of a sequence adds a^j expected tokens. Candidates are taken in order of expected gain and
     the prefix with the best predicted tokens per second wins; speculation must beat plain
-    batched decoding by ``margin`` or the step drafts nothing.
+    batched decoding by ``margin`` or the step drafts nothing. ``sequential``: the backend runs
+    the sequences of a step one after another, so a step costs the sum of one pass per sequence
+    (costs are then per-sequence passes of 1 + k rows).
     """
 
-    def __init__(self, k_max: int = 8, decay: float = 0.95, margin: float = 0.03):
+    def __init__(self, k_max: int = 8, decay: float = 0.95, margin: float = 0.03, sequential: bool = False):
         self.k_max = k_max
+        self.sequential = sequential
         self.decay = decay
         self.margin = margin
         self.costs: dict[int, float | None] = {}  # rows -> EMA seconds of a target pass (None: seen once)
@@ -137,12 +140,17 @@ class LoadAwareK:
         if not cands:
             return [0] * n
         cands.sort(key=lambda c: -c[0])
-        base = n / self.cost(n)
+        base = n / (n * self.cost(1) if self.sequential else self.cost(n))
         best, best_m, tokens = base * (1 + self.margin), 0, float(n)
         per_draft = self.draft_cost if charge_drafting else 0.0
-        for m, (gain, _) in enumerate(cands, 1):
+        rows = [1] * n
+        total = n * self.cost(1)  # sequential: the sum of the sequences' passes
+        for m, (gain, i) in enumerate(cands, 1):
             tokens += gain
-            rate = tokens / (self.cost(n + m) + m * per_draft)
+            if self.sequential:
+                total += self.cost(rows[i] + 1) - self.cost(rows[i])
+                rows[i] += 1
+            rate = tokens / ((total if self.sequential else self.cost(n + m)) + m * per_draft)
             if rate > best:
                 best, best_m = rate, m
         ks = [0] * n
@@ -167,7 +175,9 @@ class BatchEngine:
         self.drafter = drafter if speculate else None
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        self.policy = LoadAwareK(k_max=k_max)
+        self.batched = hasattr(target, "forward_batch")
+        self.policy = LoadAwareK(k_max=k_max, sequential=not self.batched)
+        self._seq_times: list[tuple[int, float]] = []  # unbatched: (rows, seconds) of each sequence's pass
         self.waiting: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self._free: list[_Slot] = []
@@ -177,7 +187,6 @@ class BatchEngine:
         self._stop = threading.Event()
         # observers (metrics): on_step(rows, seconds, [(request, drafted, accepted)])
         self.on_step: Callable | None = None
-        self.batched = hasattr(target, "forward_batch")
         # Trained heads read target features at some layers, after the prefill and every pass.
         self.layers = tuple(getattr(self.drafter, "feature_layers", ()))
         self._fwd = {"layers": self.layers} if self.layers else {}
@@ -250,7 +259,7 @@ class BatchEngine:
             times = []
             for _ in range(reps + 1):
                 t = time.perf_counter()
-                self._pass([scratch], [feed[64:]], [64])
+                self._pass([scratch], [feed[64:]], [64], greedy=[True])
                 times.append(time.perf_counter() - t)
             self.policy.costs[r] = sorted(times[1:])[len(times[1:]) // 2]
         del scratch
@@ -313,11 +322,26 @@ class BatchEngine:
                 drafter.take_features(0, passed.layers)
         req.stats.prefill_s = time.perf_counter() - t0
 
-    def _pass(self, backends, feeds, positions) -> list:
-        """Target outputs (logits, and the drafters' feature layers) for every sequence."""
+    def _pass(self, backends, feeds, positions, greedy=None) -> list:
+        """Target outputs (logits, and the drafters' feature layers) for every sequence. Backends
+        that cannot batch run the sequences one after another, and a greedy sequence then takes
+        the backend's exact argmax pass where it has one (llama.cpp: no full logits)."""
         if self.batched:
             return self.target.forward_batch(backends, feeds, positions, **self._fwd)
-        return [be.forward(f, p, **self._fwd) for be, f, p in zip(backends, feeds, positions)]
+        greedy = greedy or [False] * len(backends)
+        out, self._seq_times = [], []
+        for be, f, p, g in zip(backends, feeds, positions, greedy):
+            t = time.perf_counter()
+            out.append(self._one_pass(be, f, p, g))
+            self._seq_times.append((f.numel(), time.perf_counter() - t))
+        return out
+
+    def _one_pass(self, be, feed, pos, greedy: bool):
+        if greedy and hasattr(be, "argmax_forward") and (not self.layers or getattr(be, "argmax_layers", False)):
+            if self.layers:
+                return _Argmax(*be.argmax_forward(feed, pos, layers=self.layers))
+            return _Argmax(be.argmax_forward(feed, pos))
+        return be.forward(feed, pos, **self._fwd)
 
     def step(self) -> None:
         """Admit waiting requests, then one draft / verify / accept round for every active one."""
@@ -353,18 +377,24 @@ class BatchEngine:
         feeds = [torch.cat([torch.tensor(r.tokens[-1:], dtype=torch.long), d.tokens.cpu()]) for r, d in zip(reqs, drafts)]
         rows = sum(f.numel() for f in feeds)
         try:
-            passed = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs])
+            passed = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs],
+                                greedy=[r.params.greedy for r in reqs])
         except Exception as e:  # noqa: BLE001 - fail the requests of this pass, keep serving
             for r in reqs:
                 self._fail(r, e)
             return
         t2 = time.perf_counter()
-        self.policy.observe_pass(rows, t2 - t1)
+        for n_rows, secs in ([(rows, t2 - t1)] if self.batched else self._seq_times):
+            self.policy.observe_pass(n_rows, secs)
 
         # 3. Accept, 4. roll back, per sequence.
         report = []
         for r, d, out_i in zip(reqs, drafts, passed):
-            out, n_acc = accept_chain(d, out_i.logits, r.params, r.generator)
+            if out_i.logits is None:  # an exact argmax pass (greedy)
+                o, n = greedy_accept(d.tokens[None], out_i.ids[None])
+                out, n_acc = o[0].tolist(), int(n[0])
+            else:
+                out, n_acc = accept_chain(d, out_i.logits, r.params, r.generator)
             root = len(r.tokens) - 1
             new, n_acc, finish = commit_tokens(out, n_acc, self.eos, r.max_new_tokens - r.produced, limit - len(r.tokens))
             r.tokens.extend(new)
@@ -391,6 +421,16 @@ class BatchEngine:
                 self.on_step(rows, t2 - t1, report)
             except Exception:
                 pass
+
+
+@dataclass
+class _Argmax:
+    """One sequence's verify result from a backend's exact greedy pass: the target's argmax at
+    every position (no logits), and the feature layers a trained head reads."""
+
+    ids: torch.Tensor
+    layers: torch.Tensor | None = None
+    logits: None = None
 
 
 def _emit(req: BatchRequest, tokens: list[int], finish: str | None) -> None:
