@@ -169,7 +169,7 @@ def _load(args, methods=()):
 
     backend = args.backend
     if backend == "auto" and any(m in HEAD_METHODS for m in methods):
-        backend = "torch"  # trained heads read hidden states, which the torch backend gives
+        backend = "torch"  # heads run as chains on llama.cpp too, but token trees (and their best figures) need torch
     return load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
 
 
