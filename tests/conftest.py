@@ -92,3 +92,14 @@ def spec_bench_prompts(category: str, n: int) -> list[str]:
         pytest.skip("Spec-Bench prompts not present beside the checkout")
     rows = [json.loads(line) for line in path.open()]
     return [r["turns"][0] for r in rows if r["category"] == category][:n]
+
+
+def run_batch(engine, reqs) -> list[list[int]]:
+    """Submit requests to a BatchEngine, step it until all are done; each request's tokens."""
+    done = {}
+    for r in reqs:
+        r.on_event = (lambda r: lambda toks, fin: done.setdefault(r.id, []).extend(toks))(r)
+        engine.submit(r)
+    while engine.active or engine.waiting:
+        engine.step()
+    return [done.get(r.id, []) for r in reqs]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conftest import run_batch
 from forerun.batching import BatchEngine, BatchRequest, LoadAwareK, QueueFull
 from forerun.drafters.ngram import NgramDrafter
 from forerun.engine import Engine
@@ -19,17 +20,6 @@ def _prompts(n, vocab=96, seed=0):
         base = torch.randint(4, vocab, (3 + i,), generator=g).tolist()
         out.append([2] + base * 3)  # repeats: n-gram drafts find matches
     return out
-
-
-def _run(engine, reqs):
-    done = {}
-
-    for r in reqs:
-        r.on_event = (lambda r: lambda toks, fin: done.setdefault(r.id, []).extend(toks))(r)
-        engine.submit(r)
-    while engine.active or engine.waiting:
-        engine.step()
-    return [done.get(r.id, []) for r in reqs]
 
 
 def test_forward_batch_equals_single_passes(gemma):
@@ -56,7 +46,7 @@ def test_greedy_batch_equals_plain(gemma, speculate):
     eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=3, speculate=speculate)
     eng.calibrate(reps=1)
     reqs = [BatchRequest(prompt=p, max_new_tokens=20) for p in prompts]
-    outs = _run(eng, reqs)
+    outs = run_batch(eng, reqs)
     assert outs == plain
     drafted = sum(r.stats.drafted for r in reqs)
     assert (drafted > 0) == speculate
@@ -123,7 +113,7 @@ def test_sampling_in_a_batch_keeps_the_target_distribution(gemma):
             for i in range(n)]
     counts = torch.zeros_like(joint)
     for i in range(0, n, 8):
-        for o in _run(eng, reqs[i: i + 8]):
+        for o in run_batch(eng, reqs[i: i + 8]):
             counts[o[0], o[1]] += 1
     assert sum(r.stats.drafted for r in reqs) > n / 2  # speculation really happened
     tv = 0.5 * (counts / n - joint).abs().sum().item()
@@ -156,7 +146,7 @@ def test_draft_model_batches_equal_plain(gemma, gemma_draft):
     eng.policy.margin = -1.0  # always draft, so the draft path is exercised
     eng.calibrate(reps=1)
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
-    assert _run(eng, reqs) == plain
+    assert run_batch(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0
 
 
@@ -169,5 +159,5 @@ def test_layerskip_batches_equal_plain(gemma):
                       max_batch=3)
     eng.policy.margin = -1.0
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
-    assert _run(eng, reqs) == plain
+    assert run_batch(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import spec_bench_prompts
+from conftest import run_batch, spec_bench_prompts
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.errors import ForerunError
@@ -221,14 +221,9 @@ def test_batch_engine_on_llamacpp(lc):
     eng.policy.observe_pass = lambda rows, seconds: None
     reqs = [BatchRequest(prompt=p, max_new_tokens=24) for p in prompts]
     reqs.append(BatchRequest(prompt=prompts[0], max_new_tokens=8, params=SamplingParams(temperature=0.8, seed=1)))
-    done = {}
-    for r in reqs:
-        r.on_event = (lambda r: lambda toks, fin: done.setdefault(r.id, []).extend(toks))(r)
-        eng.submit(r)
-    while eng.active or eng.waiting:
-        eng.step()
-    assert [done[r.id] for r in reqs[:3]] == plain
-    assert len(done[reqs[3].id]) == 8
+    outs = run_batch(eng, reqs)
+    assert outs[:3] == plain
+    assert len(outs[3]) == 8
     assert sum(r.stats.accepted for r in reqs[:3]) > 0
 
 
