@@ -135,6 +135,21 @@ def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
     assert ks[0] > 0 and ks[1] == 0
 
 
+def test_load_aware_k_probes_a_bucket_it_stopped_drafting_for():
+    """An acceptance estimate that fell too low is measured again: after probe_every choices with
+    drafts on offer and none kept, the bucket gets one draft token; good results bring drafting back."""
+    pol = LoadAwareK(k_max=4, probe_every=5)
+    pol.costs = {r: 0.010 + 0.004 * r for r in range(1, 100)}
+    pol.buckets[1] = [0.1, 19.0]  # acceptance ~0: drafting does not pay
+    picks = [pol.choose([4, 4], [1, 1], charge_drafting=False) for _ in range(10)]
+    assert [p for p in picks if any(p)] == [[1, 0], [1, 0]]  # one probe every 5 choices, one sequence
+    assert picks[4] == [1, 0] and picks[9] == [1, 0]
+    for _ in range(20):
+        pol.observe(1, 1, 1)  # the probes are accepted
+    assert sum(pol.choose([4, 4], [1, 1], charge_drafting=False)) >= 2  # both sequences draft again
+    assert pol.choose([0, 0], [1, 1], charge_drafting=False) == [0, 0]  # nothing on offer: no probe
+
+
 def test_draft_model_batches_equal_plain(gemma, gemma_draft):
     """A draft model per slot (not cheap: the policy plans K before drafting) stays token-identical."""
     from forerun.drafters.draft_model import DraftModelDrafter

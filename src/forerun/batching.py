@@ -72,12 +72,17 @@ class LoadAwareK:
     the prefix with the best predicted tokens per second wins; speculation must beat plain
     batched decoding by ``margin`` or the step drafts nothing. ``sequential``: the backend runs
     the sequences of a step one after another, so a step costs the sum of one pass per sequence
-    (costs are then per-sequence passes of 1 + k rows).
+    (costs are then per-sequence passes of 1 + k rows). A bucket that had drafts on offer but got
+    none for ``probe_every`` choices gets one draft token once (a probe), so that an acceptance
+    estimate that fell too low is measured again instead of staying there.
     """
 
-    def __init__(self, k_max: int = 8, decay: float = 0.95, margin: float = 0.03, sequential: bool = False):
+    def __init__(self, k_max: int = 8, decay: float = 0.95, margin: float = 0.03, sequential: bool = False,
+                 probe_every: int = 32):
         self.k_max = k_max
         self.sequential = sequential
+        self.probe_every = probe_every
+        self.idle: dict[object, int] = {}  # bucket -> choices in a row with drafts on offer and none kept
         self.decay = decay
         self.margin = margin
         self.costs: dict[int, float | None] = {}  # rows -> EMA seconds of a target pass (None: seen once)
@@ -156,6 +161,21 @@ class LoadAwareK:
         ks = [0] * n
         for _, i in cands[:best_m]:
             ks[i] += 1
+        return self._probe(available, buckets, ks)
+
+    def _probe(self, available: list[int], buckets: list, ks: list[int]) -> list[int]:
+        first: dict[object, int] = {}  # bucket -> its first sequence with drafts on offer
+        kept: set = set()
+        for i, (avail, bucket) in enumerate(zip(available, buckets)):
+            if avail > 0 and self.k_max > 0:
+                first.setdefault(bucket, i)
+                if ks[i] > 0:
+                    kept.add(bucket)
+        for bucket, i in first.items():
+            idle = 0 if bucket in kept else self.idle.get(bucket, 0) + 1
+            if idle >= self.probe_every:
+                ks[i], idle = 1, 0
+            self.idle[bucket] = idle
         return ks
 
 
