@@ -144,7 +144,7 @@ def test_draft_model_on_llamacpp(lc):
 
 def test_layer_outputs_on_llamacpp(lc):
     """Layer outputs read through the graph callback: the same in a prompt pass, a verify pass with
-    logits and an argmax pass (bit for bit, every pass size), and close to the torch backend's."""
+    logits and an argmax pass (bit for bit, every pass size), also for padded one-token passes."""
     be = lc.backend
     if be.model.greedy_head() is None:
         pytest.skip(be.model._head_reason)

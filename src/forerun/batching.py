@@ -24,9 +24,9 @@ from typing import Callable
 import torch
 
 from forerun.drafters.base import Draft, empty_draft
-from forerun.engine import accept_chain, clip_draft, commit_tokens
+from forerun.engine import accept_argmax, accept_chain, clip_draft, commit_tokens
 from forerun.errors import ForerunError
-from forerun.sampling import SamplingParams, greedy_accept
+from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 
 _ids = itertools.count(1)
@@ -197,7 +197,6 @@ class BatchEngine:
         self.max_waiting = max_waiting
         self.batched = hasattr(target, "forward_batch")
         self.policy = LoadAwareK(k_max=k_max, sequential=not self.batched)
-        self._seq_times: list[tuple[int, float]] = []  # unbatched: (rows, seconds) of each sequence's pass
         self.waiting: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self._free: list[_Slot] = []
@@ -342,19 +341,22 @@ class BatchEngine:
                 drafter.take_features(0, passed.layers)
         req.stats.prefill_s = time.perf_counter() - t0
 
-    def _pass(self, backends, feeds, positions, greedy=None) -> list:
-        """Target outputs (logits, and the drafters' feature layers) for every sequence. Backends
-        that cannot batch run the sequences one after another, and a greedy sequence then takes
-        the backend's exact argmax pass where it has one (llama.cpp: no full logits)."""
+    def _pass(self, backends, feeds, positions, greedy=None) -> tuple[list, list[tuple[int, float]]]:
+        """Target outputs (logits, and the drafters' feature layers) for every sequence, and the
+        (rows, seconds) of each target pass made: one batched pass, or, on backends that cannot
+        batch, one pass per sequence, where a greedy sequence takes the backend's exact argmax
+        pass if it has one (llama.cpp: no full logits)."""
         if self.batched:
-            return self.target.forward_batch(backends, feeds, positions, **self._fwd)
+            t = time.perf_counter()
+            out = self.target.forward_batch(backends, feeds, positions, **self._fwd)
+            return out, [(sum(f.numel() for f in feeds), time.perf_counter() - t)]
         greedy = greedy or [False] * len(backends)
-        out, self._seq_times = [], []
+        out, times = [], []
         for be, f, p, g in zip(backends, feeds, positions, greedy):
             t = time.perf_counter()
             out.append(self._one_pass(be, f, p, g))
-            self._seq_times.append((f.numel(), time.perf_counter() - t))
-        return out
+            times.append((f.numel(), time.perf_counter() - t))
+        return out, times
 
     def _one_pass(self, be, feed, pos, greedy: bool):
         if greedy and hasattr(be, "argmax_forward") and (not self.layers or getattr(be, "argmax_layers", False)):
@@ -397,22 +399,21 @@ class BatchEngine:
         feeds = [torch.cat([torch.tensor(r.tokens[-1:], dtype=torch.long), d.tokens.cpu()]) for r, d in zip(reqs, drafts)]
         rows = sum(f.numel() for f in feeds)
         try:
-            passed = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs],
-                                greedy=[r.params.greedy for r in reqs])
+            passed, pass_times = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs],
+                                            greedy=[r.params.greedy for r in reqs])
         except Exception as e:  # noqa: BLE001 - fail the requests of this pass, keep serving
             for r in reqs:
                 self._fail(r, e)
             return
         t2 = time.perf_counter()
-        for n_rows, secs in ([(rows, t2 - t1)] if self.batched else self._seq_times):
+        for n_rows, secs in pass_times:
             self.policy.observe_pass(n_rows, secs)
 
         # 3. Accept, 4. roll back, per sequence.
         report = []
         for r, d, out_i in zip(reqs, drafts, passed):
             if out_i.logits is None:  # an exact argmax pass (greedy)
-                o, n = greedy_accept(d.tokens[None], out_i.ids[None])
-                out, n_acc = o[0].tolist(), int(n[0])
+                out, n_acc = accept_argmax(d, out_i.ids)
             else:
                 out, n_acc = accept_chain(d, out_i.logits, r.params, r.generator)
             root = len(r.tokens) - 1

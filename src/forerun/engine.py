@@ -140,8 +140,7 @@ class Engine:
                 rows, out = self._accept_tree(draft, logits, params, generator)
                 n_acc = len(rows)
             elif logits is None:
-                out, n = greedy_accept(draft.tokens[None], target_ids[None])
-                out, n_acc = out[0].tolist(), int(n[0])
+                out, n_acc = accept_argmax(draft, target_ids)
             else:
                 out, n_acc = accept_chain(draft, logits, params, generator)
             new, n_acc, finish = commit_tokens(out, n_acc, self.eos, max_new_tokens - produced, limit - len(tokens))
@@ -197,6 +196,12 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, gen
         else:  # deterministic drafter: q is one-hot on its proposal
             q = torch.zeros_like(p[:, :k]).scatter_(-1, d[..., None], 1.0)
         out, n = rejection_sample(d, q, p, generator)
+    return out[0].tolist(), int(n[0])
+
+
+def accept_argmax(draft: Draft, target_ids: torch.Tensor) -> tuple[list[int], int]:
+    """Verify a chain draft greedily against the target's argmax at every position [k + 1]."""
+    out, n = greedy_accept(draft.tokens[None], target_ids[None])
     return out[0].tolist(), int(n[0])
 
 

@@ -192,7 +192,6 @@ class Q8Rows:
     """A Q8_0 table [V, D] that dequantizes only the rows it is indexed with (d * q in float32,
     as ggml and gguf dequantize), so a 262,144-row embedding needs no float copy."""
 
-    dtype = torch.float32
     device = torch.device("cpu")
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor):
@@ -202,6 +201,3 @@ class Q8Rows:
     def __getitem__(self, idx) -> torch.Tensor:
         q, d = self.q[idx], self.d[idx]
         return (q.float() * d[..., None]).flatten(-2)
-
-    def to(self, *args, **kwargs):  # already where it can be
-        return self

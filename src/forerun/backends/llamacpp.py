@@ -564,6 +564,7 @@ class LlamaCppBackend(BackendBase):
 
     argmax_layers = True  # argmax_forward can also return layer outputs (for trained heads)
 
+    @torch.inference_mode()
     def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = ()):
         """Greedy targets of a verify pass: argmax [T] at every position, exactly as llama.cpp's head gives.
 
