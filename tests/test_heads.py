@@ -179,19 +179,36 @@ def test_two_stage_prompts_embed_the_targets_own_passages(tmp_path):
     """Stage 1 answers are kept as data; each stage-2 prompt carries the stage-1 answer it builds on."""
     from conftest import tiny_gemma
     from forerun.training.data import two_stage_prompts
-    from forerun.training.seeds import passage_writer_prompts
+    from forerun.training.seeds import passage_writer_prompts, stage_two
 
     lm = wrap(tiny_gemma(0))
     lm.tokenizer = _LetterTokenizer()
     out = tmp_path / "distill.jsonl"
-    prompts = two_stage_prompts(lm, 3, out, seed=0, max_new_tokens=4, log=lambda s: None)
+    prompts = two_stage_prompts(lm, 4, out, seed=0, max_new_tokens=4, log=lambda s: None)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    plan = passage_writer_prompts(3, 0)
+    plan = passage_writer_prompts(4, 0)
+    assert {fam for _, fam, _ in plan} == {"translation", "summarization", "rag", "extraction"}
     assert [r["prompt"] for r in recs] == list(dict.fromkeys(p for p, _, _ in plan))
-    assert len(prompts) == 3
-    for (first, follow, topic), p in zip(plan, prompts):
+    assert all(len(r["output_ids"]) <= 8 for r in recs)  # stage 1 writes up to twice the answer length
+    expected = [p for p, _, _ in plan]
+    for first, family, topic in plan:
         answer = next(r for r in recs if r["prompt"] == first)
-        assert p == follow.format(p=lm.tokenizer.decode(answer["output_ids"]).strip(), t=topic)
+        text = lm.tokenizer.decode(answer["output_ids"]).strip()
+        expected += stage_two(family, text, topic)
+    assert prompts == list(dict.fromkeys(expected))
+
+
+def test_stage_two_prompts_per_family():
+    from forerun.training.seeds import stage_two
+
+    german = "Die Stadt ist sehr alt und schön. Viele Menschen kommen jedes Jahr, um die Häuser zu sehen."
+    tr = stage_two("translation", german, "x")
+    assert tr and all(p.startswith("Translate German to English: ") for p in tr)
+    assert any("Häuser" in p for p in tr)
+    assert stage_two("summarization", "An article.", "x")[0].endswith("An article.")
+    assert stage_two("rag", "A passage about tides.", "ocean tides")[0].startswith("A passage about tides.\n")
+    assert "Some reviews." in stage_two("extraction", "Some reviews.", "x")[0]
+    assert stage_two("rag", "   ", "x") == []
 
 
 class _LetterTokenizer:

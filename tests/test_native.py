@@ -58,3 +58,45 @@ def test_layer_skip_and_sub_head():
     be.reset()
     sub = be.forward(ids, 0, head=be.sub_head(rows)).logits
     assert torch.allclose(sub, full[:, rows], atol=1e-5)
+
+
+def test_exact_float_argmax_equals_float64_argmax():
+    """The Q8_0-screened argmax equals the argmax of float64 logits, for a float head (not Q8_0)
+    and for a head dequantized from Q8_0, on rows with near ties too."""
+    import pytest
+
+    from forerun.backends.greedy_head import ExactFloatArgmax, quantize_q8_0
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3000, 64, generator=g)
+    q, d = quantize_q8_0(w)
+    for weight in (w, (q * d[..., None]).reshape(w.shape)):
+        head = ExactFloatArgmax(weight)
+        if not head.available:
+            pytest.skip("no C compiler for the Q8_0 kernel")
+        h = torch.randn(40, 64, generator=g) * 3
+        h[20:] = weight[:20] * 0.5 + weight[20:40] * 0.5  # rows 20..: a two-way tie (up to rounding)
+        ref = (weight.double() @ h.double().T).T.argmax(-1)
+        assert torch.equal(head.argmax(h), ref)
+        # Any split into passes gives the same answer.
+        assert torch.equal(torch.cat([head.argmax(h[i: i + 7]) for i in range(0, 40, 7)]), ref)
+
+
+def test_argmax_forward_matches_logits_for_chains_and_trees():
+    be = wrap(tiny_gemma(0)).backend
+    if be.exact_head() is None:
+        import pytest
+
+        pytest.skip("no C compiler for the Q8_0 kernel")
+    ids = torch.randint(4, 96, (24,), generator=torch.Generator().manual_seed(3))
+    be.reset()
+    be.forward(ids[:16], 0)
+    ref = be.forward(ids[16:], 16).logits.double().argmax(-1)
+    be.truncate(16)
+    assert torch.equal(be.argmax_forward(ids[16:], 16), ref)
+    parents = torch.tensor([-1, 0, 0, 1])  # rows 1..4 hang off the root and each other
+    be.truncate(16)
+    tree_logits = be.forward(ids[16:21], 16, tree=parents).logits
+    be.truncate(16)
+    ids_tree, feats = be.argmax_forward(ids[16:21], 16, layers=[1, 3], tree=parents)
+    assert torch.equal(ids_tree, tree_logits.argmax(-1)) and feats.shape == (5, 128)

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from forerun.backends.base import ArgmaxOutput
 from forerun.drafters.base import Draft, empty_draft
 from forerun.engine import accept_argmax, accept_chain, clip_draft, commit_tokens
 from forerun.errors import ForerunError
@@ -348,7 +349,7 @@ class BatchEngine:
         pass if it has one (llama.cpp: no full logits)."""
         if self.batched:
             t = time.perf_counter()
-            out = self.target.forward_batch(backends, feeds, positions, **self._fwd)
+            out = self.target.forward_batch(backends, feeds, positions, greedy=greedy or (), **self._fwd)
             return out, [(sum(f.numel() for f in feeds), time.perf_counter() - t)]
         greedy = greedy or [False] * len(backends)
         out, times = [], []
@@ -361,8 +362,8 @@ class BatchEngine:
     def _one_pass(self, be, feed, pos, greedy: bool):
         if greedy and hasattr(be, "argmax_forward") and (not self.layers or getattr(be, "argmax_layers", False)):
             if self.layers:
-                return _Argmax(*be.argmax_forward(feed, pos, layers=self.layers))
-            return _Argmax(be.argmax_forward(feed, pos))
+                return ArgmaxOutput(*be.argmax_forward(feed, pos, layers=self.layers))
+            return ArgmaxOutput(be.argmax_forward(feed, pos))
         return be.forward(feed, pos, **self._fwd)
 
     def step(self) -> None:
@@ -442,16 +443,6 @@ class BatchEngine:
                 self.on_step(rows, t2 - t1, report)
             except Exception:
                 pass
-
-
-@dataclass
-class _Argmax:
-    """One sequence's verify result from a backend's exact greedy pass: the target's argmax at
-    every position (no logits), and the feature layers a trained head reads."""
-
-    ids: torch.Tensor
-    layers: torch.Tensor | None = None
-    logits: None = None
 
 
 def _emit(req: BatchRequest, tokens: list[int], finish: str | None) -> None:

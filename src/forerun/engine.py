@@ -121,12 +121,14 @@ class Engine:
             n_draft = draft.depth
             root = len(tokens) - 1
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
-            if params.greedy and fast_argmax and tree is None:  # the backend gives exact argmaxes cheaper than logits
+            if params.greedy and fast_argmax and (tree is None or getattr(target, "argmax_tree", False)):
+                # the backend gives exact argmaxes cheaper than logits
                 logits = None
+                tree_kw = {} if tree is None else {"tree": tree}
                 if layers:  # the argmaxes and the features a trained head reads
-                    target_ids, feats = target.argmax_forward(feed, root, layers=layers)
+                    target_ids, feats = target.argmax_forward(feed, root, layers=layers, **tree_kw)
                 else:
-                    target_ids = target.argmax_forward(feed, root)  # [n_draft + 1]
+                    target_ids = target.argmax_forward(feed, root, **tree_kw)  # [len(draft) + 1]
             else:
                 passed = target.forward(feed, root, **fwd, **({} if tree is None else {"tree": tree}))
                 logits, feats = passed.logits, passed.layers  # [len(draft) + 1, vocab]
@@ -136,7 +138,10 @@ class Engine:
 
             # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.
             rows = None
-            if tree is not None:
+            if tree is not None and logits is None:
+                rows, out = greedy_tree_accept(draft.tokens, draft.parents, target_ids.cpu())
+                n_acc = len(rows)
+            elif tree is not None:
                 rows, out = self._accept_tree(draft, logits, params, generator)
                 n_acc = len(rows)
             elif logits is None:

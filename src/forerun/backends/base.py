@@ -22,6 +22,16 @@ class ForwardOutput:
     layers: torch.Tensor | None = None  # [T, len(layers) * hidden] outputs of the asked-for layers
 
 
+@dataclass
+class ArgmaxOutput:
+    """A verify pass's result from a backend's exact greedy path: the target's argmax at every row
+    (no logits), and the outputs of the asked-for layers."""
+
+    ids: torch.Tensor  # [T] int64
+    layers: torch.Tensor | None = None
+    logits: None = None
+
+
 class Backend(Protocol):
     vocab_size: int
     max_context: int

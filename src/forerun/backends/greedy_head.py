@@ -201,3 +201,70 @@ class Q8Rows:
     def __getitem__(self, idx) -> torch.Tensor:
         q, d = self.q[idx], self.d[idx]
         return (q.float() * d[..., None]).flatten(-2)
+
+
+def q8_0_blocks(w: torch.Tensor) -> np.ndarray:
+    """A float matrix [V, D] quantized to GGUF Q8_0 blocks, as raw bytes [V, D / 32 * 34] (ggml's
+    reference quantizer). A matrix that was dequantized from Q8_0 comes back bit for bit."""
+    V, D = w.shape
+    q, d = quantize_q8_0(w.detach().float().cpu())
+    blocks = np.empty((V, D // QK, 2 + QK), np.uint8)
+    blocks[..., :2] = d.half().numpy().view(np.uint8).reshape(V, D // QK, 2)
+    blocks[..., 2:] = q.to(torch.int8).numpy().view(np.uint8)
+    return blocks.reshape(V, -1)
+
+
+class ExactFloatArgmax:
+    """Exact greedy targets for a float LM head W [V, D] (the torch backend), screened by the Q8_0
+    kernel: every row's argmax for about the price of one Q8_0 pass over the head, whatever the
+    number of rows, instead of one float32 product of all rows with 262,144 x 640 weights.
+
+    W is quantized to Q8_0 once (Wq; a head dequantized from a Q8_0 GGUF file comes back exactly).
+    For a row h the kernel gives a = Wq . Q8_0(h); the real logit W_v . h differs from a_v by at
+    most B = max||W_v|| ||h - hq|| + max||W_v - Wq_v|| ||hq|| + the kernel's float32 rounding. Only
+    tokens with a_v >= max(a) - 2B can hold the maximum; their logits are recomputed from W in
+    float64 (each product exact, the sum to ~1e-16), and the greedy token is the largest of those
+    (ties: the lowest id). The answer depends on h alone, so it is the same for every pass size.
+    """
+
+    def __init__(self, weight: torch.Tensor, threads: int | None = None):
+        w = weight.detach().float().cpu()
+        if w.shape[1] % QK:
+            raise ValueError(f"hidden size {w.shape[1]} is not a multiple of {QK}")
+        self.weight = weight.detach()
+        self.q8 = Q8Head(q8_0_blocks(w), w.shape[1], threads=threads)
+        if not self.q8.available:
+            return
+        wq = (self.q8.q.float() * self.q8.d[..., None]).reshape(w.shape)  # exact: fp16 scale x int8
+        self.w_norm = float(w.norm(dim=1).max())
+        self.err_norm = float((w - wq).norm(dim=1).max())
+        self.wq_norm = self.q8.w_norm  # bounds ||Wq_v|| from the scales alone
+        self.candidates = 0  # tokens rescored in float64, summed over rows (a measure of the bound's slack)
+
+    @property
+    def available(self) -> bool:
+        return self.q8.available
+
+    @torch.inference_mode()
+    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """h [n, D] normed final hidden states -> greedy token ids [n] (int64)."""
+        h = h.float().cpu()
+        q, d = quantize_q8_0(h)
+        hq = (q * d[..., None]).flatten(1)  # [n, D]
+        out = torch.empty(len(h), dtype=torch.long)
+        for s in range(0, len(h), self.q8.MAX_ROWS):
+            hs, hqs = h[s: s + self.q8.MAX_ROWS], hq[s: s + self.q8.MAX_ROWS]
+            a, top, idx = self.q8.logits(q[s: s + len(hs)], d[s: s + len(hs)])  # [r, V], [r, 2], [r, 2]
+            hq_norm = hqs.norm(dim=-1)
+            bound = (self.w_norm * (hs - hqs).norm(dim=-1) + self.err_norm * hq_norm
+                     + (self.q8.nb + 6) * _U32 * self.wq_norm * hq_norm) * 1.01 + 1e-6
+            m = top[:, 0]
+            for r in range(len(hs)):
+                if top[r, 1] < m[r] - 2 * bound[r]:  # no other token within reach: no scan of the row
+                    cand = idx[r, :1]
+                else:
+                    cand = torch.nonzero(a[r] >= m[r] - 2 * bound[r]).flatten()
+                self.candidates += len(cand)
+                exact = self.weight[cand].double() @ hs[r].double()
+                out[s + r] = cand[int(torch.argmax(exact))]  # first maximum: the lowest id
+        return out

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from forerun.backends.base import BackendBase, ForwardOutput
+from forerun.backends.base import ArgmaxOutput, BackendBase, ForwardOutput
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text",)
 
@@ -134,7 +134,8 @@ class _Layer:
 class NativeGemma3(BackendBase):
     supports_layer_skip = True
 
-    def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True):
+    def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
+                 exact_greedy: bool = True):
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"native backend does not support model type {cfg.model_type!r}")
@@ -168,6 +169,8 @@ class NativeGemma3(BackendBase):
             self._inv_freq[t] = getattr(rot, f"{t}_inv_freq").detach().float().to(self.device)
             self._rope_scale[t] = getattr(rot, f"{t}_attention_scaling", 1.0)
         self._pack = pack_linear
+        self.exact_greedy = exact_greedy
+        self._exact = None
         self._hf_model = hf_model
         self._cap = 0
         self._len = 0
@@ -255,10 +258,42 @@ class NativeGemma3(BackendBase):
         h = F.embedding(tokens, self.embed) * self.embed_scale  # [T, hidden]
         h, feats = self._body(h, [(self, pos, T, self._rope(positions), masks)], set(skip_layers), layers)
         self._len = end
-        if not logits:
+        if not logits and not return_hidden:
             return ForwardOutput(logits=None, layers=feats)
         h = _rms_norm(h[-1:] if last_only else h, self.final_norm, self.eps)
-        return ForwardOutput(logits=self._logits(h, head), hidden=h if return_hidden else None, layers=feats)
+        return ForwardOutput(logits=self._logits(h, head) if logits else None, hidden=h if return_hidden else None,
+                             layers=feats)
+
+    # -- exact greedy targets --------------------------------------------------------------
+    argmax_layers = True  # argmax_forward also returns layer outputs (for trained heads)
+    argmax_tree = True  # ... and takes token trees
+
+    def exact_head(self):
+        """The screened exact argmax head (``greedy_head.ExactFloatArgmax``), built on first use;
+        None on GPUs, without a C compiler, or with ``exact_greedy`` off (then argmax of float32 logits)."""
+        if self._exact is None:
+            head = None
+            if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
+                from forerun.backends.greedy_head import ExactFloatArgmax
+
+                head = ExactFloatArgmax(self.lm_head.weight, threads=torch.get_num_threads())
+            self._exact = head if head is not None and head.available else False
+        return self._exact or None
+
+    @torch.inference_mode()
+    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
+                       tree: torch.Tensor | None = None):
+        """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
+        decided from each row's own hidden state alone; with ``layers``, (argmax, layer outputs)."""
+        head = self.exact_head()
+        tree_kw = {} if tree is None else {"tree": tree}
+        if head is None:
+            passed = self.forward(tokens, pos, layers=layers, **tree_kw)
+            ids = passed.logits.argmax(-1)
+        else:
+            passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
+            ids = head.argmax(passed.hidden).to(self.device)
+        return (ids, passed.layers) if layers else ids
 
     def _logits(self, h: torch.Tensor, head: "_Linear | None" = None) -> torch.Tensor:
         """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""
@@ -297,10 +332,12 @@ class NativeGemma3(BackendBase):
 
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence["NativeGemma3"], feeds: Sequence[torch.Tensor],
-                      positions: Sequence[int], layers: Sequence[int] = ()) -> list[ForwardOutput]:
+                      positions: Sequence[int], layers: Sequence[int] = (),
+                      greedy: Sequence[bool] = ()) -> list:
         """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
         cache (forks of this backend). Returns each sequence's logits [T_i, vocab] (float32) and,
-        with ``layers``, those layers' outputs."""
+        with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets the exact
+        argmax of every row instead of logits (``ArgmaxOutput``), where the exact head exists."""
         parts, ids = [], []
         for seq, feed, pos in zip(seqs, feeds, positions):
             seq._check_forward(feed, pos)
@@ -312,10 +349,17 @@ class NativeGemma3(BackendBase):
         h, feats = self._body(h, parts, set(), layers)
         for seq, pos, T, _, _ in parts:
             seq._len = pos + T
-        out = self._logits(_rms_norm(h, self.final_norm, self.eps))  # [rows, vocab]
         sizes = [p[2] for p in parts]
+        hn = _rms_norm(h, self.final_norm, self.eps).split(sizes)
         per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
-        return [ForwardOutput(logits=lg, layers=f) for lg, f in zip(out.split(sizes), per_seq)]
+        exact = self.exact_head() if any(greedy) else None
+        flags = list(greedy) + [False] * (len(parts) - len(greedy)) if exact is not None else [False] * len(parts)
+        want = [x for x, g in zip(hn, flags) if not g]
+        lg = iter(self._logits(torch.cat(want)).split([len(x) for x in want]) if want else [])
+        am = iter(exact.argmax(torch.cat([x for x, g in zip(hn, flags) if g])).split(
+            [len(x) for x, g in zip(hn, flags) if g]) if exact is not None and any(flags) else [])
+        return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
+                for g, f in zip(flags, per_seq)]
 
     def _masks(self, pos: int, T: int):
         """Boolean masks [T, S] (True = attend) with the first key index, for full and sliding layers."""

@@ -74,13 +74,14 @@ def corpus_sequences(tokenizer, texts: list[str], max_len: int) -> list[Sequence
 
 
 def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[str]:
-    """Seed prompts: half the corpus's own questions, half varied tasks (``seeds.py``) over its text."""
+    """Seed prompts: a sixth are the corpus's own questions, the rest varied tasks (``seeds.py``), some over
+    the corpus's text."""
     from forerun.training.seeds import builtin_prompts
 
     questions = read_seed_questions(corpus_path) if corpus_path and str(corpus_path).endswith(".jsonl") else []
     rng = random.Random(seed)
     rng.shuffle(questions)
-    half = min(len(questions), n // 2)
+    half = min(len(questions), n // 6)
     prompts = questions[:half] + builtin_prompts(questions[half:], n - half, seed)
     seen, out = set(), []
     for p in prompts:
@@ -92,23 +93,23 @@ def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[s
 
 
 def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_tokens: int, log=print) -> list[str]:
-    """Stage-2 prompts over material the target wrote itself (German text to translate, articles to
-    summarise, passages to answer from): stage 1 is answered (and kept as training data) first."""
-    from forerun.training.seeds import passage_writer_prompts
+    """Stage-1 prompts, then stage-2 prompts over material the target wrote itself (German text to translate, articles to
+    summarise, passages to answer from, reviews to rate): stage 1 (answers of up to twice
+    ``max_new_tokens``, so that articles are long) is answered and kept as training data first."""
+    from forerun.training.seeds import passage_writer_prompts, stage_two
 
     plan = passage_writer_prompts(n, seed)
-    self_distill(target, [p for p, _, _ in plan], out_path, max_new_tokens=max_new_tokens, log=log,
+    self_distill(target, [p for p, _, _ in plan], out_path, max_new_tokens=2 * max_new_tokens, log=log,
                  desc="self-distill (passages)")
     written = {}
     for line in out_path.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
         written[rec["prompt"]] = target.tokenizer.decode(rec["output_ids"], skip_special_tokens=True).strip()
-    out = []
-    for p, follow, t in plan:
-        text = written.get(p)
-        if text:
-            out.append(follow.format(p=text, t=t))
-    return out
+    out = [p for p, _, _ in plan]  # stage-1 answers are training data too
+    for p, family, topic in plan:
+        if written.get(p):
+            out += stage_two(family, written[p], topic)
+    return list(dict.fromkeys(out))
 
 
 def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print,
