@@ -105,8 +105,25 @@ def head_kernel_times(backend, rows=range(1, 10), reps: int = 7) -> dict | None:
     if head is None or not getattr(head, "autotune", False):
         return None
     g = torch.Generator().manual_seed(0)
-    return {str(n): {k: v * 1000 for k, v in head.time_kernels(torch.randn(n, head.weight.shape[1], generator=g).to(head.weight), reps).items()}
-            | {"chosen": _kernel_name(head.choice.get(n), n)} for n in rows}
+    out = {str(n): {k: v * 1000 for k, v in head.time_kernels(torch.randn(n, head.weight.shape[1], generator=g).to(head.weight), reps).items()}
+           | {"chosen": _kernel_name(head.choice.get(n), n)} for n in rows}
+    exact = backend.exact_head() if hasattr(backend, "exact_head") else None
+    if exact is not None:  # the greedy path: screened exact argmax, timed on the model's own final hidden states
+        import time
+
+        ids = torch.randint(10, min(backend.vocab_size, 20000), (max(rows),), generator=g)
+        backend.reset()
+        h = backend.forward(ids, 0, logits=False, return_hidden=True).hidden
+        backend.reset()
+        for n in rows:
+            exact.argmax(h[:n])
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                exact.argmax(h[:n])
+                ts.append(time.perf_counter() - t)
+            out[str(n)]["exact_argmax"] = sorted(ts)[reps // 2] * 1000
+    return out
 
 
 def _kernel_name(choice, rows: int) -> str | None:

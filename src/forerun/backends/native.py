@@ -135,7 +135,7 @@ class NativeGemma3(BackendBase):
     supports_layer_skip = True
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
-                 exact_greedy: bool = True):
+                 exact_greedy: bool = False):
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"native backend does not support model type {cfg.model_type!r}")
