@@ -109,20 +109,14 @@ def head_kernel_times(backend, rows=range(1, 10), reps: int = 7) -> dict | None:
            | {"chosen": _kernel_name(head.choice.get(n), n)} for n in rows}
     exact = backend.exact_head() if hasattr(backend, "exact_head") else None
     if exact is not None:  # the greedy path: screened exact argmax, timed on the model's own final hidden states
-        import time
+        from forerun.timing import median_s
 
         ids = torch.randint(10, min(backend.vocab_size, 20000), (max(rows),), generator=g)
         backend.reset()
         h = backend.forward(ids, 0, logits=False, return_hidden=True).hidden
         backend.reset()
         for n in rows:
-            exact.argmax(h[:n])
-            ts = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                exact.argmax(h[:n])
-                ts.append(time.perf_counter() - t)
-            out[str(n)]["exact_argmax"] = sorted(ts)[reps // 2] * 1000
+            out[str(n)]["exact_argmax"] = median_s(lambda: exact.argmax(h[:n]), reps) * 1000
     return out
 
 

@@ -7,6 +7,17 @@ import time
 import torch
 
 
+def median_s(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn()``, after one untimed call (kernel choice, allocation)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[reps // 2]
+
+
 def median_forward_s(backend, ids: torch.Tensor, n: int, reps: int = 7, method: str = "forward", **forward_kw) -> float:
     """Median seconds of a forward over the last ``n`` of ``ids``, the rest already cached.
 

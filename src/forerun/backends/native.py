@@ -66,18 +66,9 @@ class _Linear:
 
     def time_kernels(self, x: torch.Tensor, reps: int = 3) -> dict[str, float]:
         """Median seconds of each candidate kernel on ``x`` (one untimed run each first)."""
-        import time
+        from forerun.timing import median_s
 
-        out = {}
-        for how in self.KERNELS:
-            self._run(x, how)
-            ts = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                self._run(x, how)
-                ts.append(time.perf_counter() - t)
-            out[how] = sorted(ts)[reps // 2]
-        return out
+        return {how: median_s(lambda: self._run(x, how), reps) for how in self.KERNELS}
 
     def _measure(self, x: torch.Tensor) -> tuple[str, int]:
         """(kernel, rows to run) fastest for x's row count; padding up to the next multiple of 4 is a candidate."""
@@ -353,11 +344,13 @@ class NativeGemma3(BackendBase):
         hn = _rms_norm(h, self.final_norm, self.eps).split(sizes)
         per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
         exact = self.exact_head() if any(greedy) else None
-        flags = list(greedy) + [False] * (len(parts) - len(greedy)) if exact is not None else [False] * len(parts)
-        want = [x for x, g in zip(hn, flags) if not g]
-        lg = iter(self._logits(torch.cat(want)).split([len(x) for x in want]) if want else [])
-        am = iter(exact.argmax(torch.cat([x for x, g in zip(hn, flags) if g])).split(
-            [len(x) for x, g in zip(hn, flags) if g]) if exact is not None and any(flags) else [])
+        flags = [exact is not None and i < len(greedy) and bool(greedy[i]) for i in range(len(parts))]
+
+        def run(fn, chosen):  # one pass of fn over the chosen sequences' rows, split back per sequence
+            rows = [x for x, f in zip(hn, flags) if f == chosen]
+            return iter(fn(torch.cat(rows)).split([len(x) for x in rows]) if rows else [])
+
+        lg, am = run(self._logits, False), run(exact.argmax if exact is not None else None, True)
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]
 

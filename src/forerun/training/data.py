@@ -81,8 +81,8 @@ def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[s
     questions = read_seed_questions(corpus_path) if corpus_path and str(corpus_path).endswith(".jsonl") else []
     rng = random.Random(seed)
     rng.shuffle(questions)
-    half = min(len(questions), n // 6)
-    prompts = questions[:half] + builtin_prompts(questions[half:], n - half, seed)
+    n_corpus = min(len(questions), n // 6)
+    prompts = questions[:n_corpus] + builtin_prompts(questions[n_corpus:], n - n_corpus, seed)
     seen, out = set(), []
     for p in prompts:
         if p not in seen:
