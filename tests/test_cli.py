@@ -157,10 +157,34 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     assert outs["eagle"] == outs["none"]
 
 
+def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):
+    """Each --distill-seeds seed adds its own draw of seed prompts; a rerun with one more seed reuses the answers."""
+    from forerun.training.data import distill_prompts
+
+    work = tmp_path / "work"
+    common = ["train-draft", "--kind", "medusa", "--model", str(tiny_folder), "--distill-prompts", "6",
+              "--distill-tokens", "4", "--draft-vocab", "64", "--epochs", "1", "--steps-ahead", "2",
+              "--out", str(tmp_path / "head"), "--work", str(work)]
+    rc, _, err = run(capsys, *common, "--distill-seeds", "0")
+    assert rc == 0, err
+    first = [json.loads(line)["prompt"] for line in (work / "distill.jsonl").read_text().splitlines()]
+    assert first == distill_prompts(None, 6, 0)
+    (work / "checkpoint.pt").unlink()  # other data: train afresh
+    rc, _, err = run(capsys, *common, "--distill-seeds", "0,1")
+    assert rc == 0, err
+    recs = [json.loads(line)["prompt"] for line in (work / "distill.jsonl").read_text().splitlines()]
+    assert recs[: len(first)] == first  # seed 0's answers were kept, not asked again
+    assert recs == list(dict.fromkeys(first + distill_prompts(None, 6, 1)))
+    assert len(recs) > len(first)
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["training"]["distill_seeds"] == [0, 1]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
         (["train-draft", "--kind", "eagle", "--out", "x", "--epochs", "0"], "--epochs"),
+        (["train-draft", "--kind", "eagle", "--out", "x", "--distill-seeds", "0,x"], "--distill-seeds"),
         (["train-draft", "--kind", "eagle", "--out", "x", "--data", "corpus"], "needs --corpus"),
         (["train-draft", "--kind", "eagle", "--out", "x", "--corpus", "/no/such/file.jsonl"], "does not exist"),
         (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--passage-prompts", type=int, default=0,
                    help="also N two-stage prompts: the target writes a passage (German text, a news article, an "
                         "encyclopedia paragraph, reviews), then translates, summarises or answers from it (default 0)")
+    t.add_argument("--distill-seeds", default=None,
+                   help="comma-separated seeds of the seed-prompt draw: each adds --distill-prompts prompts (and "
+                        "--passage-prompts two-stage ones) of its own; answers already in --work are reused "
+                        "(default: --seed)")
     t.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (default 8192)")
     t.add_argument("--steps-ahead", type=int, default=4, help="eagle: depths unrolled in training; medusa: heads")
     t.add_argument("--epochs", type=int, default=2)
@@ -252,8 +256,9 @@ def cmd_calibrate(args) -> int:
 def cmd_train_draft(args) -> int:
     from pathlib import Path
 
-    from forerun.training.run import train_draft
+    from forerun.training.run import distill_seeds, train_draft
 
+    distill_seeds(args)  # a malformed --distill-seeds fails before any model loads
     if args.passage_prompts < 0:
         raise ForerunError(f"--passage-prompts must be >= 0, got {args.passage_prompts}")
     for name in ("distill_prompts", "distill_tokens", "draft_vocab", "steps_ahead", "epochs", "batch_tokens", "max_len"):

@@ -12,6 +12,20 @@ import torch
 from forerun.errors import ForerunError
 
 
+def distill_seeds(args) -> list[int]:
+    """``--distill-seeds 0,1,2`` -> [0, 1, 2]; default: ``--seed`` alone."""
+    text = getattr(args, "distill_seeds", None)
+    if not text:
+        return [args.seed]
+    try:
+        seeds = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ForerunError(f"--distill-seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ForerunError("--distill-seeds names no seed")
+    return list(dict.fromkeys(seeds))
+
+
 def train_draft(args, log=print) -> dict:
     from forerun.models import load_model
     from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
@@ -34,12 +48,16 @@ def train_draft(args, log=print) -> dict:
         log(f"corpus: {len(seqs)} sequences")
     if args.data in ("distill", "both"):
         t = time.time()
-        prompts = distill_prompts(args.corpus, args.distill_prompts, args.seed)
+        # Every prompt-set seed adds its own draw of seed prompts (the same seed always draws the same
+        # prompts, so answers already in the work folder are reused).
+        seeds = distill_seeds(args)
+        prompts = [p for s in seeds for p in distill_prompts(args.corpus, args.distill_prompts, s)]
         # Answers come from the fastest backend at hand (llama.cpp for a GGUF file): greedy, lossless.
         gen = load_model(args.model, backend="auto", threads=args.threads)
-        if args.passage_prompts:
-            prompts += two_stage_prompts(gen, args.passage_prompts, work / "distill.jsonl", seed=args.seed,
+        for s in seeds if args.passage_prompts else ():
+            prompts += two_stage_prompts(gen, args.passage_prompts, work / "distill.jsonl", seed=s,
                                          max_new_tokens=args.distill_tokens, log=log)
+        prompts = list(dict.fromkeys(prompts))
         answers = self_distill(gen, prompts, work / "distill.jsonl", max_new_tokens=args.distill_tokens, log=log)
         del gen
         seqs += [type(s)(s.ids[: args.max_len], s.start) for s in answers if s.start < args.max_len - 2]
@@ -61,6 +79,7 @@ def train_draft(args, log=print) -> dict:
                          "model": args.model, "data": args.data, "corpus": Path(args.corpus).name if args.corpus else None,
                          "distill_prompts": args.distill_prompts if args.data != "corpus" else 0,
                          "passage_prompts": args.passage_prompts if args.data != "corpus" else 0,
+                         "distill_seeds": distill_seeds(args) if args.data != "corpus" else [],
                          "distill_tokens": args.distill_tokens, "max_len": args.max_len, "seconds": times, **report}
     head.save(out)
     final = report["history"][-1]["val_agreement"] if report["history"] else None
