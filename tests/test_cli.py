@@ -132,6 +132,9 @@ def test_bench_bad_inputs(capsys, tmp_path):
     assert_clean_error(rc, err, "bad.jsonl:1")
     rc, _, err = run(capsys, "bench", "--prompts", str(bad), "--methods", "none,bogus")
     assert_clean_error(rc, err, "unknown method")
+    for methods in ("none,eagle+lookup", "none,ngram-tree", "none,ngram-tree+lookup"):
+        rc, _, err = run(capsys, "bench", "--prompts", str(bad), "--methods", methods)
+        assert_clean_error(rc, err, "unknown method")
 
 
 def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
@@ -148,13 +151,14 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["training"]["data"] == "corpus" and cfg["draft_vocab"] == 64
     outs = {}
-    for method in ("none", "eagle"):
-        extra = ["--draft", str(out), "--tree-nodes", "6"] if method == "eagle" else []
-        rc, stdout, err = run(capsys, "generate", "w5 w9 w13", "--model", str(tiny_folder), "--method", method,
-                              "--max-new-tokens", "12", "--json", *extra)
+    for name in ("none", "eagle", "eagle+lookup"):
+        extra = ["--draft", str(out), "--tree-nodes", "6"] if name != "none" else []
+        extra += ["--tree-lookup"] if name.endswith("+lookup") else []
+        rc, stdout, err = run(capsys, "generate", "w5 w9 w13", "--model", str(tiny_folder), "--method",
+                              name.partition("+")[0], "--max-new-tokens", "12", "--json", *extra)
         assert rc == 0, err
-        outs[method] = json.loads(stdout)["token_ids"]
-    assert outs["eagle"] == outs["none"]
+        outs[name] = json.loads(stdout)["token_ids"]
+    assert outs["eagle"] == outs["none"] == outs["eagle+lookup"]
 
 
 def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):
@@ -188,6 +192,7 @@ def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_pat
         (["train-draft", "--kind", "eagle", "--out", "x", "--data", "corpus"], "needs --corpus"),
         (["train-draft", "--kind", "eagle", "--out", "x", "--corpus", "/no/such/file.jsonl"], "does not exist"),
         (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),
+        (["generate", "hi", "--method", "eagle", "--tree-lookup", "--model", "MODEL"], "give --tree-nodes"),
         (["generate", "hi", "--method", "eagle", "--draft", "/no/such/head", "--model", "MODEL"], "not a draft head"),
     ],
 )

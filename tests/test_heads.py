@@ -137,9 +137,10 @@ def test_head_errors(heads, gemma, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-@pytest.mark.parametrize("k,tree", [(1, None), (3, None), ("auto", None), (3, (6, None)), (4, (12, 4))])
-def test_greedy_equality(heads, gemma, kind, k, tree):
-    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree)
+@pytest.mark.parametrize("k,tree,lookup", [(1, None, False), (3, None, False), ("auto", None, False),
+                                           (3, (6, None), False), (4, (12, 4), False), (5, (6, 3), True)])
+def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree, tree_lookup=lookup)
     ref = Engine(gemma.backend, None, gemma.eos_token_ids)
     eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
     drafted = 0
@@ -151,15 +152,17 @@ def test_greedy_equality(heads, gemma, kind, k, tree):
     assert drafted > 0
 
 
-@pytest.mark.parametrize("kind,tree", [("eagle", None), ("medusa", None), ("eagle", (8, 2)), ("medusa", (8, 2))])
-def test_sampling_distribution(gemma, kind, tree, tmp_path):
+@pytest.mark.parametrize("kind,tree,lookup", [("eagle", None, False), ("medusa", None, False), ("eagle", (8, 2), False),
+                                              ("medusa", (8, 2), False), ("eagle", (4, 2), True)])
+def test_sampling_distribution(gemma, kind, tree, lookup, tmp_path):
     """The first two sampled tokens follow the target's own distribution (total-variation bound)."""
     params = SamplingParams(temperature=1.0, top_k=6)
     prompt = [2, 7, 8, 7, 8, 7]
     joint = _exact_two_token_dist(gemma, prompt, params)
     head, _ = _train(gemma, kind, tmp_path / "work", seqs=_target_samples(gemma, prompt, params))
     head.save(tmp_path / "head")
-    eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=tmp_path / "head", tree=tree), eos_token_ids=())
+    eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=tmp_path / "head", tree=tree, tree_lookup=lookup),
+                 eos_token_ids=())
     N = 3000
     counts = torch.zeros_like(joint)
     gen = torch.Generator().manual_seed(1)
@@ -242,3 +245,44 @@ def test_heads_in_batches_equal_plain(heads, gemma, kind):
         eng.step()
     assert [got[i] for i in range(len(PROMPTS))] == want
     assert sum(r.stats.drafted for r in reqs) > 0
+
+
+def _root_paths(draft):
+    """Every root-to-node token path of a tree draft."""
+    tok, par = draft.tokens.tolist(), draft.parents.tolist()
+    paths = []
+    for i in range(len(tok)):
+        path, j = [], i
+        while j != -1:
+            path.append(tok[j])
+            j = par[j]
+        paths.append(path[::-1])
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_tree_lookup_branch(heads, gemma, kind):
+    """With --tree-lookup every tree holds the prompt-lookup continuation as a path, on top of the head's nodes."""
+    from forerun.drafters.ngram import lookup
+
+    with pytest.raises(ForerunError, match="--tree-nodes"):
+        make_drafter(kind, gemma, head_path=heads[kind][0], tree_lookup=True)
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=(3, 2), tree_lookup=True)
+    seen = []
+    propose = drafter.propose
+
+    def spy(tokens, k):
+        d = propose(tokens, k)
+        seen.append((list(tokens), k, d))
+        return d
+
+    drafter.propose = spy
+    prompt = [2, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+    want = Engine(gemma.backend, None, gemma.eos_token_ids).generate(prompt, max_new_tokens=16).token_ids
+    assert Engine(gemma.backend, drafter, gemma.eos_token_ids).generate(prompt, max_new_tokens=16, k=4).token_ids == want
+    grafted = 0
+    for tokens, k, d in seen:
+        chain = lookup(tokens, k, 4, 1)
+        assert not chain or chain in _root_paths(d)
+        grafted += len(d) > 3  # more nodes than the head's own tree: the chain added some
+    assert seen and grafted > 0

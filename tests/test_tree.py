@@ -5,7 +5,7 @@ import torch
 
 from forerun.drafters.base import Draft
 from forerun.drafters.eagle import static_tree
-from forerun.tree import greedy_tree_accept, sample_tree_accept, tree_layout
+from forerun.tree import graft_chain, greedy_tree_accept, sample_tree_accept, tree_layout
 
 #        root
 #       /    \
@@ -33,6 +33,21 @@ def test_static_tree_is_prefix_closed():
     assert len(paths) == 24 and max(len(p) for p in paths) <= 4
     assert all(p[:-1] in paths for p in paths if len(p) > 1)
     assert paths[0] == (0,) and (0, 0) in paths
+
+
+def test_graft_chain_shares_existing_nodes():
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    # 10 -> 12 exists (n0 -> n2), then 77 and 78 are new below n2; n5 (15) is left alone.
+    t, p = graft_chain(tokens, PARENTS, [10, 12, 77, 78])
+    assert t.tolist() == [10, 11, 12, 13, 14, 15, 77, 78]
+    assert p.tolist() == PARENTS.tolist() + [2, 6]
+    tree_layout(p)  # parents still come first
+    ids = torch.tensor([10, 12, 0, 77, 0, 0, 0, 78, 5])  # the target follows the grafted chain to its end
+    assert greedy_tree_accept(t, p, ids) == ([1, 3, 7, 8], [10, 12, 77, 78, 5])
+    t, p = graft_chain(tokens, PARENTS, [10, 12, 15])  # already a path: nothing added
+    assert t.tolist() == tokens.tolist() and p.tolist() == PARENTS.tolist()
+    t, p = graft_chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [5, 6, 5])
+    assert t.tolist() == [5, 6, 5] and p.tolist() == [-1, 0, 1]  # onto an empty tree: a chain
 
 
 def test_greedy_tree_accept():

@@ -304,6 +304,11 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _method_kind(base: str) -> str:
+    """The drafting method behind a bench method name: eagle-tree+lookup and eagle-tree -> eagle."""
+    return base.removesuffix("+lookup").removesuffix("-tree") if base.endswith(("-tree", "-tree+lookup")) else base
+
+
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
@@ -320,8 +325,9 @@ def run_bench(args) -> dict:
     method_k = {}
     for m in methods:
         base, _, k = m.partition(":")
-        if base.removesuffix("-tree") not in METHODS or (base.endswith("-tree") and base[:-5] not in HEAD_METHODS):
-            raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)})")
+        if _method_kind(base) not in METHODS or (base != _method_kind(base) and _method_kind(base) not in HEAD_METHODS):
+            raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
+                               "eagle-tree or eagle-tree+lookup)")
         method_k[m] = check_k(k) if k else args.k
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     for p in peers:
@@ -343,11 +349,15 @@ def run_bench(args) -> dict:
     threads = getattr(args, "threads", None)
     from forerun.cli import _load, _tree
 
-    # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32).
-    tree_methods = {m for m in methods if m.partition(":")[0].endswith("-tree")}
+    # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32);
+    # "eagle-tree+lookup": those trees plus the prompt-lookup branch.
+    tree_methods = {m for m in methods if m.partition(":")[0].removesuffix("+lookup").endswith("-tree")}
     tree = _tree(args)  # validated whether or not a tree method asks for it
+    if getattr(args, "tree_lookup", False):
+        raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup (or medusa-tree+lookup) "
+                           "in --methods instead of --tree-lookup")
     tree = (tree or (32, None)) if tree_methods else None
-    target = _load(args, [m.partition(":")[0] for m in methods])
+    target = _load(args, [_method_kind(m.partition(":")[0]) for m in methods])
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
     hf_model = target.hf_model
     if hf_model is None and any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model
@@ -356,9 +366,10 @@ def run_bench(args) -> dict:
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
     def build(m):
-        kind = m.partition(":")[0].removesuffix("-tree")
+        base = m.partition(":")[0]
+        kind = _method_kind(base)
         return make_drafter(kind, target, draft_model=draft, skip_layers=skip, head_path=heads.get(kind),
-                            tree=tree if m in tree_methods else None)
+                            tree=tree if m in tree_methods else None, tree_lookup=base.endswith("-tree+lookup"))
 
     drafters = {m: build(m) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}

@@ -52,6 +52,8 @@ def _tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=0,
                    help="eagle/medusa: verify a token tree of this many draft nodes per step (0 = a chain, the default)")
     p.add_argument("--tree-depth", type=int, default=None, help="tree depth (default: 6 for eagle, the head count for medusa)")
+    p.add_argument("--tree-lookup", action="store_true",
+                   help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k tokens)")
 
 
 def _tree(args):
@@ -200,7 +202,7 @@ def cmd_generate(args) -> int:
         draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
     head = args.draft if args.method in ("eagle", "medusa") else None
     drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip, head_path=head,
-                           tree=_tree(args))
+                           tree=_tree(args), tree_lookup=args.tree_lookup)
     tok = target.tokenizer
     if args.chat:
         if not getattr(tok, "chat_template", None):

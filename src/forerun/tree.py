@@ -92,3 +92,23 @@ def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Ten
             resid = p[row]
         out.append(int(torch.multinomial(resid / resid.sum(), 1, generator=generator)))
         return rows, out
+
+
+def graft_chain(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add ``chain`` to a tree as one more root-to-node path, sharing the nodes it already has.
+
+    The walk follows existing children while they hold the chain's tokens and appends the rest as
+    new nodes (after every existing one, so parents still come first). Returns (tokens, parents)."""
+    tok, par = tokens.tolist(), parents.tolist()
+    child = {}  # (parent node, token) -> node
+    for i, (t, p) in enumerate(zip(tok, par)):
+        child.setdefault((p, t), i)
+    node = -1
+    for t in chain:
+        nxt = child.get((node, t))
+        if nxt is None:
+            tok.append(int(t))
+            par.append(node)
+            nxt = child[(node, t)] = len(tok) - 1
+        node = nxt
+    return torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long)

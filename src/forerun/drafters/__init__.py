@@ -19,7 +19,7 @@ def shipped_head(kind: str, model_name: str):
     return path if (path / "config.json").is_file() else None
 
 
-def load_head_drafter(method: str, target, head_path=None, tree=None):
+def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None):
     from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
     from forerun.drafters.heads import load_head, target_fingerprint
 
@@ -37,7 +37,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None):
     head.to(be.device)
     if be.device.type == "cpu":
         head.pack_for_inference()
-    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree)
+    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup)
 
 
 def check_vocab(target, draft) -> None:
@@ -69,12 +69,15 @@ def check_method(method: str, has_draft: bool) -> None:
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
-                 head_path=None, tree=None):
+                 head_path=None, tree=None, tree_lookup: bool = False):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
-    to verify token trees instead of chains (eagle/medusa only)."""
+    to verify token trees instead of chains (eagle/medusa only); ``tree_lookup``: every tree also
+    carries the prompt-lookup continuation (n-grams of ngram_max down to ngram_min tokens)."""
     if tree is not None and method not in HEAD_METHODS:
         raise ForerunError(f"token trees (--tree-nodes) work with eagle and medusa, not {method}")
+    if tree_lookup and tree is None:
+        raise ForerunError("--tree-lookup adds a branch to a token tree: give --tree-nodes too")
     check_method(method, draft_model is not None)
     if method == "none":
         return None
@@ -83,7 +86,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
 
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
     if method in HEAD_METHODS:
-        return load_head_drafter(method, target, head_path, tree)
+        return load_head_drafter(method, target, head_path, tree, (ngram_max, ngram_min) if tree_lookup else None)
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter
 

@@ -7,6 +7,10 @@ past them are the head's own guesses and are dropped at the next round.
 Both can propose a chain or a token tree (``tree=(nodes, depth)``): EAGLE grows a dynamic tree
 (EAGLE-2: expand the most probable branches depth by depth, then keep the best ``nodes`` by
 path probability); Medusa fills a static tree shape with each head's top-ranked tokens.
+With ``lookup=(max_ngram, min_ngram)`` a tree also carries the prompt-lookup continuation
+(see ``drafters.ngram``) as one more branch: text the answer copies from the prompt or repeats
+is what a small head predicts worst and lookup predicts best. Verification treats every node
+alike, so the result stays exactly the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
+from forerun.drafters.ngram import lookup
+from forerun.tree import graft_chain
 
 
 class FeatureDrafter(Drafter):
@@ -25,9 +31,12 @@ class FeatureDrafter(Drafter):
 
     default_depth = 6
 
-    def __init__(self, head, embed: torch.Tensor, tree=None):
+    def __init__(self, head, embed: torch.Tensor, tree=None, lookup=None):
         self.head = head
         self.tree_nodes, self.tree_depth = (None, None) if not tree else (tree[0], tree[1] or self.default_depth)
+        if lookup is not None and not tree:
+            raise ValueError("a lookup branch needs a token tree")
+        self.lookup = lookup  # (max_ngram, min_ngram): graft the prompt-lookup continuation onto every tree
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -38,7 +47,19 @@ class FeatureDrafter(Drafter):
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
 
     def fork(self) -> "FeatureDrafter":
-        return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None)
+        return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None,
+                          lookup=self.lookup)
+
+    def _tree_draft(self, tree: Draft | None, tokens: list[int], k: int) -> Draft:
+        """The head's tree (None: no head tree this round) with the lookup branch, if any, grafted on."""
+        if tree is None:
+            tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+        if self.lookup:
+            chain = lookup(tokens, k, *self.lookup)
+            if chain:
+                t, p = graft_chain(tree.tokens, tree.parents, chain)
+                tree = Draft(tokens=t, parents=p)
+        return tree
 
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
         """Features of target positions pos..pos+rows-1 (committed positions only)."""
@@ -57,8 +78,8 @@ class EagleDrafter(FeatureDrafter):
     top_k = 8  # tree: children tried per expanded node
     branch = 8  # tree: nodes expanded per depth
 
-    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None):
-        super().__init__(head, embed, tree)
+    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None, lookup=None):
+        super().__init__(head, embed, tree, lookup)
         self.scale = head.cfg.embed_scale
 
     def begin(self, prompt, params, generator):
@@ -72,7 +93,7 @@ class EagleDrafter(FeatureDrafter):
     def propose(self, tokens: list[int], k: int) -> Draft:
         head = self.head
         if self.feats is None or len(self.feats) == 0:
-            return Draft(tokens=torch.zeros(0, dtype=torch.long))
+            return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
         # 1. Entries for the newly verified positions: (token after position i, target features at i).
         p = self.feat_pos
         n = min(len(self.feats), len(tokens) - 1 - p)
@@ -80,7 +101,7 @@ class EagleDrafter(FeatureDrafter):
         g, self.cache = head.step(self._emb(ids), head.fuse_features(self.feats[:n]), p, self.cache)
         self.feat_pos, self.feats = p + n, None
         if self.tree_nodes:
-            return self._tree(g[-1:], p + n, min(k, self.tree_depth))
+            return self._tree_draft(self._tree(g[-1:], p + n, min(k, self.tree_depth)), tokens, k)
         # 2. Run ahead on the head's own outputs.
         out, qs = [], []
         hid, pos = g[-1:], p + n
@@ -168,8 +189,8 @@ def static_tree(nodes: int, depth: int, rank_weights=(0.6, 0.15, 0.07, 0.04, 0.0
 class MedusaDrafter(FeatureDrafter):
     name = "medusa"
 
-    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None):
-        super().__init__(head, embed, tree)
+    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None, lookup=None):
+        super().__init__(head, embed, tree, lookup)
         self.max_k = head.cfg.medusa_heads
         if self.tree_nodes:
             self.tree_depth = min(self.tree_depth, self.max_k)
@@ -179,20 +200,18 @@ class MedusaDrafter(FeatureDrafter):
     def propose(self, tokens: list[int], k: int) -> Draft:
         # Head j reads the features of the newest verified position (which predicted the last
         # committed token) and guesses j tokens further.
-        if self.feats is None or len(self.feats) == 0:
-            return Draft(tokens=torch.zeros(0, dtype=torch.long))
         last = len(tokens) - 2 - self.feat_pos
-        if last < 0 or last >= len(self.feats):
-            return Draft(tokens=torch.zeros(0, dtype=torch.long))
+        if self.feats is None or not 0 <= last < len(self.feats):
+            return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
         self.feat_pos, self.feats = self.feat_pos + last, self.feats[last:]  # older rows are never read again
         logits = self.head(self.feats[0])[: min(k, self.max_k)]  # [k, draft_vocab]
         if self.tree_nodes:
             paths = [p for p in self.paths if len(p) <= len(logits)]
             ranked = logits.topk(1 + max(max(p) for p in paths), -1).indices  # [k, ranks]
             index = {p: i for i, p in enumerate(paths)}
-            tokens = torch.stack([self.d2t[ranked[len(p) - 1, p[-1]]] for p in paths])
+            cand = torch.stack([self.d2t[ranked[len(p) - 1, p[-1]]] for p in paths])
             parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long)
-            return Draft(tokens=tokens, parents=parents)
+            return self._tree_draft(Draft(tokens=cand, parents=parents), tokens, k)
         out, qs = [], []
         for lg in logits:
             tok, q = self._pick(lg)
