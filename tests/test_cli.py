@@ -132,7 +132,8 @@ def test_bench_bad_inputs(capsys, tmp_path):
     assert_clean_error(rc, err, "bad.jsonl:1")
     rc, _, err = run(capsys, "bench", "--prompts", str(bad), "--methods", "none,bogus")
     assert_clean_error(rc, err, "unknown method")
-    for methods in ("none,eagle+lookup", "none,ngram-tree", "none,ngram-tree+lookup"):
+    for methods in ("none,eagle+lookup", "none,ngram-tree", "none,ngram-tree+lookup", "none,ngram-tree+auto",
+                    "none,eagle+auto"):
         rc, _, err = run(capsys, "bench", "--prompts", str(bad), "--methods", methods)
         assert_clean_error(rc, err, "unknown method")
 
@@ -151,14 +152,14 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["training"]["data"] == "corpus" and cfg["draft_vocab"] == 64
     outs = {}
-    for name in ("none", "eagle", "eagle+lookup"):
+    for name in ("none", "eagle", "eagle+lookup", "eagle+auto"):
         extra = ["--draft", str(out), "--tree-nodes", "6"] if name != "none" else []
-        extra += ["--tree-lookup"] if name.endswith("+lookup") else []
+        extra += {"eagle+lookup": ["--tree-lookup"], "eagle+auto": ["--tree-lookup", "auto"]}.get(name, [])
         rc, stdout, err = run(capsys, "generate", "w5 w9 w13", "--model", str(tiny_folder), "--method",
                               name.partition("+")[0], "--max-new-tokens", "12", "--json", *extra)
         assert rc == 0, err
         outs[name] = json.loads(stdout)["token_ids"]
-    assert outs["eagle"] == outs["none"] == outs["eagle+lookup"]
+    assert outs["eagle"] == outs["none"] == outs["eagle+lookup"] == outs["eagle+auto"]
 
 
 def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):

@@ -1,6 +1,6 @@
 """Adaptive draft length: the cost/acceptance model, globally and per trust bucket."""
 
-from forerun.draft_length import AdaptiveK, make_policy, FixedK
+from forerun.draft_length import AdaptiveK, TreeOrLookup, make_policy, FixedK
 from forerun.drafters.ngram import NgramDrafter, lookup_match
 
 
@@ -46,3 +46,39 @@ def test_ngram_reports_match_length():
     assert lookup_match([1, 2, 3, 4], 3, 4, 1) == ([], 0)
     d = NgramDrafter().propose(toks, 2)
     assert d.tokens.tolist() == [8, 9] and d.bucket == 3
+
+
+def _rounds(pol, n, bucket, *, tree, chain_acc=0, chain_len=4, accepted=0, rows=5):
+    # One machine throughout: a round costs 10 ms plus 1 ms per verified row, plus 20 ms of head time.
+    for _ in range(n):
+        pol.observe(bucket, chain_acc, chain_len, tree, accepted, rows, 0.010 + 0.001 * rows + (0.020 if tree else 0))
+
+
+def test_tree_or_lookup_learns_what_pays():
+    pol = TreeOrLookup()
+    assert pol.choose(3, 4, 21) is None  # nothing measured: the tree first
+    _rounds(pol, 1, 3, tree=True, chain_acc=4, accepted=5, rows=21)
+    assert pol.choose(3, 4, 21) == 4  # then the chain once, to measure a round without the head
+    for rows in (1, 2, 3, 5):
+        _rounds(pol, 3, 3, tree=False, chain_acc=rows - 1, chain_len=rows - 1, rows=rows)
+    # Long matches always right: the chain's 5 tokens in 15 ms beat the tree's 6 in 51 ms.
+    _rounds(pol, 6, 3, tree=True, chain_acc=4, accepted=5, rows=21)
+    assert pol.choose(3, 4, 21) == 4
+    assert pol.choose(3, 2, 19) == 2  # never more than the chain has
+    # A bucket where the chain is always wrong but the head's tree yields 5 tokens in 51 ms: the
+    # tree beats a plain step (1 token in 11 ms).
+    _rounds(pol, 6, 1, tree=True, chain_acc=0, chain_len=4, accepted=4, rows=21)
+    assert pol.choose(1, 4, 21) is None
+    # Where the tree yields no more than a plain step, nothing is drafted (chain cut to 0).
+    _rounds(pol, 20, 0, tree=True, chain_acc=None, chain_len=0, accepted=0, rows=17)
+    picks = [pol.choose(0, 0, 17) for _ in range(pol.probe_every)]
+    assert picks.count(0) == pol.probe_every - 1 and picks.count(None) == 1  # it still probes the tree
+
+
+def test_tree_or_lookup_cost_line():
+    pol = TreeOrLookup()
+    assert pol._cost("chain", 3) is None
+    for rows, sec in ((1, 0.010), (3, 0.016)):
+        pol.observe(0, None, 0, False, 0, rows, sec)
+    assert abs(pol._cost("chain", 5) - 0.022) < 1e-9  # the measured line, extended
+    assert pol._cost("chain", 1) == 0.010 and pol._cost("tree", 1) is None

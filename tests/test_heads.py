@@ -138,7 +138,8 @@ def test_head_errors(heads, gemma, tmp_path):
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 @pytest.mark.parametrize("k,tree,lookup", [(1, None, False), (3, None, False), ("auto", None, False),
-                                           (3, (6, None), False), (4, (12, 4), False), (5, (6, 3), True)])
+                                           (3, (6, None), False), (4, (12, 4), False), (5, (6, 3), True),
+                                           (5, (6, 3), "auto")])
 def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
     drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree, tree_lookup=lookup)
     ref = Engine(gemma.backend, None, gemma.eos_token_ids)
@@ -153,7 +154,8 @@ def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
 
 
 @pytest.mark.parametrize("kind,tree,lookup", [("eagle", None, False), ("medusa", None, False), ("eagle", (8, 2), False),
-                                              ("medusa", (8, 2), False), ("eagle", (4, 2), True)])
+                                              ("medusa", (8, 2), False), ("eagle", (4, 2), True),
+                                              ("eagle", (4, 2), "auto")])
 def test_sampling_distribution(gemma, kind, tree, lookup, tmp_path):
     """The first two sampled tokens follow the target's own distribution (total-variation bound)."""
     params = SamplingParams(temperature=1.0, top_k=6)
@@ -286,3 +288,26 @@ def test_tree_lookup_branch(heads, gemma, kind):
         assert not chain or chain in _root_paths(d)
         grafted += len(d) > 3  # more nodes than the head's own tree: the chain added some
     assert seen and grafted > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_tree_lookup_auto_mixes_rounds(heads, gemma, kind):
+    """--tree-lookup auto verifies the tree in some steps and the lookup chain alone in others
+    (the first step measures a tree, the next a round without the head); output stays plain decoding's."""
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=(3, 2), tree_lookup="auto")
+    kinds = []
+    propose = drafter.propose
+
+    def spy(tokens, k):
+        d = propose(tokens, k)
+        kinds.append("chain" if d.parents is None else "tree")
+        return d
+
+    drafter.propose = spy
+    prompt = [2, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+    want = Engine(gemma.backend, None, gemma.eos_token_ids).generate(prompt, max_new_tokens=24).token_ids
+    assert Engine(gemma.backend, drafter, gemma.eos_token_ids).generate(prompt, max_new_tokens=24, k=4).token_ids == want
+    assert kinds[:2] == ["tree", "chain"] and drafter.policy.cost["tree"] and drafter.policy.cost["chain"]
+    assert drafter.policy.chain_acc  # the chain's acceptance was followed
+    twin = drafter.fork()
+    assert twin.adaptive and twin.policy is not drafter.policy and not twin.policy.cost["tree"]

@@ -304,9 +304,18 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+_TREE_SUFFIXES = {"-tree": None, "-tree+lookup": "always", "-tree+auto": "auto"}  # -> make_drafter's tree_lookup
+
+
+def _tree_suffix(base: str) -> str | None:
+    """"-tree", "-tree+lookup" or "-tree+auto" when a bench method name ends with one, else None."""
+    return next((s for s in _TREE_SUFFIXES if base.endswith(s)), None)
+
+
 def _method_kind(base: str) -> str:
-    """The drafting method behind a bench method name: eagle-tree+lookup and eagle-tree -> eagle."""
-    return base.removesuffix("+lookup").removesuffix("-tree") if base.endswith(("-tree", "-tree+lookup")) else base
+    """The drafting method behind a bench method name: eagle-tree, eagle-tree+lookup, eagle-tree+auto -> eagle."""
+    suffix = _tree_suffix(base)
+    return base.removesuffix(suffix) if suffix else base
 
 
 def run_bench(args) -> dict:
@@ -327,7 +336,7 @@ def run_bench(args) -> dict:
         base, _, k = m.partition(":")
         if _method_kind(base) not in METHODS or (base != _method_kind(base) and _method_kind(base) not in HEAD_METHODS):
             raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
-                               "eagle-tree or eagle-tree+lookup)")
+                               "eagle-tree, eagle-tree+lookup or eagle-tree+auto)")
         method_k[m] = check_k(k) if k else args.k
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     for p in peers:
@@ -350,12 +359,13 @@ def run_bench(args) -> dict:
     from forerun.cli import _load, _tree
 
     # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32);
-    # "eagle-tree+lookup": those trees plus the prompt-lookup branch.
-    tree_methods = {m for m in methods if m.partition(":")[0].removesuffix("+lookup").endswith("-tree")}
+    # "eagle-tree+lookup": those trees plus the prompt-lookup branch; "eagle-tree+auto": that tree or
+    # the lookup chain alone, chosen per step.
+    tree_methods = {m for m in methods if _tree_suffix(m.partition(":")[0])}
     tree = _tree(args)  # validated whether or not a tree method asks for it
     if getattr(args, "tree_lookup", False):
-        raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup (or medusa-tree+lookup) "
-                           "in --methods instead of --tree-lookup")
+        raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
+                           "medusa-tree+...) in --methods instead of --tree-lookup")
     tree = (tree or (32, None)) if tree_methods else None
     target = _load(args, [_method_kind(m.partition(":")[0]) for m in methods])
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
@@ -369,7 +379,7 @@ def run_bench(args) -> dict:
         base = m.partition(":")[0]
         kind = _method_kind(base)
         return make_drafter(kind, target, draft_model=draft, skip_layers=skip, head_path=heads.get(kind),
-                            tree=tree if m in tree_methods else None, tree_lookup=base.endswith("-tree+lookup"))
+                            tree=tree if m in tree_methods else None, tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)))
 
     drafters = {m: build(m) for m in methods}
     engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}

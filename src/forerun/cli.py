@@ -52,8 +52,10 @@ def _tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=0,
                    help="eagle/medusa: verify a token tree of this many draft nodes per step (0 = a chain, the default)")
     p.add_argument("--tree-depth", type=int, default=None, help="tree depth (default: 6 for eagle, the head count for medusa)")
-    p.add_argument("--tree-lookup", action="store_true",
-                   help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k tokens)")
+    p.add_argument("--tree-lookup", nargs="?", const="always", choices=("always", "auto"), default=None,
+                   help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "
+                        "tokens); 'auto': each step verify either that tree or the lookup chain alone (or no draft), "
+                        "whichever measured acceptance and cost say is faster")
 
 
 def _tree(args):

@@ -111,3 +111,85 @@ def make_policy(k: int | str):
     if k == "auto":
         return AdaptiveK()
     return FixedK(int(k))
+
+
+class TreeOrLookup:
+    """Per round, for a head's token tree that can also carry a prompt-lookup chain: verify the
+    tree (head tree with the chain grafted on), or the chain alone cut to the K that pays (K = 0:
+    a plain step, the head not even run) — whichever the measured yields and costs say gives
+    more tokens per second for this round's trust bucket (the length of the n-gram that matched).
+
+    The chain's acceptance per bucket is a geometric estimate as in ``AdaptiveK``, updated in
+    every round that had a chain: in a tree round the committed tokens show how far the chain
+    alone would have been accepted. The tree's yield (tokens per round) is an average per bucket
+    over tree rounds. Costs are whole rounds as the drafter sees them (drafting, verify pass,
+    acceptance), averaged per number of verified rows, separately for rounds with and without
+    the head. A bucket probes the option it has not chosen for ``probe_every`` rounds once.
+    """
+
+    def __init__(self, decay: float = 0.9, probe_every: int = 16):
+        self.decay = decay
+        self.probe_every = probe_every
+        self.chain_acc: dict[int, list[float]] = {}  # bucket -> [accepted, rejections]
+        self.tree_yield: dict[int, float] = {}  # bucket -> average tokens per tree round
+        self.since: dict[int, int] = {}  # bucket -> rounds since the option not taken was last tried
+        self.cost = {"chain": {}, "tree": {}}  # kind -> rows -> average seconds per round
+
+    def _cost(self, kind: str, rows: int) -> float | None:
+        pts = self.cost[kind]
+        if rows in pts:
+            return pts[rows]
+        if not pts:
+            return None
+        xs = sorted(pts)
+        if len(xs) == 1:
+            return pts[xs[0]]
+        n = len(xs)  # least-squares line through the measured points, never below the cheapest
+        mx = sum(xs) / n
+        my = sum(pts[x] for x in xs) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (pts[x] - my) for x in xs) / sxx
+        return max(my + b * (rows - mx), min(pts.values()))
+
+    def best_chain(self, bucket: int, available: int) -> tuple[int, float | None]:
+        """(K, expected tokens per second) for verifying the chain alone, K <= available."""
+        acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
+        a = min(acc / (acc + rej), 0.999)
+        best_k, best = 0, None
+        for k in range(available + 1):
+            c = self._cost("chain", k + 1)
+            if c is None:
+                continue
+            rate = (1 - a ** (k + 1)) / (1 - a) / c
+            if best is None or rate > best:
+                best_k, best = k, rate
+        return best_k, best
+
+    def choose(self, bucket: int, available: int, tree_rows: int) -> int | None:
+        """None: verify the tree; else the number of chain tokens to verify alone (maybe 0)."""
+        k, chain_rate = self.best_chain(bucket, available)
+        tree_cost = self._cost("tree", tree_rows)
+        if chain_rate is None:  # nothing measured without the head yet: try the chain once
+            return available if tree_cost is not None else None
+        if tree_cost is None or bucket not in self.tree_yield:
+            return None
+        tree_better = self.tree_yield[bucket] / tree_cost > chain_rate
+        self.since[bucket] = self.since.get(bucket, 0) + 1
+        if self.since[bucket] >= self.probe_every:
+            self.since[bucket] = 0
+            tree_better = not tree_better
+        return None if tree_better else k
+
+    def observe(self, bucket: int, chain_accepted: int | None, chain_len: int, tree: bool, accepted: int,
+                rows: int, seconds: float) -> None:
+        """One finished round. ``chain_accepted``: how many of the chain's ``chain_len`` tokens the
+        committed tokens confirm (None: no chain this round); ``accepted``: drafts accepted."""
+        if chain_accepted is not None and chain_len:
+            b = self.chain_acc.setdefault(bucket, [2.0, 2.0])
+            b[0] = self.decay * b[0] + chain_accepted
+            b[1] = self.decay * b[1] + (1 if chain_accepted < chain_len else 0)
+        if tree:
+            old = self.tree_yield.get(bucket)
+            self.tree_yield[bucket] = accepted + 1 if old is None else 0.8 * old + 0.2 * (accepted + 1)
+        pts = self.cost["tree" if tree else "chain"]
+        pts[rows] = seconds if rows not in pts else 0.8 * pts[rows] + 0.2 * seconds

@@ -19,7 +19,7 @@ def shipped_head(kind: str, model_name: str):
     return path if (path / "config.json").is_file() else None
 
 
-def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None):
+def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False):
     from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
     from forerun.drafters.heads import load_head, target_fingerprint
 
@@ -37,7 +37,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
     head.to(be.device)
     if be.device.type == "cpu":
         head.pack_for_inference()
-    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup)
+    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup, adaptive=adaptive)
 
 
 def check_vocab(target, draft) -> None:
@@ -69,11 +69,14 @@ def check_method(method: str, has_draft: bool) -> None:
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
-                 head_path=None, tree=None, tree_lookup: bool = False):
+                 head_path=None, tree=None, tree_lookup: bool | str | None = None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
     to verify token trees instead of chains (eagle/medusa only); ``tree_lookup``: every tree also
-    carries the prompt-lookup continuation (n-grams of ngram_max down to ngram_min tokens)."""
+    carries the prompt-lookup continuation (n-grams of ngram_max down to ngram_min tokens): True or
+    "always", or "auto" to choose per step between that tree and the lookup chain alone."""
+    if tree_lookup not in (None, False, True, "always", "auto"):
+        raise ForerunError(f"--tree-lookup must be 'always' or 'auto', got {tree_lookup!r}")
     if tree is not None and method not in HEAD_METHODS:
         raise ForerunError(f"token trees (--tree-nodes) work with eagle and medusa, not {method}")
     if tree_lookup and tree is None:
@@ -86,7 +89,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
 
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
     if method in HEAD_METHODS:
-        return load_head_drafter(method, target, head_path, tree, (ngram_max, ngram_min) if tree_lookup else None)
+        return load_head_drafter(method, target, head_path, tree, (ngram_max, ngram_min) if tree_lookup else None,
+                                 adaptive=tree_lookup == "auto")
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter
 

@@ -10,19 +10,24 @@ path probability); Medusa fills a static tree shape with each head's top-ranked 
 With ``lookup=(max_ngram, min_ngram)`` a tree also carries the prompt-lookup continuation
 (see ``drafters.ngram``) as one more branch: text the answer copies from the prompt or repeats
 is what a small head predicts worst and lookup predicts best. Verification treats every node
-alike, so the result stays exactly the target's.
+alike, so the result stays exactly the target's. With ``adaptive=True`` each round first asks a
+``TreeOrLookup`` policy whether the tree pays at all this round, or whether the lookup chain alone
+(or a plain step) gives more tokens per second: on hardware where verify rows are costly a head
+tree only pays when the lookup has nothing good to offer.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 
 import torch
 
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
-from forerun.drafters.ngram import lookup
+from forerun.draft_length import TreeOrLookup
+from forerun.drafters.ngram import lookup_match
 from forerun.tree import graft_chain
 
 
@@ -31,12 +36,19 @@ class FeatureDrafter(Drafter):
 
     default_depth = 6
 
-    def __init__(self, head, embed: torch.Tensor, tree=None, lookup=None):
+    def __init__(self, head, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False):
         self.head = head
         self.tree_nodes, self.tree_depth = (None, None) if not tree else (tree[0], tree[1] or self.default_depth)
         if lookup is not None and not tree:
             raise ValueError("a lookup branch needs a token tree")
+        if adaptive and lookup is None:
+            raise ValueError("choosing between tree and lookup chain needs a lookup branch")
         self.lookup = lookup  # (max_ngram, min_ngram): graft the prompt-lookup continuation onto every tree
+        self.adaptive = adaptive
+        # Learned costs and acceptance outlive one generation (they describe the machine and the
+        # head); a fork starts afresh.
+        self.policy = TreeOrLookup() if adaptive else None
+        self._round = None  # this round's lookup chain and what the policy chose
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -45,21 +57,51 @@ class FeatureDrafter(Drafter):
         super().begin(prompt, params, generator)
         self.feat_pos = 0  # target position of the first row of self.feats
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
+        self._round = None
 
     def fork(self) -> "FeatureDrafter":
         return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None,
-                          lookup=self.lookup)
+                          lookup=self.lookup, adaptive=self.adaptive)
+
+    def _lookup_only(self, tokens: list[int], k: int) -> Draft | None:
+        """Adaptive rounds: the lookup chain alone (cut to the K that pays; maybe empty) when the
+        policy prefers it to the tree this round, else None (build the tree)."""
+        chain, n = lookup_match(tokens, k, *self.lookup)
+        self._round = {"t0": time.perf_counter(), "chain": chain, "bucket": n, "base": len(tokens), "tree": False}
+        cut = self.policy.choose(n, len(chain), self.tree_nodes + 1 + len(chain))
+        if cut is None:
+            return None
+        self._round["rows"] = cut + 1
+        return Draft(tokens=torch.tensor(chain[:cut], dtype=torch.long))
 
     def _tree_draft(self, tree: Draft | None, tokens: list[int], k: int) -> Draft:
         """The head's tree (None: no head tree this round) with the lookup branch, if any, grafted on."""
         if tree is None:
             tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+        elif self._round is not None:
+            self._round["tree"] = len(tree) > 0
         if self.lookup:
-            chain = lookup(tokens, k, *self.lookup)
+            chain = self._round["chain"] if self._round is not None else lookup_match(tokens, k, *self.lookup)[0]
             if chain:
                 t, p = graft_chain(tree.tokens, tree.parents, chain)
                 tree = Draft(tokens=t, parents=p)
+        if self._round is not None:
+            self._round["rows"] = len(tree) + 1
         return tree
+
+    def accepted(self, tokens: list[int], num_accepted: int) -> None:
+        r, self._round = self._round, None
+        if r is None or "rows" not in r:
+            return
+        new, chain = tokens[r["base"]:], r["chain"]
+        # How far the chain alone would have gone: the committed tokens are the target's own.
+        confirmed = 0
+        for a, b in zip(chain, new):
+            if a != b:
+                break
+            confirmed += 1
+        self.policy.observe(r["bucket"], confirmed, min(len(chain), len(new)), r["tree"], num_accepted, r["rows"],
+                            time.perf_counter() - r["t0"])
 
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
         """Features of target positions pos..pos+rows-1 (committed positions only)."""
@@ -78,8 +120,8 @@ class EagleDrafter(FeatureDrafter):
     top_k = 8  # tree: children tried per expanded node
     branch = 8  # tree: nodes expanded per depth
 
-    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None, lookup=None):
-        super().__init__(head, embed, tree, lookup)
+    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False):
+        super().__init__(head, embed, tree, lookup, adaptive)
         self.scale = head.cfg.embed_scale
 
     def begin(self, prompt, params, generator):
@@ -92,6 +134,8 @@ class EagleDrafter(FeatureDrafter):
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> Draft:
         head = self.head
+        if self.policy is not None and (chain := self._lookup_only(tokens, k)) is not None:
+            return chain  # the head catches up on the features later
         if self.feats is None or len(self.feats) == 0:
             return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
         # 1. Entries for the newly verified positions: (token after position i, target features at i).
@@ -189,8 +233,8 @@ def static_tree(nodes: int, depth: int, rank_weights=(0.6, 0.15, 0.07, 0.04, 0.0
 class MedusaDrafter(FeatureDrafter):
     name = "medusa"
 
-    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None, lookup=None):
-        super().__init__(head, embed, tree, lookup)
+    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False):
+        super().__init__(head, embed, tree, lookup, adaptive)
         self.max_k = head.cfg.medusa_heads
         if self.tree_nodes:
             self.tree_depth = min(self.tree_depth, self.max_k)
@@ -200,6 +244,8 @@ class MedusaDrafter(FeatureDrafter):
     def propose(self, tokens: list[int], k: int) -> Draft:
         # Head j reads the features of the newest verified position (which predicted the last
         # committed token) and guesses j tokens further.
+        if self.policy is not None and (chain := self._lookup_only(tokens, k)) is not None:
+            return chain
         last = len(tokens) - 2 - self.feat_pos
         if self.feats is None or not 0 <= last < len(self.feats):
             return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
