@@ -5,6 +5,23 @@ from __future__ import annotations
 MAX_K = 32
 
 
+def measured_cost(points: dict[int, float], x: int) -> float:
+    """Seconds at size ``x`` from averages measured at some sizes (at least one): the measured
+    value itself, else the least-squares line through the points (flat while only one is known),
+    never below the cheapest measured."""
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    n = len(xs)
+    mx = sum(xs) / n
+    my = sum(points[v] for v in xs) / n
+    sxx = sum((v - mx) ** 2 for v in xs)
+    b = sum((v - mx) * (points[v] - my) for v in xs) / sxx
+    return max(my + b * (x - mx), min(points.values()))
+
+
 class FixedK:
     def __init__(self, k: int):
         self.k = k
@@ -60,17 +77,7 @@ class AdaptiveK:
         self.k = self._choose(self.acc, self.rej)
 
     def _verify_cost(self, k: int) -> float:
-        if k in self.verify:
-            return self.verify[k]
-        ks = sorted(self.verify)
-        if len(ks) >= 2:  # least-squares line through the measured points
-            n = len(ks)
-            mx = sum(ks) / n
-            my = sum(self.verify[x] for x in ks) / n
-            sxx = sum((x - mx) ** 2 for x in ks)
-            b = sum((x - mx) * (self.verify[x] - my) for x in ks) / sxx if sxx else 0.0
-            return max(my + b * (k - mx), min(self.verify.values()))
-        return self.verify[ks[0]]  # one point only: assume flat until measured
+        return measured_cost(self.verify, k)
 
     def _choose(self, acc: float, rej: float, k_max: int | None = None) -> int:
         k_max = self.k_max if k_max is None else k_max
@@ -136,20 +143,7 @@ class TreeOrLookup:
         self.cost = {"chain": {}, "tree": {}}  # kind -> rows -> average seconds per round
 
     def _cost(self, kind: str, rows: int) -> float | None:
-        pts = self.cost[kind]
-        if rows in pts:
-            return pts[rows]
-        if not pts:
-            return None
-        xs = sorted(pts)
-        if len(xs) == 1:
-            return pts[xs[0]]
-        n = len(xs)  # least-squares line through the measured points, never below the cheapest
-        mx = sum(xs) / n
-        my = sum(pts[x] for x in xs) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (pts[x] - my) for x in xs) / sxx
-        return max(my + b * (rows - mx), min(pts.values()))
+        return measured_cost(self.cost[kind], rows) if self.cost[kind] else None
 
     def best_chain(self, bucket: int, available: int) -> tuple[int, float | None]:
         """(K, expected tokens per second) for verifying the chain alone, K <= available."""
