@@ -160,6 +160,19 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
         assert rc == 0, err
         outs[name] = json.loads(stdout)["token_ids"]
     assert outs["eagle"] == outs["none"] == outs["eagle+lookup"] == outs["eagle+auto"]
+    # bench with the head's tree methods: greedy equal, and what each eagle-tree+auto step verified
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [t]})
+                                 for i, t in enumerate(["w5 w9 w13 w5 w9", "w7 w8 w7 w8"])))
+    rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--model", str(tiny_folder), "--methods",
+                     "none,eagle-tree+lookup:3,eagle-tree+auto:3", "--eagle-head", str(out), "--tree-nodes", "4",
+                     "--max-new-tokens", "10", "--out", str(tmp_path / "bench"))
+    assert rc == 0, err
+    res = json.loads((tmp_path / "bench" / "results.json").read_text())
+    for name in ("eagle-tree+lookup:3", "eagle-tree+auto:3"):
+        assert res["methods"][name]["greedy_equal"] == 2
+    steps = res["methods"]["eagle-tree+auto:3"]["steps_by_choice"]
+    assert steps["tree"] >= 1 and sum(steps.values()) <= res["methods"]["eagle-tree+auto:3"]["target_passes"]
 
 
 def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):

@@ -309,5 +309,6 @@ def test_tree_lookup_auto_mixes_rounds(heads, gemma, kind):
     assert Engine(gemma.backend, drafter, gemma.eos_token_ids).generate(prompt, max_new_tokens=24, k=4).token_ids == want
     assert kinds[:2] == ["tree", "chain"] and drafter.policy.cost["tree"] and drafter.policy.cost["chain"]
     assert drafter.policy.chain_acc  # the chain's acceptance was followed
+    assert sum(drafter.policy.choices.values()) == len(kinds) and drafter.policy.choices["tree"] == kinds.count("tree")
     twin = drafter.fork()
     assert twin.adaptive and twin.policy is not drafter.policy and not twin.policy.cost["tree"]

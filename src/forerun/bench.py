@@ -203,6 +203,8 @@ def _summarise(records, names, by_cat=True):
                 dpp[i] += d
                 app[i] += a
         m["acceptance_per_position"] = [a / d for a, d in zip(app, dpp) if d]
+        if any("steps_by_choice" in r for r in rs):
+            m["steps_by_choice"] = {c: sum(r.get("steps_by_choice", {}).get(c, 0) for r in rs) for c in ("tree", "chain", "none")}
         m["by_category"] = {}
         for cat in sorted({r["category"] for r in rs}):
             m["by_category"][cat] = agg([r for r in rs if r["category"] == cat])
@@ -425,8 +427,12 @@ def run_bench(args) -> dict:
         for name in names:  # every method on the same prompt back to back: machine noise hits all alike
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name in engines:
+                policy = getattr(drafters[name], "policy", None)  # eagle-tree+auto: what each step verified
+                before = dict(policy.choices) if policy else None
                 res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
                 out, rec = res.token_ids, res.stats.to_dict()
+                if policy:
+                    rec["steps_by_choice"] = {c: n - before[c] for c, n in policy.choices.items()}
             else:
                 out, wall, prefill = _peer_generate(name, hf_model, llama_peer, ids, args.max_new_tokens, target.eos_token_ids)
                 rec = {"new_tokens": len(out), "wall_s": wall}

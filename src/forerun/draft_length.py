@@ -141,6 +141,7 @@ class TreeOrLookup:
         self.tree_yield: dict[int, float] = {}  # bucket -> average tokens per tree round
         self.since: dict[int, int] = {}  # bucket -> rounds since the option not taken was last tried
         self.cost = {"chain": {}, "tree": {}}  # kind -> rows -> average seconds per round
+        self.choices = {"tree": 0, "chain": 0, "none": 0}  # steps that verified each, for reports
 
     def _cost(self, kind: str, rows: int) -> float | None:
         return measured_cost(self.cost[kind], rows) if self.cost[kind] else None
@@ -161,6 +162,11 @@ class TreeOrLookup:
 
     def choose(self, bucket: int, available: int, tree_rows: int) -> int | None:
         """None: verify the tree; else the number of chain tokens to verify alone (maybe 0)."""
+        cut = self._choose(bucket, available, tree_rows)
+        self.choices["tree" if cut is None else "chain" if cut else "none"] += 1
+        return cut
+
+    def _choose(self, bucket: int, available: int, tree_rows: int) -> int | None:
         k, chain_rate = self.best_chain(bucket, available)
         tree_cost = self._cost("tree", tree_rows)
         if chain_rate is None:  # nothing measured without the head yet: try the chain once
