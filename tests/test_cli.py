@@ -173,6 +173,7 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
         assert res["methods"][name]["greedy_equal"] == 2
     steps = res["methods"]["eagle-tree+auto:3"]["steps_by_choice"]
     assert steps["tree"] >= 1 and sum(steps.values()) <= res["methods"]["eagle-tree+auto:3"]["target_passes"]
+    assert "eagle-tree+auto:3: steps that verified the tree" in (tmp_path / "bench" / "results.md").read_text()
 
 
 def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):

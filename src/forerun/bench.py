@@ -272,6 +272,11 @@ def write_markdown(results: dict, path: Path) -> None:
                      f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
                      f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
+    for name, m in methods.items():
+        if "steps_by_choice" in m:
+            sc = m["steps_by_choice"]
+            lines += ["", f"{name}: steps that verified the tree {sc['tree']}, the lookup chain alone {sc['chain']}, "
+                          f"no draft {sc['none']}."]
     lines += ["", "Tokens/s by category (speedup over our `none` in brackets):", ""]
     lines.append("| category | " + " | ".join(methods) + " |")
     lines.append("|---|" + "---|" * len(methods))
