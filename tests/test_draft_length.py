@@ -73,6 +73,14 @@ def test_tree_or_lookup_learns_what_pays():
     _rounds(pol, 20, 0, tree=True, chain_acc=None, chain_len=0, accepted=0, rows=17)
     picks = [pol.choose(0, 0, 17) for _ in range(pol.probe_every)]
     assert picks.count(0) == pol.probe_every - 1 and picks.count(None) == 1  # it still probes the tree
+    # Probes that change nothing become rarer: the next windows are 32, 64, 128 choices.
+    picks = [pol.choose(0, 0, 17) for _ in range(32 + 64 + 128)]
+    assert [i for i, p in enumerate(picks) if p is None] == [31, 32 + 63, 32 + 64 + 127]
+    # Once the tree yields more (6 tokens in 47 ms against 1 in 11 ms), the tree is chosen; the choice
+    # after the last probe changed, so probing starts again at probe_every and thins out again.
+    _rounds(pol, 30, 0, tree=True, chain_acc=None, chain_len=0, accepted=5, rows=17)
+    picks = [pol.choose(0, 0, 17) for _ in range(300)]
+    assert [i for i, p in enumerate(picks) if p is not None] == [15, 15 + 32, 15 + 32 + 64, 15 + 32 + 64 + 128]
 
 
 def test_tree_or_lookup_cost_line():

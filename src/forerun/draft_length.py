@@ -131,15 +131,19 @@ class TreeOrLookup:
     alone would have been accepted. The tree's yield (tokens per round) is an average per bucket
     over tree rounds. Costs are whole rounds as the drafter sees them (drafting, verify pass,
     acceptance), averaged per number of verified rows, separately for rounds with and without
-    the head. A bucket probes the option it has not chosen for ``probe_every`` rounds once.
+    the head. A bucket tries the option it has not been choosing once after ``probe_every``
+    rounds; each probe that changes nothing doubles that interval (up to ``max_probe_every``), one
+    that changes the choice resets it: on hardware where one option costs several times the
+    other, probes must stay rare.
     """
 
-    def __init__(self, decay: float = 0.9, probe_every: int = 16):
+    def __init__(self, decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
         self.decay = decay
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self.chain_acc: dict[int, list[float]] = {}  # bucket -> [accepted, rejections]
         self.tree_yield: dict[int, float] = {}  # bucket -> average tokens per tree round
-        self.since: dict[int, int] = {}  # bucket -> rounds since the option not taken was last tried
+        self.probes: dict[int, dict] = {}  # bucket -> probe interval, rounds since the last, choice before it
         self.cost = {"chain": {}, "tree": {}}  # kind -> rows -> average seconds per round
         self.choices = {"tree": 0, "chain": 0, "none": 0}  # steps that verified each, for reports
 
@@ -174,9 +178,13 @@ class TreeOrLookup:
         if tree_cost is None or bucket not in self.tree_yield:
             return None
         tree_better = self.tree_yield[bucket] / tree_cost > chain_rate
-        self.since[bucket] = self.since.get(bucket, 0) + 1
-        if self.since[bucket] >= self.probe_every:
-            self.since[bucket] = 0
+        st = self.probes.setdefault(bucket, {"every": self.probe_every, "since": 0, "before": None})
+        if st["before"] is not None:  # first choice after a probe: probe less often while probes change nothing
+            st["every"] = min(2 * st["every"], self.max_probe_every) if tree_better == st["before"] else self.probe_every
+            st["before"] = None
+        st["since"] += 1
+        if st["since"] >= st["every"]:
+            st["since"], st["before"] = 0, tree_better
             tree_better = not tree_better
         return None if tree_better else k
 
