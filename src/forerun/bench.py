@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from forerun.draft_length import expected_tokens
 from forerun.errors import ForerunError
 
 PEERS = ("hf", "hf-lookup", "llama.cpp")
@@ -241,7 +242,7 @@ def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | None = Non
     c = m["draft_s"] / m["drafted"] / step
     r = ratios.get(str(rows)) if rows else None
     r = r or ratios.get(str(min(8, max(1, round(gamma)))), 1.0)
-    expected = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    expected = expected_tokens(alpha, gamma)
     return expected / (gamma * c + r)
 
 

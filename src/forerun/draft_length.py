@@ -5,6 +5,12 @@ from __future__ import annotations
 MAX_K = 32
 
 
+def expected_tokens(a: float, k: float) -> float:
+    """Tokens a verify pass of ``k`` drafts yields when each is accepted with probability ``a``
+    (i.i.d., Leviathan et al.): the accepted run plus the target's own token. Needs a < 1."""
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 def measured_cost(points: dict[int, float], x: int) -> float:
     """Seconds at size ``x`` from averages measured at some sizes (at least one): the measured
     value itself, else the least-squares line through the points (flat while only one is known),
@@ -86,8 +92,7 @@ class AdaptiveK:
         a = min(acc / (acc + rej), 0.999)
         best_k, best = 0, 1.0 / self._verify_cost(0) if 0 in self.verify else 0.0
         for k in range(max(1, self.k_min), k_max + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            rate = tokens / (k * self.draft_cost + self._verify_cost(k))
+            rate = expected_tokens(a, k) / (k * self.draft_cost + self._verify_cost(k))
             if rate > best:
                 best_k, best = k, rate
         if best_k < self.k_min:
@@ -159,7 +164,7 @@ class TreeOrLookup:
             c = self._cost("chain", k + 1)
             if c is None:
                 continue
-            rate = (1 - a ** (k + 1)) / (1 - a) / c
+            rate = expected_tokens(a, k) / c
             if best is None or rate > best:
                 best_k, best = k, rate
         return best_k, best

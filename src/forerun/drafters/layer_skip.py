@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from forerun.draft_length import expected_tokens
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ForerunError
 from forerun.timing import median_forward_s
@@ -136,7 +137,7 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
         c = cost(1, skip_layers=tuple(skip), head=head) / full_cost
         # Leviathan et al. with the measured draft cost and verify cost ratio, best K.
         am = min(a, 0.999)
-        sp, kbest = max(((1 - am ** (k + 1)) / (1 - am) / (k * c + verify_ratio[k]), k) for k in range(1, 9))
+        sp, kbest = max((expected_tokens(am, k) / (k * c + verify_ratio[k]), k) for k in range(1, 9))
         row = {"skip": sorted(skip), "agreement": round(a, 4), "cost_ratio": round(c, 4), "speedup": round(sp, 4), "k": kbest}
         trace.append(row)
         log(f"skip {row['skip']}: agreement {a:.3f}, draft cost {c:.2f} of a step, predicted speedup {sp:.2f} at K={kbest}")
