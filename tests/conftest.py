@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -47,9 +48,14 @@ def word_tokenizer(vocab: int = VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
 
 
+# FORERUN_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (the default is the CPU).
+TEST_DEVICE = os.environ.get("FORERUN_TEST_DEVICE", "cpu")
+
+
 def wrap(model, backend="auto", name="tiny"):
     from forerun.models import wrap_model
 
+    model = model.to(TEST_DEVICE)
     return wrap_model(name, model, word_tokenizer(model.config.vocab_size), backend=backend)
 
 

@@ -175,7 +175,8 @@ def test_sampling_distribution(gemma, kind, tree, lookup, tmp_path):
         counts[res.token_ids[0], res.token_ids[1]] += 1
         drafted += res.stats.drafted
         accepted += res.stats.accepted
-    assert drafted > N // 2 and accepted > 0  # speculation really happened
+    # speculation really happened (auto drafts only where its measured costs say it pays: timing-dependent)
+    assert drafted > (0 if lookup == "auto" else N // 2) and accepted > 0
     tv = 0.5 * (counts / N - joint).abs().sum().item()
     assert tv < 0.09, tv
 

@@ -206,7 +206,7 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, gen
 
 def accept_argmax(draft: Draft, target_ids: torch.Tensor) -> tuple[list[int], int]:
     """Verify a chain draft greedily against the target's argmax at every position [k + 1]."""
-    out, n = greedy_accept(draft.tokens[None], target_ids[None])
+    out, n = greedy_accept(draft.tokens[None].cpu(), target_ids[None].cpu())
     return out[0].tolist(), int(n[0])
 
 

@@ -128,6 +128,7 @@ class Trainer:
                  final_norm: torch.Tensor | None, num_layers: int, feature_layers: list[int] | None = None):
         self.tc = tc
         self.embed = embed  # the target's token embeddings, frozen (not part of the head)
+        self.device = embed.device  # training runs where the target's weights are (a GPU if it is on one)
         self.embed_scale = embed_scale
         self.lm_head = lm_head
         self.final_norm = final_norm
@@ -146,7 +147,7 @@ class Trainer:
                          head_dim=tc.head_dim, intermediate=tc.intermediate, medusa_heads=tc.steps_ahead,
                          embed_scale=float(self.embed_scale))
         torch.manual_seed(tc.seed)
-        head = build_head(cfg, d2t)
+        head = build_head(cfg, d2t).to(self.device)
         head.init_from_target(self.lm_head, self.final_norm)
         return head
 
@@ -166,12 +167,12 @@ class Trainer:
             feats[b, :n] = e.feats.float()
             real[b, :n] = True
             learn[b, max(e.start, 1) : n] = True
-        return ids, feats, real, learn
+        return tuple(t.to(self.device) for t in (ids, feats, real, learn))
 
     def _labels(self, ids, learn, t2d, shift: int):
         """Draft-vocabulary label of position i + shift for every i; -100 where not learned."""
         B, T = ids.shape
-        lab = torch.full((B, T), -100, dtype=torch.long)
+        lab = torch.full((B, T), -100, dtype=torch.long, device=ids.device)
         if shift < T:
             tgt = t2d[ids[:, shift:]]
             ok = learn[:, shift:] & (tgt >= 0)
@@ -180,7 +181,7 @@ class Trainer:
 
     def _shift_emb(self, ids, real, j: int):
         B, T = ids.shape
-        e = torch.zeros(B, T, self.embed.shape[1])
+        e = torch.zeros(B, T, self.embed.shape[1], device=ids.device)
         if j < T:
             rows = F.embedding(ids[:, j:], self.embed).float() * self.embed_scale
             e[:, : T - j] = rows * real[:, j:, None]
@@ -221,8 +222,8 @@ class Trainer:
                     continue
                 m = learn[:, s:]
                 pred = d2t[head.logits(g[:, : ids.shape[1] - s][m]).argmax(-1)]
-                hits[j - 1] += (pred == ids[:, s:][m]).sum()
-                total[j - 1] += m.sum()
+                hits[j - 1] += (pred == ids[:, s:][m]).sum().item()
+                total[j - 1] += m.sum().item()
         head.train()
         return (hits / total.clamp(min=1)).tolist()
 
@@ -244,6 +245,7 @@ class Trainer:
         d2t = choose_draft_vocab(train, tc.draft_vocab, self.embed.shape[0], always_vocab)
         t2d = torch.full((self.embed.shape[0],), -1, dtype=torch.long)
         t2d[d2t] = torch.arange(len(d2t))
+        t2d = t2d.to(self.device)
         head = self.new_head(d2t)
         opt = torch.optim.AdamW(head.parameters(), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
         per_epoch = len(_batches(train, tc.batch_tokens, None))
@@ -254,7 +256,7 @@ class Trainer:
         ckpt = work / "checkpoint.pt"
         step, history = 0, []
         if ckpt.exists():
-            state = torch.load(ckpt, weights_only=False)
+            state = torch.load(ckpt, weights_only=False, map_location="cpu")
             if state["train_config"] != asdict(tc) or not torch.equal(state["draft_to_target"], d2t):
                 raise ForerunError(f"{ckpt} belongs to a run with other settings or data; remove it or use another --work")
             head.load_state_dict(state["head"])
