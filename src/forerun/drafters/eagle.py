@@ -52,6 +52,9 @@ class FeatureDrafter(Drafter):
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
+        # Tree building is Python: it reads scores and ids from one host copy per depth, since
+        # element-wise reads of device tensors cost a GPU sync each.
+        self.d2t_host = self.d2t.tolist()
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
@@ -166,9 +169,9 @@ class EagleDrafter(FeatureDrafter):
         entries and its own ancestors), and the best ``tree_nodes`` nodes overall are kept."""
         head = self.head
         logp = torch.log_softmax(head.logits(g_last[0]), -1)
-        top = logp.topk(self.top_k)
+        vals, idx = _host_topk(logp, self.top_k)
         # node: (score, token id, parent node or -1, depth); the first depth hangs off the root.
-        nodes = [(float(sc), int(self.d2t[i]), -1, 1) for sc, i in zip(top.values, top.indices)]
+        nodes = [(sc, self.d2t_host[i], -1, 1) for sc, i in zip(vals, idx)]
         frontier = list(range(min(self.branch, len(nodes))))
         hid = {-1: g_last[0]}  # node -> head output after consuming its token
         slot = {}  # node -> its entry in the head cache (after the base committed entries)
@@ -194,12 +197,12 @@ class EagleDrafter(FeatureDrafter):
             for r, nd in enumerate(frontier):
                 hid[nd] = g[r]
                 slot[nd] = n_prev + r
-            lp = torch.log_softmax(head.logits(g), -1).topk(self.top_k)  # [rows, top_k]
+            vals, idx = _host_topk(torch.log_softmax(head.logits(g), -1), self.top_k)  # [rows][top_k]
             cand = []
             for r, nd in enumerate(frontier):
                 sc0 = nodes[nd][0]
-                for sc, i in zip(lp.values[r].tolist(), lp.indices[r].tolist()):
-                    cand.append((sc0 + sc, int(self.d2t[i]), nd, d))
+                for sc, i in zip(vals[r], idx[r]):
+                    cand.append((sc0 + sc, self.d2t_host[i], nd, d))
             best = heapq.nlargest(self.branch, cand, key=lambda c: c[0])
             frontier = list(range(len(nodes), len(nodes) + len(best)))
             nodes.extend(best)
@@ -213,6 +216,12 @@ class EagleDrafter(FeatureDrafter):
         tokens = torch.tensor([nodes[i][1] for i in order], dtype=torch.long)
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] != -1 else -1 for i in order], dtype=torch.long)
         return Draft(tokens=tokens, parents=parents)
+
+
+def _host_topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
+    """topk of [..., n] as Python lists (scores, indices), read back from the device at once."""
+    top = logp.topk(k)
+    return top.values.tolist(), top.indices.tolist()
 
 
 def static_tree(nodes: int, depth: int, rank_weights=(0.6, 0.15, 0.07, 0.04, 0.03, 0.02, 0.015, 0.01)):
@@ -253,9 +262,9 @@ class MedusaDrafter(FeatureDrafter):
         logits = self.head(self.feats[0])[: min(k, self.max_k)]  # [k, draft_vocab]
         if self.tree_nodes:
             paths = [p for p in self.paths if len(p) <= len(logits)]
-            ranked = logits.topk(1 + max(max(p) for p in paths), -1).indices  # [k, ranks]
+            ranked = logits.topk(1 + max(max(p) for p in paths), -1).indices.tolist()  # [k][ranks]
             index = {p: i for i, p in enumerate(paths)}
-            cand = torch.stack([self.d2t[ranked[len(p) - 1, p[-1]]] for p in paths])
+            cand = torch.tensor([self.d2t_host[ranked[len(p) - 1][p[-1]]] for p in paths], dtype=torch.long)
             parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long)
             return self._tree_draft(Draft(tokens=cand, parents=parents), tokens, k)
         out, qs = [], []
