@@ -93,8 +93,12 @@ def _check_gguf(path: Path) -> None:
 
 
 def _converted_dir(path: Path) -> Path:
+    import transformers
+
     st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    # The conversion is transformers' own and has changed between its releases: one per version.
+    key = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{transformers.__version__}"
+    key = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "converted" / f"{path.stem}-{key}"
 
 
@@ -105,6 +109,23 @@ def _publish(tmp: Path, out: Path) -> None:
 
         shutil.rmtree(out)
     tmp.rename(out)
+
+
+_PLAIN_TEXT = "The quick brown fox jumps over the lazy dog, then it runs all the way back home."
+
+
+def check_gguf_tokenizer(tok, path: Path) -> None:
+    """Refuse a tokenizer that a GGUF conversion got wrong. transformers 5.17 turns Gemma 3's
+    into one that splits text into single characters (the model then writes nonsense); a real
+    subword tokenizer needs far fewer tokens than characters for plain English."""
+    n = len(tok(_PLAIN_TEXT).input_ids)
+    if n > len(_PLAIN_TEXT) // 2:
+        import transformers
+
+        raise ForerunError(
+            f"the tokenizer converted from {path.name} by transformers {transformers.__version__} splits plain "
+            f"English into {n} tokens for {len(_PLAIN_TEXT)} characters: that conversion is broken; upgrade "
+            "transformers (5.23 converts it correctly)")
 
 
 def _convert_gguf(path: Path) -> Path:
@@ -119,6 +140,7 @@ def _convert_gguf(path: Path) -> Path:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            check_gguf_tokenizer(tok, path)
             model = AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, dtype=torch.float32
             )
@@ -157,6 +179,7 @@ def _gguf_tokenizer(path: Path):
                     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             except Exception as e:
                 raise ForerunError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            check_gguf_tokenizer(tok, path)
             tmp = folder.with_name(folder.name + ".tmp")
             tmp.mkdir(parents=True, exist_ok=True)
             tok.save_pretrained(tmp)
