@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from forerun.backends.base import ArgmaxOutput
+from forerun.draft_length import update_acceptance
 from forerun.drafters.base import Draft, empty_draft
 from forerun.engine import accept_argmax, accept_chain, clip_draft, commit_tokens
 from forerun.errors import ForerunError
@@ -106,9 +107,7 @@ class LoadAwareK:
     def observe(self, bucket, k: int, accepted: int) -> None:
         if k <= 0:
             return
-        b = self.buckets.setdefault(bucket, [2.0, 2.0])
-        b[0] = self.decay * b[0] + accepted
-        b[1] = self.decay * b[1] + (1 if accepted < k else 0)
+        update_acceptance(self.buckets.setdefault(bucket, [2.0, 2.0]), self.decay, accepted, k)
 
     def acceptance(self, bucket) -> float:
         b = self.buckets.get(bucket) or self.buckets.get(None) or [2.0, 2.0]

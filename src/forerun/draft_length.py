@@ -11,6 +11,14 @@ def expected_tokens(a: float, k: float) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+def update_acceptance(b: list[float], decay: float, accepted: int, drafted: int) -> None:
+    """One round into a decayed acceptance estimate ``b`` = [accepted, rejections] (per-token
+    acceptance ~ b[0] / (b[0] + b[1])): ``accepted`` of ``drafted`` tokens passed, and a rejection
+    ended the run unless all passed."""
+    b[0] = decay * b[0] + accepted
+    b[1] = decay * b[1] + (1 if accepted < drafted else 0)
+
+
 def measured_cost(points: dict[int, float], x: int) -> float:
     """Seconds at size ``x`` from averages measured at some sizes (at least one): the measured
     value itself, else the least-squares line through the points (flat while only one is known),
@@ -73,9 +81,7 @@ class AdaptiveK:
             self.acc = self.decay * self.acc + accepted
             self.rej = self.decay * self.rej + missed
             if bucket is not None:
-                b = self.buckets.setdefault(bucket, [2.0, 2.0, 0])
-                b[0] = self.decay * b[0] + accepted
-                b[1] = self.decay * b[1] + missed
+                update_acceptance(self.buckets.setdefault(bucket, [2.0, 2.0, 0]), self.decay, accepted, k)
             per_tok = draft_s / k
             self.draft_cost = per_tok if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_tok
         old = self.verify.get(k)
@@ -198,9 +204,7 @@ class TreeOrLookup:
         """One finished round. ``chain_accepted``: how many of the chain's ``chain_len`` tokens the
         committed tokens confirm (None: no chain this round); ``accepted``: drafts accepted."""
         if chain_accepted is not None and chain_len:
-            b = self.chain_acc.setdefault(bucket, [2.0, 2.0])
-            b[0] = self.decay * b[0] + chain_accepted
-            b[1] = self.decay * b[1] + (1 if chain_accepted < chain_len else 0)
+            update_acceptance(self.chain_acc.setdefault(bucket, [2.0, 2.0]), self.decay, chain_accepted, chain_len)
         if tree:
             old = self.tree_yield.get(bucket)
             self.tree_yield[bucket] = accepted + 1 if old is None else 0.8 * old + 0.2 * (accepted + 1)
