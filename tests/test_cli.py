@@ -209,10 +209,16 @@ def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_pat
         (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),
         (["generate", "hi", "--method", "eagle", "--tree-lookup", "--model", "MODEL"], "give --tree-nodes"),
         (["generate", "hi", "--method", "eagle", "--draft", "/no/such/head", "--model", "MODEL"], "not a draft head"),
+        (["eval-draft", "--kind", "eagle", "--prompts", "/no/such/prompts.jsonl", "--model", "MODEL"], "prompts file not found"),
+        (["eval-draft", "--kind", "medusa", "--prompts", "PROMPTS", "--model", "MODEL"], "no medusa head is shipped"),
+        (["eval-draft", "--kind", "eagle", "--prompts", "PROMPTS", "--head", "/no/such/head", "--model", "MODEL"],
+         "not a draft head"),
     ],
 )
-def test_train_draft_and_head_errors(capsys, tiny_folder, argv, needle):
-    argv = [str(tiny_folder) if a == "MODEL" else a for a in argv]
+def test_train_draft_and_head_errors(capsys, tiny_folder, tmp_path, argv, needle):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "x", "turns": ["w5 w6"]}) + "\n")
+    argv = [str(tiny_folder) if a == "MODEL" else str(prompts) if a == "PROMPTS" else a for a in argv]
     rc, _, err = run(capsys, *argv)
     assert_clean_error(rc, err, needle)
 

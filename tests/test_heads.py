@@ -313,3 +313,47 @@ def test_tree_lookup_auto_mixes_rounds(heads, gemma, kind):
     assert sum(drafter.policy.choices.values()) == len(kinds) and drafter.policy.choices["tree"] == kinds.count("tree")
     twin = drafter.fork()
     assert twin.adaptive and twin.policy is not drafter.policy and not twin.policy.cost["tree"]
+
+
+def test_eval_draft_scores_a_trained_head_above_an_untrained_one(gemma, tmp_path):
+    """eval-draft: the target answers, the head is scored teacher-forced on those answers."""
+    from forerun.training.evaluate import evaluate_head, format_report
+
+    train_prompts = [[2] + [4 + (7 * i + j) % 90 for j in range(5)] for i in range(40)]
+    eng = Engine(gemma.backend, None, gemma.eos_token_ids)
+    seqs = [Sequence(p + eng.generate(p, max_new_tokens=12).token_ids, len(p)) for p in train_prompts]
+    trained, _ = _train(gemma, "eagle", tmp_path / "w", seqs=seqs)
+    be = gemma.backend
+    fresh = Trainer(TrainConfig(kind="eagle", draft_vocab=80, n_heads=2, head_dim=16, intermediate=64, steps_ahead=3),
+                    be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    untrained = fresh.new_head(trained.draft_to_target.clone())
+    untrained.fuse.weight.data.normal_()  # not the "top layer" start: a head that knows nothing
+    prompts = [{"text": " ".join(f"w{4 + (11 * i + 3 * j) % 90}" for j in range(4)), "category": "ab"[i % 2]}
+               for i in range(6)]
+    good = evaluate_head(gemma, trained, prompts, max_new_tokens=10, steps=3, top_k=4, log=lambda s: None)
+    bad = evaluate_head(gemma, untrained, prompts, max_new_tokens=10, steps=3, top_k=4, log=lambda s: None)
+    rows = good["categories"]
+    assert list(rows) == ["a", "b", "all"]
+    assert rows["all"]["prompts"] == 6 and rows["all"]["answer_tokens"] == rows["a"]["answer_tokens"] + rows["b"]["answer_tokens"]
+    for r in rows.values():
+        assert 0 <= r["draft_vocab_coverage"] <= 1 and len(r["top1_per_position"]) == 3
+        assert all(a <= b for a, b in zip(r["top1_per_position"], r["top4_per_position"]))
+    assert good["categories"]["all"]["top1_per_position"][0] > bad["categories"]["all"]["top1_per_position"][0] + 0.2
+    assert "| **all** | 6 |" in format_report(good)
+
+
+def test_eval_draft_counts_tokens_outside_the_draft_vocabulary_as_misses(gemma, tmp_path):
+    from forerun.training.evaluate import evaluate_head
+
+    eng = Engine(gemma.backend, None, gemma.eos_token_ids)
+    prompt = [2, 10, 11, 12]
+    answer = eng.generate(prompt, max_new_tokens=8).token_ids
+    head, _ = _train(gemma, "medusa", tmp_path / "w", epochs=1)
+    be = gemma.backend
+    # The same head with a draft vocabulary that holds none of the answer's tokens.
+    outside = [t for t in range(4, 96) if t not in set(answer)][: head.cfg.draft_vocab]
+    head.draft_to_target.copy_(torch.tensor(outside))
+    rep = evaluate_head(gemma, head, [{"text": "w10 w11 w12", "category": "x"}], max_new_tokens=8, log=lambda s: None)
+    row = rep["categories"]["all"]
+    assert row["answer_tokens"] == len(answer) and row["draft_vocab_coverage"] == 0.0
+    assert max(row["top1_per_position"]) == 0.0 and max(row["top8_per_position"]) == 0.0

@@ -128,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "a rerun resumes from what is there")
     t.add_argument("--threads", type=int, default=None)
 
+    e = sub.add_parser("eval-draft", help="teacher-forced agreement of a trained head with the target, per category")
+    e.add_argument("--kind", required=True, choices=["eagle", "medusa"])
+    e.add_argument("--head", default=None, help="head folder (default: the one shipped for the bundled model)")
+    e.add_argument("--prompts", required=True, help="JSONL with category and turns (Spec-Bench format)")
+    e.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
+    e.add_argument("--limit-per-category", type=int, default=None)
+    e.add_argument("--max-new-tokens", type=int, default=128, help="tokens of each greedy answer (default 128)")
+    e.add_argument("--steps", type=int, default=4, help="positions ahead to score (default 4)")
+    e.add_argument("--top-k", type=int, default=8, help="also count hits among the head's top K (default 8)")
+    e.add_argument("--out", default=None, help="write the JSON report here")
+    e.add_argument("--model", default="bundled", help="the target: bundled (default), HF hub id, local folder or .gguf")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--threads", type=int, default=None)
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (batched speculation)")
     _model_args(s)
     s.add_argument("--method", default="ngram",
@@ -277,6 +291,37 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def cmd_eval_draft(args) -> int:
+    from pathlib import Path
+
+    from forerun.bench import load_prompts
+    from forerun.drafters import shipped_head
+    from forerun.drafters.heads import load_head, target_fingerprint
+    from forerun.models import load_model
+    from forerun.training.evaluate import evaluate_head, format_report
+
+    cats = [c for c in args.categories.split(",") if c] if args.categories else None
+    prompts = load_prompts(args.prompts, cats, args.limit_per_category)  # a bad file fails before any model loads
+    if args.threads is not None and args.threads < 1:
+        raise ForerunError(f"--threads must be >= 1, got {args.threads}")
+    target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
+    path = args.head or shipped_head(args.kind, target.name)
+    if path is None:
+        raise ForerunError(f"no {args.kind} head is shipped for {target.name}; pass --head DIR")
+    be = target.backend
+    if not hasattr(be, "embed"):
+        raise ForerunError("eval-draft needs a model the native backend runs (Gemma 3 text models)")
+    head = load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=args.kind)
+    report = evaluate_head(target, head, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
+                           top_k=args.top_k, log=lambda s: print(s, file=sys.stderr))
+    report["prompts_file"] = Path(args.prompts).name
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(format_report(report))
+    return 0
+
+
 def cmd_serve(args) -> int:
     from forerun.server.run import serve
 
@@ -298,7 +343,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="forerun: %(message)s")
     try:
         cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft, "calibrate-layerskip": cmd_calibrate,
-                "serve": cmd_serve, "loadtest": cmd_loadtest}
+                "serve": cmd_serve, "loadtest": cmd_loadtest,
+                "eval-draft": cmd_eval_draft}
         return cmds[args.cmd](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)

@@ -207,11 +207,13 @@ class Trainer:
         return total, parts
 
     @torch.no_grad()
-    def evaluate(self, head, examples, t2d) -> list[float]:
-        """Top-1 agreement with the target's next tokens per depth (1-based position ahead), counting
-        labels outside the draft vocabulary as misses."""
+    def agreement_counts(self, head, examples, top_k: int = 1):
+        """Per depth (1-based position ahead): (top-1 hits, labels, top-``top_k`` hits), teacher-forced
+        on the target's own tokens; labels outside the draft vocabulary count as misses."""
+        was_training = head.training
         head.eval()
         hits = torch.zeros(self.tc.steps_ahead)
+        hits_k = torch.zeros(self.tc.steps_ahead)
         total = torch.zeros(self.tc.steps_ahead)
         d2t = head.draft_to_target
         for idx in _batches(examples, self.tc.batch_tokens, None):
@@ -221,10 +223,19 @@ class Trainer:
                 if s >= ids.shape[1]:
                     continue
                 m = learn[:, s:]
-                pred = d2t[head.logits(g[:, : ids.shape[1] - s][m]).argmax(-1)]
-                hits[j - 1] += (pred == ids[:, s:][m]).sum().item()
+                logits = head.logits(g[:, : ids.shape[1] - s][m])
+                want = ids[:, s:][m]
+                top = d2t[logits.topk(min(top_k, logits.shape[-1]), -1).indices]
+                hits[j - 1] += (top[:, 0] == want).sum().item()
+                hits_k[j - 1] += (top == want[:, None]).any(-1).sum().item()
                 total[j - 1] += m.sum().item()
-        head.train()
+        head.train(was_training)
+        return hits, total, hits_k
+
+    def evaluate(self, head, examples, t2d=None) -> list[float]:
+        """Top-1 agreement with the target's next tokens per depth (1-based position ahead), counting
+        labels outside the draft vocabulary as misses."""
+        hits, total, _ = self.agreement_counts(head, examples)
         return (hits / total.clamp(min=1)).tolist()
 
     # -- loop -------------------------------------------------------------------------------
