@@ -295,8 +295,7 @@ def cmd_eval_draft(args) -> int:
     from pathlib import Path
 
     from forerun.bench import load_prompts
-    from forerun.drafters import shipped_head
-    from forerun.drafters.heads import load_head, target_fingerprint
+    from forerun.drafters import load_trained_head
     from forerun.models import load_model
     from forerun.training.evaluate import evaluate_head, format_report
 
@@ -305,13 +304,9 @@ def cmd_eval_draft(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
-    path = args.head or shipped_head(args.kind, target.name)
-    if path is None:
-        raise ForerunError(f"no {args.kind} head is shipped for {target.name}; pass --head DIR")
-    be = target.backend
-    if not hasattr(be, "embed"):
+    if not hasattr(target.backend, "embed"):
         raise ForerunError("eval-draft needs a model the native backend runs (Gemma 3 text models)")
-    head = load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=args.kind)
+    head = load_trained_head(args.kind, target, args.head, flag="--head")
     report = evaluate_head(target, head, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                            top_k=args.top_k, log=lambda s: print(s, file=sys.stderr))
     report["prompts_file"] = Path(args.prompts).name

@@ -19,9 +19,21 @@ def shipped_head(kind: str, model_name: str):
     return path if (path / "config.json").is_file() else None
 
 
+def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
+    """The head at ``head_path`` (default: the one shipped for the bundled model), checked against
+    the target and moved to its device. ``flag``: the option that names a head, for the error."""
+    from forerun.drafters.heads import load_head, target_fingerprint
+
+    be = target.backend
+    path = head_path or shipped_head(kind, target.name)
+    if path is None:
+        raise ForerunError(f"no {kind} head is shipped for {target.name}; train one with `forerun train-draft --kind "
+                           f"{kind} --model {target.name} --out DIR` and pass {flag} DIR")
+    return load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=kind).to(be.device)
+
+
 def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False):
     from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
-    from forerun.drafters.heads import load_head, target_fingerprint
 
     be = target.backend
     if not hasattr(be, "embed"):
@@ -29,12 +41,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
                            "model (--backend torch), or the llama.cpp backend with a Q8_0 LM head and a C compiler")
     if tree is not None and not hasattr(be, "keep_rows"):
         raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
-    path = head_path or shipped_head(method, target.name)
-    if path is None:
-        raise ForerunError(f"no {method} head is shipped for {target.name}; train one with `forerun train-draft --kind "
-                           f"{method} --model {target.name} --out DIR` and pass --draft DIR")
-    head = load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=method)
-    head.to(be.device)
+    head = load_trained_head(method, target, head_path)
     if be.device.type == "cpu":
         head.pack_for_inference()
     return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup, adaptive=adaptive)

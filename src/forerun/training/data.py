@@ -112,15 +112,26 @@ def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_toke
     return list(dict.fromkeys(out))
 
 
-def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print,
-                 desc: str = "self-distill") -> list[Sequence]:
-    """The target answers each prompt (greedy); answers are appended to ``out_path`` as JSONL as
-    they come, so an interrupted run resumes where it stopped."""
+def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str):
+    """Yield (prompt, prompt ids, the target's greedy answer ids) for each prompt, with a progress bar.
+    n-gram speculation is lossless, so it only makes the answers come faster."""
     from tqdm import tqdm
 
     from forerun.drafters.ngram import NgramDrafter
     from forerun.engine import Engine
 
+    engine = Engine(target.backend, NgramDrafter(), target.eos_token_ids)
+    tok = target.tokenizer
+    limit = target.backend.max_context - max_new_tokens
+    for p in tqdm(prompts, desc=desc, unit="prompt"):
+        ids = tok(p).input_ids[-limit:]
+        yield p, ids, engine.generate(ids, max_new_tokens=max_new_tokens, k="auto").token_ids
+
+
+def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print,
+                 desc: str = "self-distill") -> list[Sequence]:
+    """The target answers each prompt (greedy); answers are appended to ``out_path`` as JSONL as
+    they come, so an interrupted run resumes where it stopped."""
     done: dict[str, dict] = {}
     if out_path.exists():
         for line in out_path.read_text(encoding="utf-8").splitlines():
@@ -132,15 +143,9 @@ def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: 
     todo = [p for p in prompts if p not in done]
     if done:
         log(f"self-distillation: {len(done)} answers found in {out_path}, {len(todo)} to go")
-    # n-gram speculation is lossless, so it only makes the target's answers come faster.
-    engine = Engine(target.backend, NgramDrafter(), target.eos_token_ids)
-    tok = target.tokenizer
-    limit = target.backend.max_context - max_new_tokens
     with out_path.open("a", encoding="utf-8") as f:
-        for p in tqdm(todo, desc=desc, unit="prompt"):
-            ids = tok(p).input_ids[-limit:]
-            res = engine.generate(ids, max_new_tokens=max_new_tokens, k="auto")
-            rec = {"prompt": p, "prompt_ids": ids, "output_ids": res.token_ids}
+        for p, ids, out in greedy_answers(target, todo, max_new_tokens=max_new_tokens, desc=desc):
+            rec = {"prompt": p, "prompt_ids": ids, "output_ids": out}
             f.write(json.dumps(rec) + "\n")
             f.flush()
             done[p] = rec

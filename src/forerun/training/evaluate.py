@@ -19,11 +19,7 @@ from forerun.errors import ForerunError
 def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 128, steps: int = 4, top_k: int = 8,
                   log=print) -> dict:
     """``prompts``: dicts with ``text`` and ``category`` (as ``bench.load_prompts`` returns them)."""
-    from tqdm import tqdm
-
-    from forerun.drafters.ngram import NgramDrafter
-    from forerun.engine import Engine
-    from forerun.training.data import Sequence
+    from forerun.training.data import Sequence, greedy_answers
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
     be = target.backend
@@ -34,15 +30,11 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
     if head.cfg.kind == "medusa" and steps > head.cfg.medusa_heads:
         steps = head.cfg.medusa_heads  # one position per Medusa head
     t0 = time.time()
-    engine = Engine(be, NgramDrafter(), target.eos_token_ids)
-    tok = target.tokenizer
-    limit = be.max_context - max_new_tokens
     seqs, cats = [], []
-    for p in tqdm(prompts, desc="target answers", unit="prompt"):
-        ids = tok(p["text"]).input_ids[-limit:]
-        res = engine.generate(ids, max_new_tokens=max_new_tokens, k="auto")
-        if res.token_ids:
-            seqs.append(Sequence(ids + res.token_ids, len(ids)))
+    answers = greedy_answers(target, [p["text"] for p in prompts], max_new_tokens=max_new_tokens, desc="target answers")
+    for p, (_, ids, out) in zip(prompts, answers):
+        if out:
+            seqs.append(Sequence(ids + out, len(ids)))
             cats.append(p["category"])
     if not seqs:
         raise ForerunError("the target answered no prompt with a token")
@@ -52,15 +44,21 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
     examples = extract_features(be, seqs, list(head.cfg.feature_layers), None, log=log)
     head = head.to(be.device)
     vocab = set(head.draft_to_target.tolist())
-    rows: dict[str, dict] = {}
-    for cat in list(dict.fromkeys(cats)) + ["all"]:
-        group = [e for e, c in zip(examples, cats) if c == cat or cat == "all"]
-        hits, total, hits_k = trainer.agreement_counts(head, group, top_k)
+
+    def row(group, hits, total, hits_k):
         labels = [t for e in group for t in e.ids[max(e.start, 1):].tolist()]
-        rows[cat] = {"prompts": len(group), "answer_tokens": len(labels),
-                     "draft_vocab_coverage": round(sum(t in vocab for t in labels) / max(len(labels), 1), 4),
-                     "top1_per_position": [round(x, 4) for x in (hits / total.clamp(min=1)).tolist()],
-                     f"top{top_k}_per_position": [round(x, 4) for x in (hits_k / total.clamp(min=1)).tolist()]}
+        return {"prompts": len(group), "answer_tokens": len(labels),
+                "draft_vocab_coverage": round(sum(t in vocab for t in labels) / max(len(labels), 1), 4),
+                "top1_per_position": [round(x, 4) for x in (hits / total.clamp(min=1)).tolist()],
+                f"top{top_k}_per_position": [round(x, 4) for x in (hits_k / total.clamp(min=1)).tolist()]}
+
+    rows, sums = {}, [0, 0, 0]  # sums: the categories' counts, for the "all" row
+    for cat in dict.fromkeys(cats):
+        group = [e for e, c in zip(examples, cats) if c == cat]
+        counts = trainer.agreement_counts(head, group, top_k)
+        sums = [a + b for a, b in zip(sums, counts)]
+        rows[cat] = row(group, *counts)
+    rows["all"] = row(examples, *sums)
     return {"head": head.cfg.kind, "draft_vocab": head.cfg.draft_vocab, "max_new_tokens": max_new_tokens, "top_k": top_k,
             "seconds": {"answers": round(answers_s, 1), "total": round(time.time() - t0, 1)}, "categories": rows}
 
