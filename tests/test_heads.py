@@ -95,6 +95,101 @@ def test_saved_head_reloads_bit_identically(heads, kind, gemma, tmp_path):
     assert a.content_hash() == b.content_hash()
 
 
+def test_feature_cache_computes_only_new_sequences(gemma, tmp_path):
+    """More data later (another seed) reuses the features already cached; the cache holds exactly
+    the latest run's sequences and gives back what a fresh forward would."""
+    be = gemma.backend
+    layers = [0, 1]
+    seqs = _sequences(n=6)
+    cache = tmp_path / "features.pt"
+    calls = []
+    real_forward = be.forward
+
+    def counting(ids, pos, **kw):
+        calls.append(len(ids))
+        return real_forward(ids, pos, **kw)
+
+    be.forward = counting
+    try:
+        first = extract_features(be, seqs[:4], layers, cache, log=lambda s: None)
+        assert len(calls) == 4
+        more = extract_features(be, seqs[2:], layers, cache, log=lambda s: None)
+        assert len(calls) == 6  # seqs 4 and 5 only
+        again = extract_features(be, seqs[2:], layers, cache, log=lambda s: None)
+        assert len(calls) == 6
+    finally:
+        del be.forward
+    fresh = extract_features(be, seqs[2:], layers, None, log=lambda s: None)
+    for a, b, c in zip(more, again, fresh):
+        assert torch.equal(a.feats, b.feats) and torch.equal(a.feats, c.feats) and a.start == c.start
+    assert torch.equal(more[0].feats, first[2].feats)
+    assert torch.load(cache, weights_only=True)["keys"].__len__() == 4
+    other = extract_features(be, seqs[2:3], [0], cache, log=lambda s: None)  # other layers: computed anew
+    assert other[0].feats.shape[1] == fresh[0].feats.shape[1] // 2
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_warm_start_continues_from_a_trained_head(heads, gemma, kind, tmp_path):
+    """--init: the new head starts with the trained head's weights (validation agreement before
+    any step matches the trained head's, saved as float16), output rows follow their tokens into a different draft
+    vocabulary, and a head of another shape is refused."""
+    be = gemma.backend
+    fp = target_fingerprint(be.embed, be.num_layers)
+    trained = load_head(heads[kind][0], fingerprint=fp)
+    tc = TrainConfig(kind=kind, draft_vocab=80, epochs=1, batch_tokens=256, n_heads=2, head_dim=16, intermediate=64,
+                     lr=1e-2, val_fraction=0.2, steps_ahead=3)
+    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    ex = extract_features(be, _sequences(), tr.feature_layers, None, log=lambda s: None)
+    _, fresh = tr.train(ex, tmp_path / "a", log=lambda s: None, stop_after=1)
+    _, warm = tr.train(ex, tmp_path / "b", log=lambda s: None, stop_after=1, init=trained)
+    start, trained_end = warm["history"][0]["val_agreement"], heads[kind][1]["history"][-1]["val_agreement"]
+    assert all(abs(a - b) <= 0.05 for a, b in zip(start, trained_end)), (start, trained_end)  # saved as float16
+    assert sum(warm["history"][0]["val_agreement"]) > sum(fresh["history"][0]["val_agreement"]) + 0.05
+    # A different draft vocabulary: shared tokens keep their trained rows, the others start at the target's.
+    d2t = torch.arange(20, 96)
+    head = tr.new_head(d2t)
+    copied = tr.warm_start(head, trained)
+    old = {int(t): i for i, t in enumerate(trained.draft_to_target.tolist())}
+    assert copied == sum(int(t) in old for t in d2t.tolist()) > 0
+    for j, t in enumerate(d2t.tolist()):
+        want = trained.lm_head.weight[old[t]] if t in old else be.lm_head.weight[t].float()
+        assert torch.equal(head.lm_head.weight[j].detach(), want.detach()), t
+    wide = Trainer(TrainConfig(kind=kind, draft_vocab=80, n_heads=2, head_dim=16, intermediate=128, steps_ahead=3),
+                   be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    with pytest.raises(ForerunError, match="intermediate"):
+        wide.warm_start(wide.new_head(d2t), trained)
+
+
+def test_soft_labels_are_the_targets_own_distribution(gemma, tmp_path):
+    """The soft labels are the target's next-token distribution, renormalised over the draft
+    vocabulary, computed from the cached top-layer features; a head trained on them alone learns."""
+    be = gemma.backend
+    tc = TrainConfig(kind="eagle", draft_vocab=80, epochs=6, batch_tokens=256, n_heads=2, head_dim=16,
+                     intermediate=64, lr=1e-2, val_fraction=0.2, steps_ahead=3, soft_labels=1.0)
+    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers,
+                 eps=be.eps, softcap=be.softcap)
+    seq = _sequences(n=1)[0]
+    ex = extract_features(be, [seq], tr.feature_layers, None, log=lambda s: None)[0]
+    d2t = torch.arange(3, 83)
+    soft = tr.target_logprobs(ex.feats[None].float(), d2t)[0]
+    be.reset()
+    full = be.forward(torch.tensor(seq.ids), 0).logits.float()
+    want = full[:, d2t].log_softmax(-1)
+    assert torch.allclose(soft.exp(), want.exp(), atol=0.02), (soft.exp() - want.exp()).abs().max()  # bfloat16 features
+    assert (soft.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    # Trained on soft labels alone, on the target's own sampled continuations: the soft loss falls.
+    data = extract_features(be, _target_samples(gemma, [2, 7, 9], SamplingParams(temperature=1.0), n=32, new=12),
+                            tr.feature_layers, None, log=lambda s: None)
+    head, _ = tr.train(data, tmp_path, log=lambda s: None)
+    t2d = torch.full((be.embed.shape[0],), -1, dtype=torch.long)
+    t2d[head.draft_to_target] = torch.arange(len(head.draft_to_target))
+    batch = tr._batch(data, list(range(len(data))))
+    with torch.no_grad():
+        after = tr.loss(head, *batch, t2d)[0].item()
+        before = tr.loss(tr.new_head(head.draft_to_target), *batch, t2d)[0].item()
+    assert after < before - 0.1, (before, after)
+
+
 def _copy(src, dst):
     dst.mkdir(exist_ok=True)
     for f in ("config.json", "model.safetensors"):

@@ -120,9 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps-ahead", type=int, default=4, help="eagle: depths unrolled in training; medusa: heads")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--soft-labels", type=float, default=0.0,
+                   help="weight (0-1) of the target's whole next-token distribution in the loss, against its token "
+                        "alone (default 0: its token)")
     t.add_argument("--batch-tokens", type=int, default=2048)
     t.add_argument("--max-len", type=int, default=512, help="longest training sequence, in tokens")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init", default=None,
+                   help="start from this trained head (same kind and target) instead of a fresh one: continue training "
+                        "a head on more data; output rows of tokens the new draft vocabulary shares are kept")
     t.add_argument("--out", required=True, help="folder for the head (config.json + model.safetensors)")
     t.add_argument("--work", default=None, help="folder for answers, features and checkpoints (default: OUT-work); "
                    "a rerun resumes from what is there")

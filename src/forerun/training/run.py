@@ -32,6 +32,8 @@ def train_draft(args, log=print) -> dict:
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
     t0 = time.time()
+    if not 0.0 <= getattr(args, "soft_labels", 0.0) <= 1.0:
+        raise ForerunError(f"--soft-labels must be between 0 and 1, got {args.soft_labels}")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -66,13 +68,20 @@ def train_draft(args, log=print) -> dict:
     if len(seqs) < 2:
         raise ForerunError("not enough training data (need at least 2 sequences)")
     tc = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, steps_ahead=args.steps_ahead, epochs=args.epochs,
-                     lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed)
-    trainer = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+                     lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
+                     soft_labels=getattr(args, "soft_labels", 0.0))
+    trainer = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers,
+                      eps=be.eps, softcap=be.softcap)
     t = time.time()
     examples = extract_features(be, seqs, trainer.feature_layers, work / f"features-{args.kind}.pt", log=log)
     times["features_s"] = round(time.time() - t, 1)
+    init = None
+    if getattr(args, "init", None):
+        from forerun.drafters.heads import load_head, target_fingerprint
+
+        init = load_head(args.init, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=args.kind).to(be.device)
     t = time.time()
-    head, report = trainer.train(examples, work, always_vocab=sorted(target.eos_token_ids), log=log)
+    head, report = trainer.train(examples, work, always_vocab=sorted(target.eos_token_ids), log=log, init=init)
     times["train_s"] = round(time.time() - t, 1)
     times["total_s"] = round(time.time() - t0, 1)
     head.cfg.training = {"command": "forerun " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
@@ -80,7 +89,9 @@ def train_draft(args, log=print) -> dict:
                          "distill_prompts": args.distill_prompts if args.data != "corpus" else 0,
                          "passage_prompts": args.passage_prompts if args.data != "corpus" else 0,
                          "distill_seeds": distill_seeds(args) if args.data != "corpus" else [],
-                         "distill_tokens": args.distill_tokens, "max_len": args.max_len, "seconds": times, **report}
+                         "distill_tokens": args.distill_tokens, "max_len": args.max_len,
+                         "init": init.cfg.training.get("command") if init is not None else None,
+                         "seconds": times, **report}
     head.save(out)
     final = report["history"][-1]["val_agreement"] if report["history"] else None
     log(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); validation top-1 agreement "

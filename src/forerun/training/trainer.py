@@ -35,6 +35,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps
     depth_decay: float = 0.8  # loss weight of depth j is depth_decay ** (j - 1)
+    soft_labels: float = 0.0  # weight of the target's own next-token distribution in the loss (1 - it: its token)
     n_heads: int = 8
     head_dim: int = 80
     intermediate: int = 1536
@@ -47,30 +48,68 @@ class Example:
     feats: torch.Tensor  # [T, n_layers * hidden] bfloat16
 
 
+def _seq_key(layers: list[int], ids: list[int], start: int) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([list(layers), list(ids), int(start)]).encode()).hexdigest()[:20]
+
+
 @torch.inference_mode()
 def extract_features(backend, seqs: list[Sequence], layers: list[int], cache: Path | None, log=print) -> list[Example]:
     """Run the target over every sequence once and keep its features at ``layers`` (bfloat16).
-    Cached in ``cache`` (keyed by the sequences and layers), so a resumed run skips this."""
+
+    Cached in ``cache`` per sequence (keyed by its tokens, its learned start and the layers): a
+    resumed run skips the forward passes, and a run with more data computes only the new
+    sequences. The file holds exactly the sequences of the latest run."""
     from tqdm import tqdm
 
-    import hashlib
-
-    key = hashlib.sha256(json.dumps([layers, [(s.ids, s.start) for s in seqs]]).encode()).hexdigest()[:16]
+    seqs = [Sequence(list(s.ids[: backend.max_context]), s.start) for s in seqs]
+    keys = [_seq_key(layers, s.ids, s.start) for s in seqs]
+    have: dict[str, Example] = {}
     if cache is not None and cache.exists():
         blob = torch.load(cache, weights_only=True)
-        if blob.get("key") == key:
-            log(f"features: {len(blob['examples'])} sequences from {cache}")
-            return [Example(*e) for e in blob["examples"]]
-    out = []
-    for s in tqdm(seqs, desc="features", unit="seq"):
-        ids = torch.tensor(s.ids[: backend.max_context], dtype=torch.long)
+        if blob.get("format") == 2:
+            wanted = set(keys)
+            have = {k: Example(*e) for k, e in zip(blob["keys"], blob["examples"]) if k in wanted}
+        del blob
+    todo = [i for i, k in enumerate(keys) if k not in have]
+    if cache is not None and have:
+        log(f"features: {len(have)} sequences from {cache}, {len(todo)} to compute")
+    for i in tqdm(todo, desc="features", unit="seq", disable=not todo):
+        s = seqs[i]
         backend.reset()
-        f = backend.forward(ids, 0, layers=layers, logits=False).layers
-        out.append(Example(ids, s.start, f.to(torch.bfloat16).cpu()))  # float16 overflows: Gemma's residual reaches 1e5
-    if cache is not None:
+        f = backend.forward(torch.tensor(s.ids, dtype=torch.long), 0, layers=layers, logits=False).layers
+        # bfloat16, not float16: Gemma's residual stream reaches 1e5.
+        have[keys[i]] = Example(torch.tensor(s.ids, dtype=torch.long), s.start, f.to(torch.bfloat16).cpu())
+    out = [have[k] for k in keys]
+    if cache is not None and todo:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "examples": [(e.ids, e.start, e.feats) for e in out]}, cache)
+        tmp = cache.with_suffix(".tmp")
+        torch.save({"format": 2, "layers": list(layers), "keys": keys,
+                    "examples": [(e.ids, e.start, e.feats) for e in out]}, tmp)
+        tmp.replace(cache)
     return out
+
+
+def split_validation(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Held-out and training examples. A sequence's side follows from its own tokens (a hash with
+    the seed), not from its place in the data: adding data, or starting from a head trained on
+    less of it, never moves a training sequence into validation. At least one of each when there
+    are two or more."""
+    import hashlib
+
+    def u(e: Example) -> float:
+        h = hashlib.sha256(f"{seed}:{e.start}:".encode() + e.ids.numpy().tobytes()).digest()
+        return int.from_bytes(h[:8], "big") / 2 ** 64
+
+    scores = [u(e) for e in examples]
+    held = [s < fraction for s in scores]
+    if len(examples) > 1 and fraction > 0:
+        if not any(held):
+            held[min(range(len(examples)), key=scores.__getitem__)] = True
+        if all(held):
+            held[max(range(len(examples)), key=scores.__getitem__)] = False
+    return ([e for e, h in zip(examples, held) if h], [e for e, h in zip(examples, held) if not h])
 
 
 def choose_draft_vocab(examples: list[Example], size: int, vocab_size: int, always=()) -> torch.Tensor:
@@ -125,8 +164,10 @@ def _batches(examples: list[Example], batch_tokens: int, rng: random.Random | No
 
 class Trainer:
     def __init__(self, tc: TrainConfig, embed: torch.Tensor, embed_scale: float, lm_head: torch.Tensor,
-                 final_norm: torch.Tensor | None, num_layers: int, feature_layers: list[int] | None = None):
+                 final_norm: torch.Tensor | None, num_layers: int, feature_layers: list[int] | None = None,
+                 eps: float = 1e-6, softcap: float | None = None):
         self.tc = tc
+        self.eps, self.softcap = eps, softcap  # the target's final norm and logit cap (soft labels)
         self.embed = embed  # the target's token embeddings, frozen (not part of the head)
         self.device = embed.device  # training runs where the target's weights are (a GPU if it is on one)
         self.embed_scale = embed_scale
@@ -150,6 +191,26 @@ class Trainer:
         head = build_head(cfg, d2t).to(self.device)
         head.init_from_target(self.lm_head, self.final_norm)
         return head
+
+    def warm_start(self, head: DraftHead, init: DraftHead) -> int:
+        """Start ``head`` from a trained head ``init`` of the same kind, shape and target: every
+        weight is copied, and output rows for the tokens both draft vocabularies hold (the rest
+        keep the target's LM head rows). Returns how many output rows were copied."""
+        a, b = head.cfg, init.cfg
+        shape = ("kind", "hidden_size", "vocab_size", "feature_layers", "n_heads", "head_dim", "intermediate",
+                 "medusa_heads", "target")
+        diff = [f for f in shape if getattr(a, f) != getattr(b, f) and not (a.kind == "eagle" and f == "medusa_heads")]
+        if diff:
+            raise ForerunError("--init head differs from the head to train in " + ", ".join(diff))
+        state = {k: v for k, v in init.state_dict().items() if k not in ("lm_head.weight", "draft_to_target")}
+        head.load_state_dict(state, strict=False)
+        pos = {int(t): i for i, t in enumerate(init.draft_to_target.tolist())}
+        with torch.no_grad():
+            rows = [(j, pos[int(t)]) for j, t in enumerate(head.draft_to_target.tolist()) if int(t) in pos]
+            if rows:
+                dst, src = (torch.tensor(x, device=head.lm_head.weight.device) for x in zip(*rows))
+                head.lm_head.weight[dst] = init.lm_head.weight.to(head.lm_head.weight)[src]
+        return len(rows)
 
     def _batch(self, examples: list[Example], idx: list[int]):
         """Padded tensors for one batch: ids [B, T], feats [B, T, F], real [B, T], learn [B, T]."""
@@ -195,13 +256,42 @@ class Trainer:
             return head.ttt_forward(lambda j: self._shift_emb(ids, real, j), fused, self.tc.steps_ahead, real)
         return head.hidden(feats)
 
+    @torch.no_grad()
+    def target_logprobs(self, feats, d2t):
+        """The target's next-token log-probabilities over the draft vocabulary at every position
+        ([B, T, V_draft]), from the top-layer features in ``feats``: its final norm and LM head rows,
+        exactly as it computes them (renormalised over the draft vocabulary)."""
+        if self.feature_layers[-1] != self.num_layers - 1 or self.final_norm is None:
+            raise ForerunError("soft labels need the target's last layer among the feature layers")
+        H = self.embed.shape[1]
+        top = feats[..., -H:].float()
+        h = top * torch.rsqrt(top.pow(2).mean(-1, keepdim=True) + self.eps) * self.final_norm.float()
+        logits = h @ self.lm_head[d2t].float().T
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.log_softmax(-1)
+
     def loss(self, head, ids, feats, real, learn, t2d):
+        """Per depth j, cross-entropy with the target's token at i + j + 1 (positions learned and in
+        the draft vocabulary), mixed with ``soft_labels`` of cross-entropy with the target's whole
+        distribution there (as EAGLE does: the ranking below the top token is what a tree drafts
+        from); depth j weighs depth_decay ** (j - 1)."""
         total, parts = 0.0, []
+        w = self.tc.soft_labels
+        soft = self.target_logprobs(feats, head.draft_to_target) if w > 0 else None
         for j, g in enumerate(self.depth_hidden(head, ids, feats, real), 1):
-            lab = self._labels(ids, learn, t2d, j + 1)
+            s = j + 1
+            lab = self._labels(ids, learn, t2d, s)
             sel = lab >= 0  # the output layer runs on learned positions only: it is most of the cost
             if sel.any():
-                l = F.cross_entropy(head.logits(g[sel]), lab[sel])
+                logq = head.logits(g[sel]).log_softmax(-1)
+                l = F.nll_loss(logq, lab[sel])
+                if soft is not None:
+                    # the target's distribution over token i + s comes from its features at i + s - 1
+                    logp = torch.zeros_like(soft)
+                    logp[:, : ids.shape[1] - s + 1] = soft[:, s - 1:]
+                    ls = -(logp[sel].exp() * logq).sum(-1).mean()
+                    l = (1 - w) * l + w * ls
                 total = total + self.tc.depth_decay ** (j - 1) * l
                 parts.append(l.item())
         return total, parts
@@ -240,17 +330,13 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------------
     def train(self, examples: list[Example], work: Path, *, always_vocab=(), log=print,
-              stop_after: int | None = None) -> tuple[DraftHead, dict]:
-        """``stop_after``: save a checkpoint and return after this many steps (a resumable pause)."""
+              stop_after: int | None = None, init: DraftHead | None = None) -> tuple[DraftHead, dict]:
+        """``stop_after``: save a checkpoint and return after this many steps (a resumable pause).
+        ``init``: a trained head to start from (see ``warm_start``) instead of a fresh one."""
         from tqdm import tqdm
 
         tc = self.tc
-        rng = random.Random(tc.seed)
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        n_val = max(1, int(len(examples) * tc.val_fraction)) if len(examples) > 1 else 0
-        val = [examples[i] for i in order[:n_val]]
-        train = [examples[i] for i in order[n_val:]]
+        val, train = split_validation(examples, tc.val_fraction, tc.seed)
         if not train:
             raise ForerunError("not enough training data (need at least 2 sequences)")
         d2t = choose_draft_vocab(train, tc.draft_vocab, self.embed.shape[0], always_vocab)
@@ -258,6 +344,9 @@ class Trainer:
         t2d[d2t] = torch.arange(len(d2t))
         t2d = t2d.to(self.device)
         head = self.new_head(d2t)
+        if init is not None:
+            copied = self.warm_start(head, init)
+            log(f"starting from a trained head: {copied} of {len(d2t)} output rows copied")
         opt = torch.optim.AdamW(head.parameters(), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
         per_epoch = len(_batches(train, tc.batch_tokens, None))
         total_steps = per_epoch * tc.epochs
