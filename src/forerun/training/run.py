@@ -27,6 +27,7 @@ def distill_seeds(args) -> list[int]:
 
 
 def train_draft(args, log=print) -> dict:
+    from forerun.drafters import load_trained_head
     from forerun.models import load_model
     from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
@@ -44,6 +45,8 @@ def train_draft(args, log=print) -> dict:
     be = target.backend
     if not hasattr(be, "embed"):
         raise ForerunError("train-draft needs a model the native backend runs (Gemma 3 text models)")
+    # A head to start from is checked now, not after an hour of self-distillation.
+    init = load_trained_head(args.kind, target, args.init, flag="--init") if getattr(args, "init", None) else None
     seqs, times = [], {}
     if args.data in ("corpus", "both"):
         seqs += corpus_sequences(target.tokenizer, read_corpus(args.corpus), args.max_len)
@@ -75,11 +78,6 @@ def train_draft(args, log=print) -> dict:
     t = time.time()
     examples = extract_features(be, seqs, trainer.feature_layers, work / f"features-{args.kind}.pt", log=log)
     times["features_s"] = round(time.time() - t, 1)
-    init = None
-    if getattr(args, "init", None):
-        from forerun.drafters.heads import load_head, target_fingerprint
-
-        init = load_head(args.init, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=args.kind).to(be.device)
     t = time.time()
     head, report = trainer.train(examples, work, always_vocab=sorted(target.eos_token_ids), log=log, init=init)
     times["train_s"] = round(time.time() - t, 1)

@@ -263,9 +263,9 @@ class Trainer:
         exactly as it computes them (renormalised over the draft vocabulary)."""
         if self.feature_layers[-1] != self.num_layers - 1 or self.final_norm is None:
             raise ForerunError("soft labels need the target's last layer among the feature layers")
-        H = self.embed.shape[1]
-        top = feats[..., -H:].float()
-        h = top * torch.rsqrt(top.pow(2).mean(-1, keepdim=True) + self.eps) * self.final_norm.float()
+        from forerun.backends.native import _rms_norm
+
+        h = _rms_norm(feats[..., -self.embed.shape[1]:].float(), self.final_norm.float(), self.eps)
         logits = h @ self.lm_head[d2t].float().T
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -287,10 +287,10 @@ class Trainer:
                 logq = head.logits(g[sel]).log_softmax(-1)
                 l = F.nll_loss(logq, lab[sel])
                 if soft is not None:
-                    # the target's distribution over token i + s comes from its features at i + s - 1
-                    logp = torch.zeros_like(soft)
-                    logp[:, : ids.shape[1] - s + 1] = soft[:, s - 1:]
-                    ls = -(logp[sel].exp() * logq).sum(-1).mean()
+                    # The target's distribution over token i + s comes from its features at i + s - 1;
+                    # no label is learned past T - s, so the shifted view covers every selected row.
+                    logp = soft[:, s - 1:][sel[:, : ids.shape[1] - s + 1]]
+                    ls = -(logp.exp() * logq).sum(-1).mean()
                     l = (1 - w) * l + w * ls
                 total = total + self.tc.depth_decay ** (j - 1) * l
                 parts.append(l.item())
