@@ -101,3 +101,31 @@ def test_argmax_forward_matches_logits_for_chains_and_trees():
     be.truncate(16)
     ids_tree, feats = be.argmax_forward(ids[16:21], 16, layers=[1, 3], tree=parents)
     assert torch.equal(ids_tree, tree_logits.argmax(-1)) and feats.shape == (5, 128)
+
+
+def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
+    """The multi-row float32 kernel (the LM head of verify passes) gives float64's product up to
+    float32 rounding, for vector-sized and odd shapes, and the LM head's autotuner offers it."""
+    import pytest
+
+    from forerun.backends.native import _Linear, f32_rows, f32_rows_kernel
+
+    if f32_rows_kernel() is None:
+        pytest.skip("no C compiler for the f32_rows kernel")
+    g = torch.Generator().manual_seed(0)
+    for V, D, n in [(1001, 64, 1), (1001, 64, 17), (37, 24, 7), (5, 12, 3), (3, 640, 32)]:
+        w = torch.randn(V, D, generator=g)
+        x = torch.randn(n, D, generator=g)
+        ref = x.double() @ w.double().T
+        out = f32_rows(w, x)
+        assert out.shape == (n, V) and out.dtype == torch.float32
+        bound = 4 * D * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)  # a loose float32 error bound
+        assert ((out.double() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError):
+        f32_rows(w.double(), x)
+    lin = _Linear(torch.randn(500, 64, generator=g), pack=True, autotune=True)
+    if lin.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    assert "rows" in lin.kernels
+    x = torch.randn(5, 64, generator=g)
+    assert torch.allclose(lin._run(x, "rows"), lin._run(x, "plain"), atol=1e-4)

@@ -100,7 +100,7 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     return out
 
 
-def head_kernel_times(backend, rows=range(1, 10), reps: int = 7) -> dict | None:
+def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7) -> dict | None:
     """Milliseconds of the LM head for each row count and candidate kernel (native backend on CPU)."""
     head = getattr(backend, "lm_head", None)
     if head is None or not getattr(head, "autotune", False):

@@ -48,14 +48,15 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
-def compile_c(name: str):
-    """Compile the package's ``<name>.c`` once into the cache folder and load it; None (logged) when impossible."""
+def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (slower)"):
+    """Compile the package's ``<name>.c`` once into the cache folder and load it; None (logged,
+    with ``without``: what happens instead) when impossible."""
     from forerun.models import cache_dir
 
     src = Path(__file__).with_name(f"{name}.c")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found for %s.c: verification uses llama.cpp's LM head (slower)", name)
+        log.warning("no C compiler found for %s.c: %s", name, without)
         return None
     key = hashlib.sha1(src.read_bytes() + cc.encode() + os.uname().machine.encode()).hexdigest()[:12]
     out = cache_dir() / "kernels" / f"{name}-{key}.so"
@@ -65,8 +66,7 @@ def compile_c(name: str):
         cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            log.warning("could not compile %s.c (%s); verification uses llama.cpp's LM head", name,
-                        (r.stderr.strip().splitlines() or ["?"])[-1])
+            log.warning("could not compile %s.c (%s); %s", name, (r.stderr.strip().splitlines() or ["?"])[-1], without)
             return None
         os.replace(tmp, out)
     return ctypes.CDLL(str(out))

@@ -118,7 +118,7 @@ def _tap_lib():
     if _TAP_LIB is None:
         from forerun.backends.greedy_head import compile_c
 
-        _TAP_LIB = compile_c("tap") or False
+        _TAP_LIB = compile_c("tap", "trained heads cannot read layer outputs on this backend") or False
     return _TAP_LIB or None
 
 

@@ -26,7 +26,9 @@ class _Linear:
     weight ~16 ms for 1 row and ~25-30 ms for 4-9; ``(W @ x.T).T`` ~17-24 ms for 2-4 rows
     but ~45 ms for 1. Which wins depends on the machine, so with ``autotune`` the first
     call for each row count times the candidates, also with the rows padded up to a multiple
-    of 4 (MKL's sgemm took ~20 ms for 4 rows but ~45 ms for 3 here), and keeps the fastest. Small-row
+    of 4 (MKL's sgemm took ~20 ms for 4 rows but ~45 ms for 3 here), and keeps the fastest. A
+    fourth candidate, ``rows`` (``f32_rows.c``, compiled on first use where a C compiler exists),
+    reads each weight row once for all rows of the pass. Small-row
     products are what verify passes are made of. (Tuning the body's small layers the same
     way was measured slower end to end: timed in isolation their weights sit in cache,
     which misleads the choice; they stay on oneDNN.)
@@ -45,6 +47,8 @@ class _Linear:
             return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, None).to_dense()
         if how == "wxt":
             return (self.weight @ x.t()).t()
+        if how == "rows":
+            return f32_rows(self.weight, x)
         return F.linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
@@ -61,14 +65,21 @@ class _Linear:
             return self._run(_pad_rows(x, padded), how)[:rows]
         return self._run(x, how)
 
-    KERNELS = ("onednn", "wxt", "plain")
-    AUTOTUNE_ROWS = 16  # verify passes of one sequence; batched passes of more rows stay on oneDNN
+    KERNELS = ("onednn", "wxt", "plain", "rows")
+    AUTOTUNE_ROWS = 32  # verify passes of one sequence (trees too); batched passes of more rows stay on oneDNN
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The candidates on this machine: ``rows`` (``f32_rows.c``) needs a C compiler."""
+        w = self.weight
+        fits = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+        return self.KERNELS if fits and f32_rows_kernel() is not None else self.KERNELS[:-1]
 
     def time_kernels(self, x: torch.Tensor, reps: int = 3) -> dict[str, float]:
         """Median seconds of each candidate kernel on ``x`` (one untimed run each first)."""
         from forerun.timing import median_s
 
-        return {how: median_s(lambda: self._run(x, how), reps) for how in self.KERNELS}
+        return {how: median_s(lambda: self._run(x, how), reps) for how in self.kernels}
 
     def _measure(self, x: torch.Tensor) -> tuple[str, int]:
         """(kernel, rows to run) fastest for x's row count; padding up to the next multiple of 4 is a candidate."""
@@ -77,8 +88,48 @@ class _Linear:
         padded = -(-rows // 4) * 4
         if padded != rows:
             times.update({(how, padded): t for how, t in self.time_kernels(_pad_rows(x, padded), reps=5).items()
-                          if how != "plain"})
+                          if how in ("onednn", "wxt")})
         return min(times, key=times.get)
+
+
+_F32_LIB: list = []  # [loaded library or None], filled on first use
+
+
+def f32_rows_kernel():
+    """The compiled ``f32_rows.c`` (see there), or None where it cannot be built (logged once)."""
+    if not _F32_LIB:
+        import ctypes
+
+        from forerun.backends.greedy_head import compile_c
+
+        lib = compile_c("f32_rows", "the LM head uses the oneDNN/MKL kernels only")
+        if lib is not None:
+            lib.forerun_f32_rows.restype = ctypes.c_int
+            lib.forerun_f32_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                             ctypes.c_int, ctypes.c_void_p]
+            lib.forerun_f32_threads.argtypes = [ctypes.c_int]
+        _F32_LIB.append(lib)
+    return _F32_LIB[0]
+
+
+def f32_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [n, D] @ weight[V, D].T in float32 on the CPU with ``f32_rows.c``: one pass over the
+    weights for all n rows (the LM head of a verify pass)."""
+    lib = f32_rows_kernel()
+    if lib is None:
+        raise RuntimeError("the f32_rows kernel is not available (no C compiler)")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("f32_rows needs a contiguous float32 weight on the CPU")
+    x = x.to(torch.float32).contiguous()
+    n, D = x.shape
+    V = weight.shape[0]
+    if weight.shape[1] != D:
+        raise ValueError(f"f32_rows: rows of {D} against a weight of {tuple(weight.shape)}")
+    out = torch.empty(n, V, dtype=torch.float32)
+    lib.forerun_f32_threads(torch.get_num_threads())
+    if lib.forerun_f32_rows(weight.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
+        raise ValueError(f"f32_rows: bad sizes {n} x {D} against {V}")
+    return out
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,0 +1,126 @@
+/* Float32 product of a weight matrix with a few activation rows: out[r][v] = sum_k w[v][k] x[r][k].
+ *
+ * Built for the LM head of a verify pass on a small CPU: V = 262,144 vocabulary rows of D = 640,
+ * n = 1-32 activation rows. The weights (671 MB) do not fit in any cache, so the pass is bound by
+ * memory traffic for a few rows and by multiply-adds past that; a general matrix product
+ * (oneDNN, MKL) is tuned for larger n and took 2-3x the one-row time for 4-17 rows here. This
+ * kernel reads every weight row from memory once for all n rows: each register tile holds 4
+ * weight rows x up to 3 activation rows of 8-lane partial sums (12 of the 16 vector registers;
+ * 2 x 6, 3 x 4 and 1 x 12 measured within noise of it), the weights go through in L2-sized
+ * blocks that every group of 3 activation rows (in L1) takes in turn, and OpenMP splits the
+ * vocabulary.
+ *
+ * The summation order differs from other kernels' (8 lanes, then a fixed pairwise lane sum), so
+ * results can differ from theirs in the last bits, as the other kernels differ among themselves.
+ * Built with -O3 -march=native; without AVX2 and FMA a plain C loop is used.
+ */
+#include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef TV
+#define TV 4 /* weight rows per tile */
+#endif
+#ifndef TR
+#define TR 3 /* activation rows per tile */
+#endif
+
+int forerun_f32_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+    return omp_get_max_threads();
+#else
+    (void)n;
+    return 1;
+#endif
+}
+
+int forerun_f32_simd(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 a) {
+    __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
+    __m128 s = _mm_add_ps(lo, hi);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Rows [v0, v0 + tv) of w against rows [r0, r0 + tr) of x, tv <= TV, tr <= TR, D % 8 == 0. */
+static inline void tile(const float *w, const float *x, float *out, int64_t V, int D,
+                        int64_t v0, int tv, int r0, int tr) {
+    __m256 acc[TV][TR];
+    const float *wp[TV];
+    for (int a = 0; a < TV; a++) {
+        wp[a] = w + (v0 + (a < tv ? a : 0)) * D; /* a short tile repeats its first row, unused */
+        for (int b = 0; b < TR; b++) acc[a][b] = _mm256_setzero_ps();
+    }
+    const float *xr = x + (int64_t)r0 * D;
+    if (tr == TR) { /* the common case: constant bounds, fully unrolled */
+        for (int k = 0; k < D; k += 8) {
+            __m256 wa[TV];
+            for (int a = 0; a < TV; a++) wa[a] = _mm256_loadu_ps(wp[a] + k);
+            for (int b = 0; b < TR; b++) {
+                __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);
+                for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);
+            }
+        }
+    } else {
+        for (int k = 0; k < D; k += 8) {
+            __m256 wa[TV];
+            for (int a = 0; a < TV; a++) wa[a] = _mm256_loadu_ps(wp[a] + k);
+            for (int b = 0; b < tr; b++) {
+                __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);
+                for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);
+            }
+        }
+    }
+    for (int a = 0; a < tv; a++)
+        for (int b = 0; b < tr; b++) out[(int64_t)(r0 + b) * V + v0 + a] = hsum8(acc[a][b]);
+}
+#endif
+
+/* w [V][D], x [n][D], out [n][V], all float32 and contiguous. Returns 0, or -1 for bad sizes. */
+int forerun_f32_rows(const float *w, int64_t V, int D, const float *x, int n, float *out) {
+    if (V <= 0 || D <= 0 || n <= 0) return -1;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        /* Blocks of vb weight rows (about 256 KB, kept in L2): the first group of activation rows
+         * brings the block in from memory, the other groups find it in L2; each group's
+         * activations (TR x D floats) stay in L1 throughout. */
+        int64_t vb = (int64_t)(65536 / D) / TV * TV;
+        if (vb < TV) vb = TV;
+        int64_t blocks = (V + vb - 1) / vb;
+#pragma omp parallel for schedule(static)
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            int64_t b0 = bi * vb, b1 = b0 + vb < V ? b0 + vb : V;
+            for (int r0 = 0; r0 < n; r0 += TR) {
+                int tr = n - r0 < TR ? n - r0 : TR;
+                for (int64_t v0 = b0; v0 < b1; v0 += TV) tile(w, x, out, V, D, v0, (int)(b1 - v0 < TV ? b1 - v0 : TV), r0, tr);
+            }
+        }
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t v = 0; v < V; v++) {
+        const float *wv = w + v * D;
+        for (int r = 0; r < n; r++) {
+            const float *xr = x + (int64_t)r * D;
+            float s = 0.0f;
+            for (int k = 0; k < D; k++) s += wv[k] * xr[k];
+            out[(int64_t)r * V + v] = s;
+        }
+    }
+    return 0;
+}
