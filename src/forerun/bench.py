@@ -404,8 +404,13 @@ def run_bench(args) -> dict:
     # Warm up every path once (allocations, oneDNN packing, caches), and let the backend pick its
     # LM-head kernel for every verify width up front rather than inside a timed generation.
     warm = encoded[0][:32]
-    if getattr(getattr(target.backend, "lm_head", None), "autotune", False):
-        widest = max(AdaptiveK().k_max if k == "auto" else k for k in method_k.values()) + 1
+    head = getattr(target.backend, "lm_head", None)
+    if getattr(head, "autotune", False):
+        longest = max(AdaptiveK().k_max if k == "auto" else k for k in method_k.values())
+        widest = longest + 1
+        if tree_methods:  # a tree pass: its nodes and the root, plus up to k rows of a lookup branch
+            widest = max(widest, tree[0] + 1 + longest)
+        widest = min(widest, head.AUTOTUNE_ROWS)
         for n in range(1, widest + 1):
             target.backend.reset()
             target.backend.forward(torch.tensor(([2] + warm) * n)[:n], 0)
