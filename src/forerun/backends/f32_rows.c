@@ -39,14 +39,6 @@ int forerun_f32_threads(int n) {
 #endif
 }
 
-int forerun_f32_simd(void) {
-#if defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 static inline float hsum8(__m256 a) {
     __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
@@ -54,6 +46,20 @@ static inline float hsum8(__m256 a) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* The k loop of a tile over nr activation rows. Inlined into each call: called with the constant
+ * TR (the common case) it is fully unrolled, with a smaller nr (the last group) it loops. */
+static inline __attribute__((always_inline)) void tile_k(const float *const *wp, const float *xr, int D, int nr,
+                                                         __m256 acc[TV][TR]) {
+    for (int k = 0; k < D; k += 8) {
+        __m256 wa[TV];
+        for (int a = 0; a < TV; a++) wa[a] = _mm256_loadu_ps(wp[a] + k);
+        for (int b = 0; b < nr; b++) {
+            __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);
+            for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);
+        }
+    }
 }
 
 /* Rows [v0, v0 + tv) of w against rows [r0, r0 + tr) of x, tv <= TV, tr <= TR, D % 8 == 0. */
@@ -66,25 +72,10 @@ static inline void tile(const float *w, const float *x, float *out, int64_t V, i
         for (int b = 0; b < TR; b++) acc[a][b] = _mm256_setzero_ps();
     }
     const float *xr = x + (int64_t)r0 * D;
-    if (tr == TR) { /* the common case: constant bounds, fully unrolled */
-        for (int k = 0; k < D; k += 8) {
-            __m256 wa[TV];
-            for (int a = 0; a < TV; a++) wa[a] = _mm256_loadu_ps(wp[a] + k);
-            for (int b = 0; b < TR; b++) {
-                __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);
-                for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);
-            }
-        }
-    } else {
-        for (int k = 0; k < D; k += 8) {
-            __m256 wa[TV];
-            for (int a = 0; a < TV; a++) wa[a] = _mm256_loadu_ps(wp[a] + k);
-            for (int b = 0; b < tr; b++) {
-                __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);
-                for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);
-            }
-        }
-    }
+    if (tr == TR)
+        tile_k(wp, xr, D, TR, acc);
+    else
+        tile_k(wp, xr, D, tr, acc);
     for (int a = 0; a < tv; a++)
         for (int b = 0; b < tr; b++) out[(int64_t)(r0 + b) * V + v0 + a] = hsum8(acc[a][b]);
 }

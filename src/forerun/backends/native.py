@@ -71,9 +71,7 @@ class _Linear:
     @property
     def kernels(self) -> tuple[str, ...]:
         """The candidates on this machine: ``rows`` (``f32_rows.c``) needs a C compiler."""
-        w = self.weight
-        fits = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-        return self.KERNELS if fits and f32_rows_kernel() is not None else self.KERNELS[:-1]
+        return self.KERNELS if _f32_rows_fits(self.weight) and f32_rows_kernel() is not None else self.KERNELS[:-1]
 
     def time_kernels(self, x: torch.Tensor, reps: int = 3, kernels=None) -> dict[str, float]:
         """Median seconds of each candidate kernel (or of ``kernels``) on ``x`` (one untimed run each first)."""
@@ -113,13 +111,18 @@ def f32_rows_kernel():
     return _F32_LIB[0]
 
 
+def _f32_rows_fits(weight: torch.Tensor) -> bool:
+    """Whether ``f32_rows`` takes this weight as it is: contiguous float32 on the CPU."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+
+
 def f32_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [n, D] @ weight[V, D].T in float32 on the CPU with ``f32_rows.c``: one pass over the
     weights for all n rows (the LM head of a verify pass)."""
     lib = f32_rows_kernel()
     if lib is None:
         raise RuntimeError("the f32_rows kernel is not available (no C compiler)")
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+    if not _f32_rows_fits(weight):
         raise ValueError("f32_rows needs a contiguous float32 weight on the CPU")
     x = x.to(torch.float32).contiguous()
     n, D = x.shape
