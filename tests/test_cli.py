@@ -213,6 +213,11 @@ def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_pat
         (["eval-draft", "--kind", "medusa", "--prompts", "PROMPTS", "--model", "MODEL"], "no medusa head is shipped"),
         (["eval-draft", "--kind", "eagle", "--prompts", "PROMPTS", "--head", "/no/such/head", "--model", "MODEL"],
          "not a draft head"),
+        (["eval-draft", "--kind", "eagle", "--prompts", "PROMPTS", "--replay", "medusa-tree:4"], "not a method of the eagle"),
+        (["eval-draft", "--kind", "eagle", "--prompts", "PROMPTS", "--replay", "eagle-tree+auto:6"], "measured time"),
+        (["eval-draft", "--kind", "eagle", "--prompts", "PROMPTS", "--replay", "eagle:auto"], "fixed draft length"),
+        (["eval-draft", "--kind", "eagle", "--prompts", "PROMPTS", "--replay", "eagle-tree", "--tree-depth", "0"],
+         "--tree-depth"),
     ],
 )
 def test_train_draft_and_head_errors(capsys, tiny_folder, tmp_path, argv, needle):

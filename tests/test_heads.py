@@ -12,6 +12,7 @@ from forerun.drafters.heads import load_head, target_fingerprint
 from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
+from forerun.stats import GenerationStats
 from forerun.training.data import Sequence
 from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
@@ -452,3 +453,44 @@ def test_eval_draft_counts_tokens_outside_the_draft_vocabulary_as_misses(gemma, 
     row = rep["categories"]["all"]
     assert row["answer_tokens"] == len(answer) and row["draft_vocab_coverage"] == 0.0
     assert max(row["top1_per_position"]) == 0.0 and max(row["top8_per_position"]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def own_heads(gemma, tmp_path_factory):
+    """Heads trained on the tiny target's own greedy answers: they get drafts accepted on it."""
+    eng = Engine(gemma.backend, None, gemma.eos_token_ids)
+    prompts = [[2] + [4 + (7 * i + j) % 90 for j in range(5)] for i in range(40)]
+    seqs = [Sequence(p + eng.generate(p, max_new_tokens=12).token_ids, len(p)) for p in prompts]
+    out = {}
+    for kind in ("eagle", "medusa"):
+        head, _ = _train(gemma, kind, tmp_path_factory.mktemp(kind + "-own"), seqs=seqs)
+        out[kind] = tmp_path_factory.mktemp(kind + "-own-head")
+        head.save(out[kind])
+    return out
+
+
+@pytest.mark.parametrize("kind,k,tree,lookup", [("eagle", 3, None, False), ("eagle", 4, (8, 3), False),
+                                                ("eagle", 4, (6, 3), True), ("medusa", 2, None, False),
+                                                ("medusa", 2, (6, None), False)])
+def test_replay_commits_what_the_engine_commits(own_heads, gemma, kind, k, tree, lookup):
+    """eval-draft --replay: proposing on the known greedy answer, with the features of one pass over
+    it, gives the engine's own steps (tokens per verify pass) and so its tau."""
+    from forerun.training.evaluate import replay_generation, replay_methods
+
+    drafter = make_drafter(kind, gemma, head_path=own_heads[kind], tree=tree, tree_lookup=lookup)
+    spec = Engine(gemma.backend, drafter, gemma.eos_token_ids)
+    answers, steps = [], 0
+    for i, p in enumerate(PROMPTS + [[2] + [4 + (7 * i + j) % 90 for j in range(5)] for i in (41, 43, 47)]):
+        stats = GenerationStats()
+        out = [s.tokens for s in spec.stream(p, max_new_tokens=20, k=k, stats=stats)]
+        seq = p + [t for step in out for t in step]
+        gemma.backend.reset()
+        feats = gemma.backend.forward(torch.tensor(seq), 0, layers=drafter.feature_layers, logits=False).layers
+        commits, depths = replay_generation(drafter, seq, len(p), feats, k)
+        assert commits == [len(step) for step in out] and sum(depths) == stats.drafted
+        steps += len(commits)
+        answers.append(("ab"[i % 2], seq, len(p)))
+    rep = replay_methods(gemma, {"m": (drafter, k)}, answers)["m"]
+    assert rep["all"]["new_tokens"] == sum(len(s) - n for _, s, n in answers) and rep["all"]["target_passes"] == steps
+    assert rep["all"]["new_tokens"] > steps  # drafts were accepted: the comparison above saw real acceptance
+    assert rep["a"]["target_passes"] + rep["b"]["target_passes"] == steps

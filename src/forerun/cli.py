@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=128, help="tokens of each greedy answer (default 128)")
     e.add_argument("--steps", type=int, default=4, help="positions ahead to score (default 4)")
     e.add_argument("--top-k", type=int, default=8, help="also count hits among the head's top K (default 8)")
+    e.add_argument("--replay", default=None,
+                   help="also replay these bench methods of the same head on the answers, e.g. "
+                        "eagle:4,eagle-tree:6,eagle-tree+lookup:6: the tau and per-position acceptance a greedy "
+                        "bench would measure, without the verify passes (trees: --tree-nodes, default 32)")
+    e.add_argument("--tree-nodes", type=int, default=0, help="draft nodes of the replayed trees (default 32)")
+    e.add_argument("--tree-depth", type=int, default=None, help="depth of the replayed trees (default: the head's)")
     e.add_argument("--out", default=None, help="write the JSON report here")
     e.add_argument("--model", default="bundled", help="the target: bundled (default), HF hub id, local folder or .gguf")
     e.add_argument("--device", default="auto")
@@ -297,24 +303,52 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def _replay_plan(args) -> dict:
+    """eval-draft --replay, checked before any model loads: method name -> (tree suffix, draft length)."""
+    from forerun.bench import _method_kind, _tree_suffix
+    from forerun.engine import check_k
+
+    plan = {}
+    for m in (m.strip() for m in args.replay.split(",") if m.strip()):
+        base, _, k = m.partition(":")
+        suffix = _tree_suffix(base)
+        if _method_kind(base) != args.kind:
+            raise ForerunError(f"--replay {m}: not a method of the {args.kind} head (e.g. {args.kind}:4, "
+                               f"{args.kind}-tree:6, {args.kind}-tree+lookup:6)")
+        if suffix == "-tree+auto":
+            raise ForerunError(f"--replay {m}: +auto chooses by measured time per step, which a replay has not")
+        k = check_k(k or 4)
+        if k == "auto":
+            raise ForerunError(f"--replay {m}: give a fixed draft length (a replay has no timings for 'auto')")
+        plan[m] = (suffix, k)
+    if not plan:
+        raise ForerunError("--replay names no method")
+    _tree(args)  # a bad --tree-nodes or --tree-depth fails now too
+    return plan
+
+
 def cmd_eval_draft(args) -> int:
     from pathlib import Path
 
-    from forerun.bench import load_prompts
-    from forerun.drafters import load_trained_head
+    from forerun.bench import _TREE_SUFFIXES, load_prompts
+    from forerun.drafters import load_trained_head, make_drafter
     from forerun.models import load_model
     from forerun.training.evaluate import evaluate_head, format_report
 
     cats = [c for c in args.categories.split(",") if c] if args.categories else None
     prompts = load_prompts(args.prompts, cats, args.limit_per_category)  # a bad file fails before any model loads
+    plan = _replay_plan(args) if args.replay else {}
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
     if not hasattr(target.backend, "embed"):
         raise ForerunError("eval-draft needs a model the native backend runs (Gemma 3 text models)")
     head = load_trained_head(args.kind, target, args.head, flag="--head")
+    tree = _tree(args) or (32, args.tree_depth)
+    replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if suffix else None,
+                               tree_lookup=_TREE_SUFFIXES.get(suffix)), k) for m, (suffix, k) in plan.items()}
     report = evaluate_head(target, head, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
-                           top_k=args.top_k, log=lambda s: print(s, file=sys.stderr))
+                           top_k=args.top_k, replay=replay, log=lambda s: print(s, file=sys.stderr))
     report["prompts_file"] = Path(args.prompts).name
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

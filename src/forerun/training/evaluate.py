@@ -17,8 +17,10 @@ from forerun.errors import ForerunError
 
 
 def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 128, steps: int = 4, top_k: int = 8,
-                  log=print) -> dict:
-    """``prompts``: dicts with ``text`` and ``category`` (as ``bench.load_prompts`` returns them)."""
+                  replay: dict | None = None, log=print) -> dict:
+    """``prompts``: dicts with ``text`` and ``category`` (as ``bench.load_prompts`` returns them).
+    ``replay``: method name -> (drafter, draft length) to replay on the same answers (greedy; see
+    ``replay_generation``), reported as the tau and per-position acceptance a bench would measure."""
     from forerun.training.data import Sequence, greedy_answers
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
@@ -59,8 +61,12 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
         sums = [a + b for a, b in zip(sums, counts)]
         rows[cat] = row(group, *counts)
     rows["all"] = row(examples, *sums)
-    return {"head": head.cfg.kind, "draft_vocab": head.cfg.draft_vocab, "max_new_tokens": max_new_tokens, "top_k": top_k,
-            "seconds": {"answers": round(answers_s, 1), "total": round(time.time() - t0, 1)}, "categories": rows}
+    report = {"head": head.cfg.kind, "draft_vocab": head.cfg.draft_vocab, "max_new_tokens": max_new_tokens,
+              "top_k": top_k, "seconds": {"answers": round(answers_s, 1)}, "categories": rows}
+    if replay:
+        report["replay"] = replay_methods(target, replay, [(c, s.ids, s.start) for c, s in zip(cats, seqs)])
+    report["seconds"]["total"] = round(time.time() - t0, 1)
+    return report
 
 
 def format_report(report: dict) -> str:
@@ -72,4 +78,92 @@ def format_report(report: dict) -> str:
         lines.append(f"| {name} | {r['prompts']} | {r['answer_tokens']} | {r['draft_vocab_coverage']:.3f} | "
                      + " ".join(f"{x:.2f}" for x in r["top1_per_position"])
                      + f" | {r[f'top{k}_per_position'][0]:.2f} |")
+    if report.get("replay"):
+        lines += ["", "Replayed on the same answers:", "", format_replay(report["replay"])]
+    return "\n".join(lines)
+
+
+def replay_generation(drafter, ids: list[int], start: int, feats: torch.Tensor, k: int) -> tuple[list[int], list[int]]:
+    """Tokens the engine would commit per verify pass (accepted drafts + 1), and the drafted depth
+    per pass, when the target's greedy answer is ``ids[start:]``: the drafter proposes exactly as in
+    a generation (same code, same calls), but acceptance is read off the known answer and the
+    features come from one target pass over the whole sequence (``feats`` [len(ids), ...]) instead
+    of the verify passes. Greedy only; a fixed draft length ``k``."""
+    from forerun.drafters.base import empty_draft
+    from forerun.engine import clip_draft
+    from forerun.sampling import SamplingParams
+    from forerun.tree import children_lists
+
+    drafter.begin(list(ids[:start]), SamplingParams(), None)
+    if start > 1:  # the prefill: every prompt position but the last
+        drafter.take_features(0, feats[: start - 1])
+    t, commits, depths = start, [], []
+    while t < len(ids):
+        want = min(k, len(ids) - t - 1)
+        draft = clip_draft(drafter.propose(list(ids[:t]), want), want) if want > 0 else empty_draft()
+        toks = draft.tokens.tolist()
+        n = 0
+        if draft.parents is None:
+            while n < len(toks) and toks[n] == ids[t + n]:
+                n += 1
+        else:  # walk down while a child holds the answer's next token
+            kids, row = children_lists(draft.parents), 0
+            while (row := next((c for c in kids[row] if toks[c - 1] == ids[t + n]), None)) is not None:
+                n += 1
+        drafter.take_features(t - 1, feats[t - 1 : t + n])  # the last committed position and the accepted drafts
+        t += n + 1
+        drafter.accepted(list(ids[:t]), n)
+        commits.append(n + 1)
+        depths.append(draft.depth)
+    return commits, depths
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count lists of any lengths."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+@torch.inference_mode()
+def replay_methods(target, drafters: dict, answers: list[tuple[str, list[int], int]]) -> dict:
+    """Replayed tau and acceptance per position, per method and category. ``drafters``: method
+    name -> (drafter, k); ``answers``: (category, prompt + greedy answer ids, prompt length)."""
+    from tqdm import tqdm
+
+    be = target.backend
+    counts = {m: {} for m in drafters}  # method -> category -> counts
+    for cat, ids, start in tqdm(answers, desc="replay", unit="prompt"):
+        feats = {}  # one target pass per set of feature layers
+        for m, (drafter, k) in drafters.items():
+            layers = tuple(drafter.feature_layers)
+            if layers not in feats:
+                be.reset()
+                feats[layers] = be.forward(torch.tensor(ids, dtype=torch.long), 0, layers=layers, logits=False).layers
+            commits, depths = replay_generation(drafter, ids, start, feats[layers], k)
+            c = counts[m].setdefault(cat, {"prompts": 0, "new_tokens": 0, "passes": 0, "drafted": [], "accepted": []})
+            c["prompts"] += 1
+            c["new_tokens"] += sum(commits)
+            c["passes"] += len(commits)
+            for n, d in zip(commits, depths):  # per depth: passes that drafted it, and that accepted it
+                c["drafted"] = _add(c["drafted"], [1] * d)
+                c["accepted"] = _add(c["accepted"], [1] * (n - 1))
+    report = {}
+    for m, cats in counts.items():
+        total = {"prompts": 0, "new_tokens": 0, "passes": 0, "drafted": [], "accepted": []}
+        for c in cats.values():
+            total = {key: (_add(v, c[key]) if isinstance(v, list) else v + c[key]) for key, v in total.items()}
+        report[m] = {cat: {"prompts": c["prompts"], "new_tokens": c["new_tokens"], "target_passes": c["passes"],
+                           "tau": round(c["new_tokens"] / max(c["passes"], 1), 4),
+                           "acceptance_per_position": [round(a / d, 4) for a, d in zip(c["accepted"], c["drafted"])]}
+                     for cat, c in list(cats.items()) + [("all", total)]}
+    return report
+
+
+def format_replay(report: dict) -> str:
+    methods = list(report)
+    cats = list(report[methods[0]]) if methods else []
+    lines = ["| category | " + " | ".join(f"{m} tau" for m in methods) + " |", "|---|" + "---|" * len(methods)]
+    for cat in cats:
+        name = f"**{cat}**" if cat == "all" else cat
+        lines.append(f"| {name} | " + " | ".join(f"{report[m][cat]['tau']:.2f}" for m in methods) + " |")
     return "\n".join(lines)
