@@ -5,6 +5,10 @@ nothing); then, teacher-forced on those answers, the head's top-1 agreement per 
 its top-k hit rate (what a token tree can catch) and the share of answer tokens its draft
 vocabulary holds at all are counted per category. No draft is verified, so this is far cheaper
 than a benchmark and says why a head falls short: tokens it cannot name, or tokens it ranks wrong.
+
+``--replay`` goes one step further: it runs the drafters of bench methods (chains, trees, the
+lookup branch) on the same answers, reading acceptance off the known greedy answer, and so gives
+the tau a greedy bench would measure, still without a verify pass.
 """
 
 from __future__ import annotations
