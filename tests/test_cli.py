@@ -206,6 +206,7 @@ def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_pat
         (["train-draft", "--kind", "eagle", "--out", "x", "--distill-seeds", "0,x"], "--distill-seeds"),
         (["train-draft", "--kind", "eagle", "--out", "x", "--data", "corpus"], "needs --corpus"),
         (["train-draft", "--kind", "eagle", "--out", "x", "--corpus", "/no/such/file.jsonl"], "does not exist"),
+        (["train-draft", "--kind", "eagle", "--out", "x", "--keep-vocab"], "give --init"),
         (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),
         (["generate", "hi", "--method", "eagle", "--tree-lookup", "--model", "MODEL"], "give --tree-nodes"),
         (["generate", "hi", "--method", "eagle", "--draft", "/no/such/head", "--model", "MODEL"], "not a draft head"),

@@ -155,6 +155,16 @@ def test_warm_start_continues_from_a_trained_head(heads, gemma, kind, tmp_path):
     for j, t in enumerate(d2t.tolist()):
         want = trained.lm_head.weight[old[t]] if t in old else be.lm_head.weight[t].float()
         assert torch.equal(head.lm_head.weight[j].detach(), want.detach()), t
+    # keep_vocab: the trained head's own vocabulary, every output row carried over, whatever these examples hold.
+    few, said = ex[:4], []
+    kept, _ = tr.train(few, tmp_path / "c", log=said.append, stop_after=1, init=trained, keep_vocab=True)
+    assert torch.equal(kept.draft_to_target.cpu(), trained.draft_to_target.cpu())
+    n = len(trained.draft_to_target)
+    assert f"{n} of {n} output rows copied" in " ".join(said)
+    chosen, _ = tr.train(few, tmp_path / "d", log=lambda s: None, stop_after=1, init=trained)
+    assert not torch.equal(chosen.draft_to_target.cpu(), trained.draft_to_target.cpu())
+    with pytest.raises(ForerunError, match="--init"):
+        tr.train(few, tmp_path / "e", log=lambda s: None, stop_after=1, keep_vocab=True)
     wide = Trainer(TrainConfig(kind=kind, draft_vocab=80, n_heads=2, head_dim=16, intermediate=128, steps_ahead=3),
                    be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
     with pytest.raises(ForerunError, match="intermediate"):

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None,
                    help="start from this trained head (same kind and target) instead of a fresh one: continue training "
                         "a head on more data; output rows of tokens the new draft vocabulary shares are kept")
+    t.add_argument("--keep-vocab", action="store_true",
+                   help="with --init: keep that head's draft vocabulary (every output row) instead of choosing one "
+                        "from this run's data; for continuing on new data alone (--draft-vocab is then ignored)")
     t.add_argument("--out", required=True, help="folder for the head (config.json + model.safetensors)")
     t.add_argument("--work", default=None, help="folder for answers, features and checkpoints (default: OUT-work); "
                    "a rerun resumes from what is there")

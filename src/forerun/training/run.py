@@ -35,6 +35,9 @@ def train_draft(args, log=print) -> dict:
     t0 = time.time()
     if not 0.0 <= getattr(args, "soft_labels", 0.0) <= 1.0:
         raise ForerunError(f"--soft-labels must be between 0 and 1, got {args.soft_labels}")
+    keep_vocab = bool(getattr(args, "keep_vocab", False))
+    if keep_vocab and not getattr(args, "init", None):
+        raise ForerunError("--keep-vocab keeps the draft vocabulary of the --init head; give --init")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -79,7 +82,8 @@ def train_draft(args, log=print) -> dict:
     examples = extract_features(be, seqs, trainer.feature_layers, work / f"features-{args.kind}.pt", log=log)
     times["features_s"] = round(time.time() - t, 1)
     t = time.time()
-    head, report = trainer.train(examples, work, always_vocab=sorted(target.eos_token_ids), log=log, init=init)
+    head, report = trainer.train(examples, work, always_vocab=sorted(target.eos_token_ids), log=log, init=init,
+                                 keep_vocab=keep_vocab)
     times["train_s"] = round(time.time() - t, 1)
     times["total_s"] = round(time.time() - t0, 1)
     head.cfg.training = {"command": "forerun " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
@@ -89,6 +93,7 @@ def train_draft(args, log=print) -> dict:
                          "distill_seeds": distill_seeds(args) if args.data != "corpus" else [],
                          "distill_tokens": args.distill_tokens, "max_len": args.max_len,
                          "init": init.cfg.training.get("command") if init is not None else None,
+                         "keep_vocab": keep_vocab,
                          "seconds": times, **report}
     head.save(out)
     final = report["history"][-1]["val_agreement"] if report["history"] else None

@@ -330,16 +330,25 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------------
     def train(self, examples: list[Example], work: Path, *, always_vocab=(), log=print,
-              stop_after: int | None = None, init: DraftHead | None = None) -> tuple[DraftHead, dict]:
+              stop_after: int | None = None, init: DraftHead | None = None,
+              keep_vocab: bool = False) -> tuple[DraftHead, dict]:
         """``stop_after``: save a checkpoint and return after this many steps (a resumable pause).
-        ``init``: a trained head to start from (see ``warm_start``) instead of a fresh one."""
+        ``init``: a trained head to start from (see ``warm_start``) instead of a fresh one.
+        ``keep_vocab``: the new head keeps ``init``'s draft vocabulary (and so all its output rows)
+        instead of choosing one from these examples: the right choice when continuing on fresh data
+        only, which alone would pick a vocabulary from fewer tokens."""
         from tqdm import tqdm
 
         tc = self.tc
         val, train = split_validation(examples, tc.val_fraction, tc.seed)
         if not train:
             raise ForerunError("not enough training data (need at least 2 sequences)")
-        d2t = choose_draft_vocab(train, tc.draft_vocab, self.embed.shape[0], always_vocab)
+        if keep_vocab:
+            if init is None:
+                raise ForerunError("keeping the draft vocabulary needs a head to start from (--init)")
+            d2t = init.draft_to_target.detach().to("cpu", torch.long).clone()
+        else:
+            d2t = choose_draft_vocab(train, tc.draft_vocab, self.embed.shape[0], always_vocab)
         t2d = torch.full((self.embed.shape[0],), -1, dtype=torch.long)
         t2d[d2t] = torch.arange(len(d2t))
         t2d = t2d.to(self.device)
