@@ -73,7 +73,8 @@ def test_generate_json(capsys, tiny_folder):
     assert rc == 0, err
     obj = json.loads(out)
     for key in ("text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "target_passes", "drafted",
-                "accepted", "acceptance_rate", "mean_accepted_len", "acceptance_per_position", "draft_s", "verify_s"):
+                "accepted", "acceptance_rate", "alpha", "rejections", "mean_accepted_len", "acceptance_per_position",
+                "draft_s", "verify_s"):
         assert key in obj, key
     assert obj["new_tokens"] == len(obj["token_ids"]) <= 12
 
@@ -120,6 +121,12 @@ def test_bench_writes_results(capsys, tiny_folder, tmp_path):
         assert set(m["by_category"]) == {"a", "b"}
     assert res["methods"]["ngram"]["greedy_equal"] == 3
     assert res["methods"]["layerskip:2"]["greedy_equal"] == 3
+    for name in ("ngram", "layerskip:2"):  # alpha from the tested drafts: never below accepted / drafted
+        m = res["methods"][name]
+        rej = sum(r["rejections"] for r in res["records"] if r["method"] == name)
+        assert m["rejections"] == rej <= m["target_passes"]
+        if m["accepted"] + rej:
+            assert m["alpha"] == m["accepted"] / (m["accepted"] + rej) >= m["acceptance_rate"]
     assert (out / "results.md").exists()
 
 

@@ -1,6 +1,10 @@
 """Adaptive draft length: the cost/acceptance model, globally and per trust bucket."""
 
-from forerun.draft_length import AdaptiveK, TreeOrLookup, make_policy, FixedK
+import random
+
+from forerun.bench import _predicted_speedup
+from forerun.draft_length import AdaptiveK, TreeOrLookup, expected_tokens, make_policy, FixedK
+from forerun.stats import GenerationStats
 from forerun.drafters.ngram import NgramDrafter, lookup_match
 
 
@@ -90,3 +94,26 @@ def test_tree_or_lookup_cost_line():
         pol.observe(0, None, 0, False, 0, rows, sec)
     assert abs(pol._cost("chain", 5) - 0.022) < 1e-9  # the measured line, extended
     assert pol._cost("chain", 1) == 0.010 and pol._cost("tree", 1) is None
+
+
+def test_alpha_estimate_recovers_iid_acceptance():
+    """Drafts accepted i.i.d. with probability 0.6, four per pass: GenerationStats.alpha recovers 0.6
+    (only tested drafts count), while accepted / drafted is far lower; the bench's Leviathan
+    prediction built on alpha matches the tokens per pass actually seen."""
+    rng = random.Random(0)
+    st = GenerationStats()
+    for _ in range(20000):
+        n = 0
+        while n < 4 and rng.random() < 0.6:
+            n += 1
+        st.record_step(4, n)
+    st.record_step(0, 0)  # a pass without a draft is not a rejection
+    assert abs(st.alpha - 0.6) < 0.01
+    assert st.acceptance_rate < 0.45
+    assert abs(expected_tokens(st.alpha, 4) - st.mean_accepted_len) < 0.02
+    # free drafts and a verify pass costing one step: predicted speedup = tokens per pass
+    none = {"new_tokens": 100, "wall_s": 1.0}
+    m = {"drafted": st.drafted, "target_passes": st.target_passes, "accepted": st.accepted, "acceptance_rate": st.acceptance_rate,
+         "alpha": st.alpha, "draft_s": 0.0}
+    assert abs(_predicted_speedup(m, none, {"4": 1.0}) - expected_tokens(0.6, 4)) < 0.03
+    assert _predicted_speedup(m | {"alpha": None}, none, {"4": 1.0}) < 1.7  # the old estimate: far too low

@@ -172,6 +172,8 @@ def _summarise(records, names, by_cat=True):
         passes = sum(r.get("target_passes", 0) for r in rs)
         drafted = sum(r.get("drafted", 0) for r in rs)
         acc = sum(r.get("accepted", 0) for r in rs)
+        rej = sum(r.get("rejections", 0) for r in rs)
+        counted = all("rejections" in r for r in rs if r.get("drafted"))  # records of older runs lack it
         timed = all("prefill_s" in r for r in rs)  # the transformers peers do not split their time
         decode = wall - sum(r.get("prefill_s", 0.0) for r in rs)
         return {
@@ -181,8 +183,10 @@ def _summarise(records, names, by_cat=True):
             "wall_s": wall,
             "mean_accepted_len": (acc + passes) / passes if passes else None,
             "acceptance_rate": acc / drafted if drafted else None,
+            "alpha": acc / (acc + rej) if counted and acc + rej else None,
             "drafted": drafted,
             "accepted": acc,
+            "rejections": rej,
             "target_passes": passes,
             "greedy_equal": sum(1 for r in rs if r["equal_none"]),
             "prompts": len(rs),
@@ -228,15 +232,17 @@ def _summarise(records, names, by_cat=True):
 def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | None = None) -> float | None:
     """Leviathan et al.'s speedup with measured inputs.
 
-    alpha = measured acceptance rate, gamma = mean draft length per verify pass, c = measured
-    draft time per drafted token over our plain step time (none's wall time per token), and
-    the verify pass costs the measured ratio r(gamma) of a step instead of 1. A token tree
-    (``rows`` draft nodes) is charged the ratio of a pass of that many rows, and gamma is its
-    depth: the chain formula then approximates the tree.
+    alpha = per-token acceptance estimated from the drafts the target tested (accepted /
+    (accepted + rejections), ``GenerationStats.alpha``; a draft after a rejected one is never
+    tested, so accepted / drafted would undercount it), gamma = mean draft length per verify
+    pass, c = measured draft time per drafted token over our plain step time (none's wall time
+    per token), and the verify pass costs the measured ratio r(gamma) of a step instead of 1. A
+    token tree (``rows`` draft nodes) is charged the ratio of a pass of that many rows, and gamma
+    and alpha are those of its accepted path (depth): the chain formula then approximates the tree.
     """
     if not m.get("drafted") or not m.get("target_passes") or not none.get("new_tokens"):
         return None
-    alpha = min(m["acceptance_rate"], 0.999)
+    alpha = min(m.get("alpha") or m["acceptance_rate"], 0.999)  # the tested-draft estimate where recorded
     gamma = m["drafted"] / m["target_passes"]
     step = none["wall_s"] / none["new_tokens"]
     c = m["draft_s"] / m["drafted"] / step

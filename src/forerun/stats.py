@@ -12,6 +12,7 @@ class GenerationStats:
     target_passes: int = 0  # verify passes after the prefill (each also yields one target token)
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # verify passes whose draft had a token rejected (the rest of it went untested)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)
@@ -24,6 +25,7 @@ class GenerationStats:
         self.target_passes += 1
         self.drafted += k
         self.accepted += n_accepted
+        self.rejections += n_accepted < k
         self.k_history.append(k)
         while len(self.drafted_per_position) < k:
             self.drafted_per_position.append(0)
@@ -36,6 +38,14 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance as in Leviathan et al.'s i.i.d. model, estimated from the drafts that
+        were tested: accepted / (accepted + rejections). Drafts after a rejected one are never
+        checked, so ``acceptance_rate`` (accepted / drafted) undercounts it."""
+        tested = self.accepted + self.rejections
+        return self.accepted / tested if tested else 0.0
 
     @property
     def mean_accepted_len(self) -> float:
@@ -59,6 +69,7 @@ class GenerationStats:
         d.pop("k_history")
         d.update(
             acceptance_rate=self.acceptance_rate,
+            alpha=self.alpha,
             mean_accepted_len=self.mean_accepted_len,
             tokens_per_s=self.tokens_per_s,
             acceptance_per_position=self.acceptance_per_position,
