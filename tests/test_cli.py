@@ -181,6 +181,8 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     steps = res["methods"]["eagle-tree+auto:3"]["steps_by_choice"]
     assert steps["tree"] >= 1 and sum(steps.values()) <= res["methods"]["eagle-tree+auto:3"]["target_passes"]
     assert "eagle-tree+auto:3: steps that verified the tree" in (tmp_path / "bench" / "results.md").read_text()
+    assert "predicted_speedup_vs_none" not in res["methods"]["eagle-tree+auto:3"]  # mixed steps: no one shape to price
+    assert res["methods"]["eagle-tree+lookup:3"].get("predicted_speedup_vs_none")
 
 
 def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):

@@ -315,6 +315,9 @@ def write_markdown(results: dict, path: Path) -> None:
             m = methods[n]
             app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
             lines.append(f"| {n} | {x(m.get('speedup_vs_none'))} | {p:.2f}x | {app} |")
+        mixed = [n for n, m in methods.items() if "steps_by_choice" in m]
+        if mixed:
+            lines += ["", f"Not predicted: {', '.join(mixed)} (each step verifies a tree, a chain or nothing, so no one draft shape prices it)."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -469,8 +472,8 @@ def run_bench(args) -> dict:
     results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks)
     results["lm_head_kernels_ms"] = head_kernel_times(target.backend)
     for name, m in results["methods"].items():
-        if name in engines and name != "none":
-            rows = tree_rows if name in tree_methods else None
+        if name in engines and name != "none" and "steps_by_choice" not in m:  # a tree or a chain or nothing per
+            rows = tree_rows if name in tree_methods else None  # step (+auto) has no one draft shape to price
             m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"], rows)
     if hasattr(target.backend, "head_fallbacks"):
         results["greedy_head_fallbacks"] = target.backend.head_fallbacks
