@@ -173,7 +173,6 @@ def _summarise(records, names, by_cat=True):
         drafted = sum(r.get("drafted", 0) for r in rs)
         acc = sum(r.get("accepted", 0) for r in rs)
         rej = sum(r.get("rejections", 0) for r in rs)
-        counted = all("rejections" in r for r in rs if r.get("drafted"))  # records of older runs lack it
         timed = all("prefill_s" in r for r in rs)  # the transformers peers do not split their time
         decode = wall - sum(r.get("prefill_s", 0.0) for r in rs)
         return {
@@ -183,7 +182,7 @@ def _summarise(records, names, by_cat=True):
             "wall_s": wall,
             "mean_accepted_len": (acc + passes) / passes if passes else None,
             "acceptance_rate": acc / drafted if drafted else None,
-            "alpha": acc / (acc + rej) if counted and acc + rej else None,
+            "alpha": acc / (acc + rej) if acc + rej else None,
             "drafted": drafted,
             "accepted": acc,
             "rejections": rej,
@@ -242,7 +241,7 @@ def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | None = Non
     """
     if not m.get("drafted") or not m.get("target_passes") or not none.get("new_tokens"):
         return None
-    alpha = min(m.get("alpha") or m["acceptance_rate"], 0.999)  # the tested-draft estimate where recorded
+    alpha = min(m["alpha"], 0.999)
     gamma = m["drafted"] / m["target_passes"]
     step = none["wall_s"] / none["new_tokens"]
     c = m["draft_s"] / m["drafted"] / step
