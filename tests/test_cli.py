@@ -183,6 +183,12 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     assert "eagle-tree+auto:3: steps that verified the tree" in (tmp_path / "bench" / "results.md").read_text()
     assert "predicted_speedup_vs_none" not in res["methods"]["eagle-tree+auto:3"]  # mixed steps: no one shape to price
     assert res["methods"]["eagle-tree+lookup:3"].get("predicted_speedup_vs_none")
+    import torch
+
+    if not torch.cuda.is_available():  # CPU: greedy trees run the LM head on the walked rows only, and are priced so
+        lazy = [k for k in res["verify_cost_ratio"] if k.startswith("4+head")]
+        assert lazy and res["config"]["greedy_head"] in ("exact-q8-screened", "float32")
+        assert res["methods"]["eagle-tree+lookup:3"]["head_rows"] > 0
 
 
 def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_path):

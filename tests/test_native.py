@@ -121,6 +121,8 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
         assert out.shape == (n, V) and out.dtype == torch.float32
         bound = 4 * D * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)  # a loose float32 error bound
         assert ((out.double() - ref).abs() <= bound).all()
+        # Each row's sums are the same whatever the other rows of the pass (the body relies on it).
+        assert all(torch.equal(f32_rows(w, x[i: i + 1])[0], out[i]) for i in range(n))
     with pytest.raises(ValueError):
         f32_rows(w.double(), x)
     lin = _Linear(torch.randn(500, 64, generator=g), pack=True, autotune=True)
@@ -129,3 +131,47 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
     assert "rows" in lin.kernels
     x = torch.randn(5, 64, generator=g)
     assert torch.allclose(lin._run(x, "rows"), lin._run(x, "plain"), atol=1e-4)
+
+
+def test_body_kernel_is_chosen_once_and_both_kernels_agree():
+    """The body's linear kernel is timed once per model (shared with forks); both candidates give
+    the same logits up to float32 rounding, and the rows kernel (chains, trees) keeps greedy
+    generation identical to oneDNN's on the tiny model."""
+    import pytest
+
+    from forerun.backends.native import f32_rows_kernel
+    from forerun.engine import Engine
+
+    be = wrap(tiny_gemma(1)).backend
+    kernel = be.body_kernel
+    assert kernel in ("onednn", "rows")
+    twin = be.fork()
+    assert twin.body_kernel == kernel and twin._body_choice is be._body_choice
+    if f32_rows_kernel() is None or be._pack is False:
+        pytest.skip("no C compiler for the f32_rows kernel")
+    ids = torch.randint(4, 96, (30,), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for how in ("onednn", "rows"):
+        be._body_choice["kernel"] = how
+        be.reset()
+        be.forward(ids[:20], 0)
+        out[how] = (be.forward(ids[20:26], 20).logits, Engine(be, None, set()).generate(ids[:8].tolist(), max_new_tokens=12).token_ids)
+    assert torch.allclose(out["onednn"][0], out["rows"][0], atol=1e-4, rtol=1e-4)
+    assert out["onednn"][1] == out["rows"][1]
+
+
+def test_greedy_head_auto_decides_once_and_matches_float_argmax():
+    """exact_greedy="auto" (the default) times the screened exact head against float32 logits on
+    first use and keeps one answer for the model and its forks; either way greedy tokens are the
+    argmax of the logits (no near ties on the tiny model)."""
+    be = wrap(tiny_gemma(2)).backend
+    assert be.exact_greedy == "auto"
+    twin = be.fork()  # decides first
+    assert be.greedy_head in ("exact-q8-screened", "float32") and twin._exact is be._exact
+    ids = torch.randint(4, 96, (20,), generator=torch.Generator().manual_seed(6))
+    be.reset()
+    ref = be.forward(ids, 0).logits.double().argmax(-1)
+    be.reset()
+    assert torch.equal(be.argmax_forward(ids, 0), ref)
+    h = be.forward(ids[:3], 0, logits=False, return_hidden=True).hidden
+    assert torch.equal(be.argmax_hidden(h), ref[:3])

@@ -5,7 +5,7 @@ import torch
 
 from forerun.drafters.base import Draft
 from forerun.drafters.eagle import static_tree
-from forerun.tree import graft_chain, greedy_tree_accept, sample_tree_accept, tree_layout
+from forerun.tree import graft_chain, greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
 
 #        root
 #       /    \
@@ -59,6 +59,35 @@ def test_greedy_tree_accept():
     assert greedy_tree_accept(tokens, PARENTS, ids) == ([1, 3, 6], [10, 12, 15, 7])
     ids = torch.tensor([42, 0, 0, 0, 0, 0, 0])
     assert greedy_tree_accept(tokens, PARENTS, ids) == ([], [42])
+
+
+def test_greedy_tree_walk_matches_the_full_walk_on_fewer_rows():
+    """The lazy walk (LM head only on rows it reaches) gives greedy_tree_accept's answer on random
+    trees, evaluates each row at most once and every row of its path, and a walk along the
+    drafter's first children costs one call."""
+    g = torch.Generator().manual_seed(0)
+    fewer = 0
+    for trial in range(300):
+        n = int(torch.randint(1, 24, (), generator=g))
+        parents = torch.tensor([int(torch.randint(-1, i, (), generator=g)) for i in range(n)])
+        tokens = torch.randint(0, 3, (n,), generator=g)  # a small alphabet: many matches
+        ids = torch.randint(0, 3, (n + 1,), generator=g)
+        asked = []
+
+        def argmax_rows(rs):
+            asked.extend(rs)
+            return ids[rs].tolist()
+
+        rows, out, n_eval = greedy_tree_walk(tokens, parents, argmax_rows, batch=1 + trial % 5)
+        assert (rows, out) == greedy_tree_accept(tokens, parents, ids)
+        assert n_eval == len(asked) == len(set(asked)) and {0, *rows} <= set(asked)
+        fewer += n_eval < n + 1
+    assert fewer > 200
+    calls = []
+    ids = torch.tensor([10, 12, 0, 15, 0, 0, 7])  # root -> n0 -> n2 -> n5 -> bonus 7: first children all the way
+    walk = greedy_tree_walk(torch.tensor([10, 11, 12, 13, 14, 15]), PARENTS,
+                            lambda rs: calls.append(rs) or ids[rs].tolist(), batch=4)
+    assert walk == ([1, 3, 6], [10, 12, 15, 7], 4) and calls == [[0, 1, 3, 6]]
 
 
 def test_sample_tree_accept_is_lossless():

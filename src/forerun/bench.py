@@ -77,7 +77,7 @@ def machine_info(dtype) -> dict:
     }
 
 
-def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 7) -> dict:
+def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 7, lazy_trees=()) -> dict:
     """Median time of a (K+1)-token verify pass over a 1-token step, at a fixed context length.
 
     Timed the way greedy generation runs it: where the backend verifies through exact argmaxes
@@ -97,7 +97,24 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     one = median_forward_s(backend, ids[: context + 1], 1, reps, method=fn)
     out = {"step_ms": one * 1000, "context": context}
     out.update({str(k): median_forward_s(backend, ids[: context + k + 1], k + 1, reps, method=fn) / one for k in ks})
+    for rows, head_rows in sorted(lazy_trees):  # "N+headH": N draft nodes and the root, the LM head on H rows
+        pass_ = _lazy_tree_pass(backend, head_rows)
+        ids_t = torch.randint(10, min(backend.vocab_size, 20000), (context + rows + 1,), generator=torch.Generator().manual_seed(1))
+        out[f"{rows}+head{head_rows}"] = median_forward_s(backend, ids_t, rows + 1, reps, method=pass_) / one
     return out
+
+
+def _lazy_tree_pass(backend, head_rows: int):
+    """A greedy tree's verify pass as the engine runs it on the CPU: every row through the body,
+    then the LM head on ``head_rows`` rows in calls of ``TREE_WALK_BATCH`` (the walk's rounds)."""
+    from forerun.tree import TREE_WALK_BATCH
+
+    def run(tokens, pos):
+        h = backend.forward(tokens, pos, logits=False, return_hidden=True).hidden
+        for s in range(0, head_rows, TREE_WALK_BATCH):
+            backend.argmax_hidden(h[s: min(head_rows, s + TREE_WALK_BATCH)])
+
+    return run
 
 
 def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7) -> dict | None:
@@ -187,6 +204,7 @@ def _summarise(records, names, by_cat=True):
             "accepted": acc,
             "rejections": rej,
             "target_passes": passes,
+            "head_rows": sum(r.get("head_rows", 0) for r in rs),
             "greedy_equal": sum(1 for r in rs if r["equal_none"]),
             "prompts": len(rs),
         }
@@ -228,7 +246,7 @@ def _summarise(records, names, by_cat=True):
     return out
 
 
-def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | None = None) -> float | None:
+def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | str | None = None) -> float | None:
     """Leviathan et al.'s speedup with measured inputs.
 
     alpha = per-token acceptance estimated from the drafts the target tested (accepted /
@@ -236,7 +254,8 @@ def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | None = Non
     tested, so accepted / drafted would undercount it), gamma = mean draft length per verify
     pass, c = measured draft time per drafted token over our plain step time (none's wall time
     per token), and the verify pass costs the measured ratio r(gamma) of a step instead of 1. A
-    token tree (``rows`` draft nodes) is charged the ratio of a pass of that many rows, and gamma
+    token tree (``rows`` draft nodes) is charged the ratio of a pass of that many rows (on the CPU,
+    greedy: ``"N+headH"``, the body on every row and the LM head on the H rows its walk took), and gamma
     and alpha are those of its accepted path (depth): the chain formula then approximates the tree.
     """
     if not m.get("drafted") or not m.get("target_passes") or not none.get("new_tokens"):
@@ -259,7 +278,8 @@ def write_markdown(results: dict, path: Path) -> None:
     cfg = results["config"]
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
                  f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). Greedy, max_new_tokens={cfg['max_new_tokens']}, "
-                 f"k={cfg['k']}, {cfg['prompts']} prompts.")
+                 f"k={cfg['k']}, {cfg['prompts']} prompts."
+                 + (f" Greedy head: {cfg['greedy_head']}; body kernel: {cfg['body_kernel']}." if "greedy_head" in cfg else ""))
     if "batch_invariant" in cfg:
         lines.append(f"llama.cpp: {cfg['llama_cpp']}; multi-token passes bit-identical to one-token steps: {cfg['batch_invariant']}.")
     lines.append("")
@@ -299,6 +319,9 @@ def write_markdown(results: dict, path: Path) -> None:
         lines.append("| K | " + " | ".join(ks) + " |")
         lines.append("|---|" + "---|" * len(ks))
         lines.append("| ratio | " + " | ".join(f"{vr[k]:.2f}" for k in ks) + " |")
+        if any("+head" in k for k in ks):
+            lines += ["", "N+headH: a greedy tree pass of N draft nodes and the root, with the LM head on H rows only "
+                      "(the rows the acceptance walk took on average, in calls of up to 4 rows)."]
     hk = results.get("lm_head_kernels_ms")
     if hk:
         kernels = [k for k in next(iter(hk.values())) if k != "chosen"]
@@ -434,6 +457,9 @@ def run_bench(args) -> dict:
     config["tree"] = list(tree) if tree else None
     config["backend"] = type(target.backend).__name__
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
+    for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)
+        if hasattr(target.backend, attr):
+            config[attr] = getattr(target.backend, attr)
     if hasattr(target.backend, "batch_invariant"):
         config["batch_invariant"] = target.backend.batch_invariant
         config["llama_cpp"] = "exact mode (see README); peer llama.cpp: llama.cpp's default settings"
@@ -468,11 +494,19 @@ def run_bench(args) -> dict:
 
     tree_rows = tree[0] if tree else None
     ks = list(range(1, 9)) + ([tree_rows] if tree_rows and tree_rows > 8 else [])
-    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks)
+    lazy = {}  # greedy trees on the CPU: a pass of the tree's rows, the LM head on as many rows as the walk took
+    if tree_rows and getattr(target.backend, "lazy_tree_head", False):
+        for name in tree_methods:
+            m = results["methods"].get(name)
+            if m and m.get("target_passes") and "steps_by_choice" not in m:
+                lazy[name] = max(1, round(m["head_rows"] / m["target_passes"]))
+    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks, lazy_trees={(tree_rows, h) for h in lazy.values()})
     results["lm_head_kernels_ms"] = head_kernel_times(target.backend)
     for name, m in results["methods"].items():
         if name in engines and name != "none" and "steps_by_choice" not in m:  # a tree or a chain or nothing per
             rows = tree_rows if name in tree_methods else None  # step (+auto) has no one draft shape to price
+            if name in lazy:
+                rows = f"{tree_rows}+head{lazy[name]}"
             m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"], rows)
     if hasattr(target.backend, "head_fallbacks"):
         results["greedy_head_fallbacks"] = target.backend.head_fallbacks

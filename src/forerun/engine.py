@@ -18,7 +18,7 @@ from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
 from forerun.stats import GenerationStats
-from forerun.tree import greedy_tree_accept, sample_tree_accept
+from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept
 
 
 @dataclass
@@ -121,7 +121,15 @@ class Engine:
             n_draft = draft.depth
             root = len(tokens) - 1
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
-            if params.greedy and fast_argmax and (tree is None or getattr(target, "argmax_tree", False)):
+            lazy_rows, head_rows = None, len(feed)
+            if params.greedy and tree is not None and getattr(target, "lazy_tree_head", False):
+                # the LM head runs only on the rows the acceptance walk reaches
+                logits = None
+                passed = target.forward(feed, root, tree=tree, logits=False, return_hidden=True, **fwd)
+                hidden, feats = passed.hidden, passed.layers
+                lazy_rows = greedy_tree_walk(draft.tokens, draft.parents,
+                                             lambda rs: target.argmax_hidden(hidden[rs]).tolist())
+            elif params.greedy and fast_argmax and (tree is None or getattr(target, "argmax_tree", False)):
                 # the backend gives exact argmaxes cheaper than logits
                 logits = None
                 tree_kw = {} if tree is None else {"tree": tree}
@@ -138,7 +146,10 @@ class Engine:
 
             # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.
             rows = None
-            if tree is not None and logits is None:
+            if lazy_rows is not None:
+                rows, out, head_rows = lazy_rows
+                n_acc = len(rows)
+            elif tree is not None and logits is None:
                 rows, out = greedy_tree_accept(draft.tokens, draft.parents, target_ids.cpu())
                 n_acc = len(rows)
             elif tree is not None:
@@ -164,6 +175,7 @@ class Engine:
 
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
+            stats.head_rows += head_rows
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
             policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket if per_bucket else None)

@@ -12,6 +12,7 @@ class GenerationStats:
     target_passes: int = 0  # verify passes after the prefill (each also yields one target token)
     drafted: int = 0
     accepted: int = 0
+    head_rows: int = 0  # rows of the verify passes that went through the target's LM head
     rejections: int = 0  # verify passes whose draft had a token rejected (the rest of it went untested)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)

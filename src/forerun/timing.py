@@ -34,7 +34,7 @@ def median_forward_s(backend, ids: torch.Tensor, n: int, reps: int = 7, method: 
     for i in range(reps + 1):
         backend.truncate(ctx)
         t = time.perf_counter()
-        getattr(backend, method)(ids[ctx:], ctx, **forward_kw)
+        (method if callable(method) else getattr(backend, method))(ids[ctx:], ctx, **forward_kw)
         if cuda:
             torch.cuda.synchronize()
         if i:

@@ -58,6 +58,38 @@ def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, target_ids: 
         row = nxt
 
 
+TREE_WALK_BATCH = 4  # rows per LM-head call of a greedy tree walk (the row reached and 3 below it)
+
+
+def greedy_tree_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax_rows, batch: int = TREE_WALK_BATCH):
+    """``greedy_tree_accept`` with the target's argmaxes computed only for rows the walk reaches.
+
+    ``argmax_rows(rows)`` gives the target's greedy token at each of the pass rows ``rows`` (a
+    list). Each round asks for the row the walk stands on and, in the same call, up to
+    ``batch - 1`` rows below it along first children (the drafter's most likely continuation:
+    siblings come in order of the drafter's confidence), so a walk that follows the drafter's
+    favourites costs one call. The result is the one ``greedy_tree_accept`` gives with every
+    row's argmax. Returns (path rows after the root, output tokens, rows evaluated)."""
+    kids = children_lists(parents)
+    tok = tokens.tolist()
+    known: dict[int, int] = {}
+    row, rows, out = 0, [], []
+    while True:
+        if row not in known:
+            ask = [row]
+            while len(ask) < batch and kids[ask[-1]]:
+                ask.append(kids[ask[-1]][0])
+            for r, t in zip(ask, argmax_rows(ask)):
+                known[r] = int(t)
+        want = known[row]
+        nxt = next((c for c in kids[row] if tok[c - 1] == want), None)
+        out.append(want)
+        if nxt is None:
+            return rows, out, len(known)
+        rows.append(nxt)
+        row = nxt
+
+
 def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, generator=None):
     """Lossless sampling over a tree of fixed candidates (recursive rejection with point-mass drafts).
 

@@ -203,15 +203,24 @@ class Q8Rows:
         return (q.float() * d[..., None]).flatten(-2)
 
 
-def q8_0_blocks(w: torch.Tensor) -> np.ndarray:
+def q8_0_blocks(w: torch.Tensor, chunk: int = 2048) -> tuple[np.ndarray, float, float]:
     """A float matrix [V, D] quantized to GGUF Q8_0 blocks, as raw bytes [V, D / 32 * 34] (ggml's
-    reference quantizer). A matrix that was dequantized from Q8_0 comes back bit for bit."""
+    reference quantizer; a matrix that was dequantized from Q8_0 comes back bit for bit), with
+    max_v ||W_v|| and max_v ||W_v - Wq_v|| (Wq: the dequantized blocks). Chunks of rows keep the
+    work in cache: for a 262,144 x 640 head it takes about half the time of whole-matrix passes."""
     V, D = w.shape
-    q, d = quantize_q8_0(w.detach().float().cpu())
     blocks = np.empty((V, D // QK, 2 + QK), np.uint8)
-    blocks[..., :2] = d.half().numpy().view(np.uint8).reshape(V, D // QK, 2)
-    blocks[..., 2:] = q.to(torch.int8).numpy().view(np.uint8)
-    return blocks.reshape(V, -1)
+    w_norm = err_norm = 0.0
+    for s in range(0, V, chunk):
+        wc = w[s: s + chunk].detach().float().cpu()
+        q, d = quantize_q8_0(wc)
+        n = len(wc)
+        blocks[s: s + n, :, :2] = d.half().numpy().view(np.uint8).reshape(n, D // QK, 2)
+        blocks[s: s + n, :, 2:] = q.to(torch.int8).numpy().view(np.uint8)
+        wq = (q * d[..., None]).reshape(n, D)  # exact: fp16 scale x int8
+        w_norm = max(w_norm, float(wc.norm(dim=1).max()))
+        err_norm = max(err_norm, float((wc - wq).norm(dim=1).max()))
+    return blocks.reshape(V, -1), w_norm, err_norm
 
 
 class ExactFloatArgmax:
@@ -228,16 +237,14 @@ class ExactFloatArgmax:
     """
 
     def __init__(self, weight: torch.Tensor, threads: int | None = None):
-        w = weight.detach().float().cpu()
+        w = weight.detach()
         if w.shape[1] % QK:
             raise ValueError(f"hidden size {w.shape[1]} is not a multiple of {QK}")
         self.weight = weight.detach()
-        self.q8 = Q8Head(q8_0_blocks(w), w.shape[1], threads=threads)
+        raw, self.w_norm, self.err_norm = q8_0_blocks(w)
+        self.q8 = Q8Head(raw, w.shape[1], threads=threads)
         if not self.q8.available:
             return
-        wq = (self.q8.q.float() * self.q8.d[..., None]).reshape(w.shape)  # exact: fp16 scale x int8
-        self.w_norm = float(w.norm(dim=1).max())
-        self.err_norm = float((w - wq).norm(dim=1).max())
         self.wq_norm = self.q8.w_norm  # bounds ||Wq_v|| from the scales alone
         self.candidates = 0  # tokens rescored in float64, summed over rows (a measure of the bound's slack)
 

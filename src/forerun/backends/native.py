@@ -8,12 +8,15 @@ except that linear layers are prepacked for oneDNN on CPU (see ``_linear``).
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, ForwardOutput
+
+log = logging.getLogger("forerun")
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text",)
 
@@ -51,10 +54,12 @@ class _Linear:
             return f32_rows(self.weight, x)
         return F.linear(x, self.weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
+    def __call__(self, x: torch.Tensor, how: str | None = None) -> torch.Tensor:  # x: [T, in]
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.shape[0]
+        if how == "rows" and rows <= self.AUTOTUNE_ROWS:  # the body's choice (NativeGemma3.body_kernel)
+            return f32_rows(self.weight, x)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
         choice = self.choice.get(rows)
@@ -181,7 +186,7 @@ class NativeGemma3(BackendBase):
     supports_layer_skip = True
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
-                 exact_greedy: bool = False):
+                 exact_greedy: bool | str = "auto"):
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"native backend does not support model type {cfg.model_type!r}")
@@ -215,8 +220,10 @@ class NativeGemma3(BackendBase):
             self._inv_freq[t] = getattr(rot, f"{t}_inv_freq").detach().float().to(self.device)
             self._rope_scale[t] = getattr(rot, f"{t}_attention_scaling", 1.0)
         self._pack = pack_linear
+        self._body_choice = {"kernel": None}  # shared with forks: chosen once (see body_kernel)
         self.exact_greedy = exact_greedy
-        self._exact = None
+        self._exact = None  # undecided; then the screened exact head, or False (float32 logits)
+        self.greedy_head = "float32"  # what decides greedy tokens (set when the exact head is chosen)
         self._hf_model = hf_model
         self._cap = 0
         self._len = 0
@@ -254,10 +261,49 @@ class NativeGemma3(BackendBase):
         self._len = 0
 
     def fork(self) -> "NativeGemma3":
+        self.exact_head()  # decided once, so that every twin takes greedy tokens the same way
+        return self._twin()
+
+    def _twin(self) -> "NativeGemma3":
         twin = object.__new__(NativeGemma3)
         twin.__dict__.update(self.__dict__)
         twin._cap, twin._len, twin.k_cache, twin.v_cache = 0, 0, None, None
         return twin
+
+    @property
+    def body_kernel(self) -> str:
+        """How the layers' linear products run for passes of up to 32 rows: ``onednn`` (prepacked
+        weights) or ``rows`` (``f32_rows.c``: each weight row read once for all rows of the pass;
+        a row's sums do not depend on the other rows). Chosen on first use by timing whole body
+        passes of 1 and 5 rows both ways (timed alone, a small layer's weights sit in cache and
+        mislead the choice); longer passes (prompts) stay on oneDNN."""
+        if self._body_choice["kernel"] is None:
+            self._body_choice["kernel"] = "onednn"  # meanwhile, and wherever ``rows`` cannot run
+            if (self._pack and self.device.type == "cpu" and self.dtype == torch.float32
+                    and f32_rows_kernel() is not None):
+                self._body_choice["kernel"] = self._time_body_kernels()
+        return self._body_choice["kernel"]
+
+    def _time_body_kernels(self) -> str:
+        from forerun.timing import median_s
+
+        twin = self._twin()
+        ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0))
+        twin.forward(ids[:64], 0, logits=False)
+        times = {}
+        for how in ("onednn", "rows"):
+            self._body_choice["kernel"] = how
+
+            def passes():
+                for n in (1, 5):
+                    twin.truncate(64)
+                    twin.forward(ids[64: 64 + n], 64, logits=False)
+
+            times[how] = median_s(passes, 3)
+        best = min(times, key=times.get)
+        log.info("body kernel: %s (passes of 1 and 5 rows: oneDNN %.1f ms, rows %.1f ms)",
+                 best, times["onednn"] * 1000, times["rows"] * 1000)
+        return best
 
     def sub_head(self, rows: torch.Tensor) -> _Linear:
         """An LM head over the vocabulary rows ``rows`` only (logits come back in that order)."""
@@ -314,31 +360,63 @@ class NativeGemma3(BackendBase):
     argmax_layers = True  # argmax_forward also returns layer outputs (for trained heads)
     argmax_tree = True  # ... and takes token trees
 
-    def exact_head(self):
+    def exact_head(self, h: torch.Tensor | None = None):
         """The screened exact argmax head (``greedy_head.ExactFloatArgmax``), built on first use;
-        None on GPUs, without a C compiler, or with ``exact_greedy`` off (then argmax of float32 logits)."""
+        None on GPUs, without a C compiler, with ``exact_greedy`` off, or where it lost the timing
+        (then greedy takes the argmax of float32 logits). With ``exact_greedy="auto"`` (the
+        default) the first call times both on one row of ``h`` (final normed hidden states; a
+        random row when None) and keeps the faster for the model's lifetime, so every pass size,
+        method and forked twin decides greedy tokens the same way."""
         if self._exact is None:
             head = None
             if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
                 from forerun.backends.greedy_head import ExactFloatArgmax
 
                 head = ExactFloatArgmax(self.lm_head.weight, threads=torch.get_num_threads())
-            self._exact = head if head is not None and head.available else False
+                if not head.available:
+                    head = None
+            if head is not None and self.exact_greedy == "auto":
+                head = head if self._exact_is_faster(head, h) else None
+            self._exact = head if head is not None else False
+            self.greedy_head = "exact-q8-screened" if head is not None else "float32"
         return self._exact or None
+
+    def _exact_is_faster(self, head, h: torch.Tensor | None) -> bool:
+        from forerun.timing import median_s
+
+        if h is None:
+            g = torch.Generator().manual_seed(0)
+            h = _rms_norm(torch.randn(1, self.hidden_size, generator=g).to(self.dtype), self.final_norm, self.eps)
+        row = h[-1:].float().cpu()
+        exact_s = median_s(lambda: head.argmax(row), 3)
+        float_s = median_s(lambda: self._logits(row.to(self.device, self.dtype)).argmax(-1), 3)
+        log.info("greedy head: %s (one row: screened exact %.1f ms, float32 logits %.1f ms)",
+                 "screened exact" if exact_s < float_s else "float32 logits", exact_s * 1000, float_s * 1000)
+        return exact_s < float_s
+
+    def argmax_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [n] of final normed hidden states h [n, hidden], each decided from its
+        own row: the screened exact head where it is in use, else the argmax of float32 logits."""
+        head = self.exact_head(h)
+        if head is None:
+            return self._logits(h).argmax(-1)
+        return head.argmax(h).to(self.device)
+
+    @property
+    def lazy_tree_head(self) -> bool:
+        """Greedy token trees run the LM head only on the rows the acceptance walk reaches
+        (``forerun.tree.greedy_tree_walk``): on the CPU each head row costs a pass over the
+        262,144-row head, while a GPU does all rows of a pass in about the time of one."""
+        return self.device.type == "cpu"
 
     @torch.inference_mode()
     def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
                        tree: torch.Tensor | None = None):
         """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
         decided from each row's own hidden state alone; with ``layers``, (argmax, layer outputs)."""
-        head = self.exact_head()
         tree_kw = {} if tree is None else {"tree": tree}
-        if head is None:
-            passed = self.forward(tokens, pos, layers=layers, **tree_kw)
-            ids = passed.logits.argmax(-1)
-        else:
-            passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
-            ids = head.argmax(passed.hidden).to(self.device)
+        passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
+        ids = self.argmax_hidden(passed.hidden)
         return (ids, passed.layers) if layers else ids
 
     def _logits(self, h: torch.Tensor, head: "_Linear | None" = None) -> torch.Tensor:
@@ -355,22 +433,23 @@ class NativeGemma3(BackendBase):
         Linear layers run on every row at once; attention runs per sequence on its own cache.
         Returns the last hidden states and the asked-for layers' outputs (or None)."""
         want = {l: None for l in layers}
+        how = self.body_kernel
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
             x = _rms_norm(h, layer.norms[0], self.eps)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, how)
             outs, r = [], 0
             for seq, pos, T, rope, masks in parts:
                 kind = "sliding_attention" if layer.sliding else "full_attention"
                 cos, sin = rope[kind] if kind in rope else next(iter(rope.values()))
                 outs.append(seq._attention(layer, i, qkv[r: r + T], pos, cos, sin, masks[layer.sliding]))
                 r += T
-            x = layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how)
             h = h + _rms_norm(x, layer.norms[1], self.eps)
             x = _rms_norm(h, layer.norms[2], self.eps)
-            gu = layer.gate_up(x)
-            x = layer.down(F.gelu(gu[:, : layer.inter], approximate="tanh") * gu[:, layer.inter :])
+            gu = layer.gate_up(x, how)
+            x = layer.down(F.gelu(gu[:, : layer.inter], approximate="tanh") * gu[:, layer.inter :], how)
             h = h + _rms_norm(x, layer.norms[3], self.eps)
             if i in want:
                 want[i] = h

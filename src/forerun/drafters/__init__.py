@@ -43,7 +43,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
         raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
     head = load_trained_head(method, target, head_path)
     if be.device.type == "cpu":
-        head.pack_for_inference()
+        head.pack_for_inference(getattr(be, "body_kernel", "onednn"))
     return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup, adaptive=adaptive)
 
 

@@ -113,21 +113,23 @@ class DraftHead(nn.Module):
     def logits(self, g):  # [..., hidden] -> [..., draft_vocab]
         return self._lin(self.lm_head, self.norm_out(g))
 
-    def pack_for_inference(self) -> "DraftHead":
-        """Use the backend's CPU matrix kernels (oneDNN-prepacked weights, fastest per row count) for
-        every linear layer: PyTorch's own one-row product is several times slower on CPU. Inference
-        only: packed weights do not train."""
+    def pack_for_inference(self, kernel: str = "onednn") -> "DraftHead":
+        """Use the backend's CPU matrix kernels for every linear layer: PyTorch's own one-row product
+        is several times slower on CPU. The LM head takes the fastest kernel per row count; the
+        other layers take ``kernel`` (the target's ``body_kernel``: ``onednn`` prepacked weights,
+        or ``rows``). Inference only: packed weights do not train."""
         from forerun.backends.native import _Linear
 
         self._packed = {id(m): _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head)
                         for m in self.modules() if isinstance(m, nn.Linear)}
+        self._kernel = kernel
         return self
 
     def _lin(self, mod: nn.Linear, x):
         kern = getattr(self, "_packed", {}).get(id(mod))
         if kern is None or x.requires_grad:
             return mod(x)
-        out = kern(x.reshape(-1, x.shape[-1]))
+        out = kern(x.reshape(-1, x.shape[-1]), None if mod is self.lm_head else self._kernel)
         if mod.bias is not None:
             out = out + mod.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
