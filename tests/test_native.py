@@ -175,3 +175,31 @@ def test_greedy_head_auto_decides_once_and_matches_float_argmax():
     assert torch.equal(be.argmax_forward(ids, 0), ref)
     h = be.forward(ids[:3], 0, logits=False, return_hidden=True).hidden
     assert torch.equal(be.argmax_hidden(h), ref[:3])
+
+
+def test_exact_argmax_narrows_flat_rows_with_float32_logits():
+    """A row whose Q8_0 screen leaves many candidates (near-identical vocabulary rows) is narrowed
+    with float32 logits and their error bound, by gathered rows or by the whole float32 head, and
+    still gives the float64 argmax."""
+    import pytest
+
+    from forerun.backends.greedy_head import ExactFloatArgmax
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3000, 64, generator=g)
+    for flat in (30, 2000):  # 30 rows: gathered (under 1/64 of 3000 rows is 46); 2000: the whole head
+        wf = w.clone()
+        wf[:flat] = w[0] + 1e-4 * torch.randn(flat, 64, generator=g)
+        calls = []
+        head = ExactFloatArgmax(wf, float_logits=lambda x: calls.append(len(x)) or x @ wf.T)
+        if not head.available:
+            pytest.skip("no C compiler for the Q8_0 kernel")
+        head.RESCORE_F32 = 8
+        narrow, narrowed = head._narrow, []
+        head._narrow = lambda cand, row: narrowed.append(len(cand)) or narrow(cand, row)
+        h = wf[:4] * 3 + 0.01 * torch.randn(4, 64, generator=g)
+        ref = (wf.double() @ h.double().T).T.argmax(-1)
+        head.candidates = 0
+        assert torch.equal(head.argmax(h), ref)
+        assert narrowed and head.candidates < sum(narrowed)  # the screen left many; float32 narrowed them
+        assert bool(calls) == (flat > 3000 // 64)

@@ -236,8 +236,11 @@ class ExactFloatArgmax:
     (ties: the lowest id). The answer depends on h alone, so it is the same for every pass size.
     """
 
-    def __init__(self, weight: torch.Tensor, threads: int | None = None):
+    RESCORE_F32 = 64  # more candidates than this in a row: narrowed by float32 logits first (below)
+
+    def __init__(self, weight: torch.Tensor, threads: int | None = None, float_logits=None):
         w = weight.detach()
+        self.float_logits = float_logits or (lambda x: x @ self.weight.T)  # [n, D] -> float32 [n, V]
         if w.shape[1] % QK:
             raise ValueError(f"hidden size {w.shape[1]} is not a multiple of {QK}")
         self.weight = weight.detach()
@@ -271,7 +274,23 @@ class ExactFloatArgmax:
                     cand = idx[r, :1]
                 else:
                     cand = torch.nonzero(a[r] >= m[r] - 2 * bound[r]).flatten()
+                if len(cand) > self.RESCORE_F32:
+                    cand = self._narrow(cand, hs[r])
                 self.candidates += len(cand)
                 exact = self.weight[cand].double() @ hs[r].double()
                 out[s + r] = cand[int(torch.argmax(exact))]  # first maximum: the lowest id
         return out
+
+    def _narrow(self, cand: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Candidates of a row whose Q8_0 screen left many (a flat distribution: thousands of tokens
+        within 2B), cut down with float32 logits: any float32 dot product of length D lies within
+        gamma_D * ||W_v|| * ||h|| of the exact one (gamma_D = D u / (1 - D u), whatever the summation
+        order), so only tokens within twice that of the float32 maximum can hold the maximum. Past
+        1/64 of the vocabulary the whole float32 head is cheaper than gathering the rows."""
+        D = h.shape[0]
+        err = D * _U32 / (1 - D * _U32) * self.w_norm * float(h.norm()) * 1.01
+        if len(cand) > self.weight.shape[0] // 64:
+            logits = self.float_logits(h[None].to(self.weight.device, self.weight.dtype))[0].float().cpu()
+            return torch.nonzero(logits >= logits.max() - 2 * err).flatten()
+        logits = (self.weight[cand] @ h.to(self.weight.dtype)).float()
+        return cand[logits >= logits.max() - 2 * err]

@@ -372,7 +372,7 @@ class NativeGemma3(BackendBase):
             if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
                 from forerun.backends.greedy_head import ExactFloatArgmax
 
-                head = ExactFloatArgmax(self.lm_head.weight, threads=torch.get_num_threads())
+                head = ExactFloatArgmax(self.lm_head.weight, threads=torch.get_num_threads(), float_logits=self.lm_head)
                 if not head.available:
                     head = None
             if head is not None and self.exact_greedy == "auto":
