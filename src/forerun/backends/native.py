@@ -32,9 +32,10 @@ class _Linear:
     of 4 (MKL's sgemm took ~20 ms for 4 rows but ~45 ms for 3 here), and keeps the fastest. A
     fourth candidate, ``rows`` (``f32_rows.c``, compiled on first use where a C compiler exists),
     reads each weight row once for all rows of the pass. Small-row
-    products are what verify passes are made of. (Tuning the body's small layers the same
-    way was measured slower end to end: timed in isolation their weights sit in cache,
-    which misleads the choice; they stay on oneDNN.)
+    products are what verify passes are made of. (The body's small layers are not tuned one by
+    one: timed in isolation their weights sit in cache, which misleads the choice; the backend
+    picks one kernel for all of them from whole body passes, see ``NativeGemma3.body_kernel``,
+    and passes it as ``how``.)
     """
 
     def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False):
