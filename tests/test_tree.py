@@ -65,6 +65,17 @@ def test_greedy_tree_walk_matches_the_full_walk_on_fewer_rows():
     """The lazy walk (LM head only on rows it reaches) gives greedy_tree_accept's answer on random
     trees, evaluates each row at most once and every row of its path, and a walk along the
     drafter's first children costs one call."""
+    def full_walk(tokens, parents, ids):  # every row's argmax known up front
+        kids = [[c + 1 for c, p in enumerate(parents.tolist()) if p + 1 == r] for r in range(len(parents) + 1)]
+        row, rows, out = 0, [], []
+        while True:
+            out.append(int(ids[row]))
+            nxt = next((c for c in kids[row] if int(tokens[c - 1]) == out[-1]), None)
+            if nxt is None:
+                return rows, out
+            rows.append(nxt)
+            row = nxt
+
     g = torch.Generator().manual_seed(0)
     fewer = 0
     for trial in range(300):
@@ -79,7 +90,7 @@ def test_greedy_tree_walk_matches_the_full_walk_on_fewer_rows():
             return ids[rs].tolist()
 
         rows, out, n_eval = greedy_tree_walk(tokens, parents, argmax_rows, batch=1 + trial % 5)
-        assert (rows, out) == greedy_tree_accept(tokens, parents, ids)
+        assert (rows, out) == full_walk(tokens, parents, ids) == greedy_tree_accept(tokens, parents, ids)
         assert n_eval == len(asked) == len(set(asked)) and {0, *rows} <= set(asked)
         fewer += n_eval < n + 1
     assert fewer > 200

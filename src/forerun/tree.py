@@ -44,18 +44,9 @@ def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, target_ids: 
 
     tokens [n] draft tokens; target_ids [n + 1] target argmax per row. Returns (path rows after the
     root, output tokens: the accepted ones plus the target's own next token)."""
-    kids = children_lists(parents)
-    tok = tokens.tolist()
     tgt = target_ids.tolist()
-    row, rows, out = 0, [], []
-    while True:
-        want = tgt[row]
-        nxt = next((c for c in kids[row] if tok[c - 1] == want), None)
-        out.append(want)
-        if nxt is None:
-            return rows, out
-        rows.append(nxt)
-        row = nxt
+    rows, out, _ = greedy_tree_walk(tokens, parents, lambda rs: [tgt[r] for r in rs])
+    return rows, out
 
 
 TREE_WALK_BATCH = 4  # rows per LM-head call of a greedy tree walk (the row reached and 3 below it)
@@ -68,8 +59,8 @@ def greedy_tree_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax_rows, b
     list). Each round asks for the row the walk stands on and, in the same call, up to
     ``batch - 1`` rows below it along first children (the drafter's most likely continuation:
     siblings come in order of the drafter's confidence), so a walk that follows the drafter's
-    favourites costs one call. The result is the one ``greedy_tree_accept`` gives with every
-    row's argmax. Returns (path rows after the root, output tokens, rows evaluated)."""
+    favourites costs one call. The path is the one the walk takes knowing every row's argmax
+    (``greedy_tree_accept``). Returns (path rows after the root, output tokens, rows evaluated)."""
     kids = children_lists(parents)
     tok = tokens.tolist()
     known: dict[int, int] = {}

@@ -239,11 +239,10 @@ class ExactFloatArgmax:
     RESCORE_F32 = 64  # more candidates than this in a row: narrowed by float32 logits first (below)
 
     def __init__(self, weight: torch.Tensor, threads: int | None = None, float_logits=None):
-        w = weight.detach()
-        self.float_logits = float_logits or (lambda x: x @ self.weight.T)  # [n, D] -> float32 [n, V]
+        self.weight = w = weight.detach()
+        self.float_logits = float_logits or (lambda x: x @ w.T)  # [n, D] -> float32 [n, V]
         if w.shape[1] % QK:
             raise ValueError(f"hidden size {w.shape[1]} is not a multiple of {QK}")
-        self.weight = weight.detach()
         raw, self.w_norm, self.err_norm = q8_0_blocks(w)
         self.q8 = Q8Head(raw, w.shape[1], threads=threads)
         if not self.q8.available:

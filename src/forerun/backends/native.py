@@ -60,7 +60,7 @@ class _Linear:
             return F.linear(x, self.weight)
         rows = x.shape[0]
         if how == "rows" and rows <= self.AUTOTUNE_ROWS:  # the body's choice (NativeGemma3.body_kernel)
-            return f32_rows(self.weight, x)
+            return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
         choice = self.choice.get(rows)
@@ -224,7 +224,6 @@ class NativeGemma3(BackendBase):
         self._body_choice = {"kernel": None}  # shared with forks: chosen once (see body_kernel)
         self.exact_greedy = exact_greedy
         self._exact = None  # undecided; then the screened exact head, or False (float32 logits)
-        self.greedy_head = "float32"  # what decides greedy tokens (set when the exact head is chosen)
         self._hf_model = hf_model
         self._cap = 0
         self._len = 0
@@ -379,8 +378,12 @@ class NativeGemma3(BackendBase):
             if head is not None and self.exact_greedy == "auto":
                 head = head if self._exact_is_faster(head, h) else None
             self._exact = head if head is not None else False
-            self.greedy_head = "exact-q8-screened" if head is not None else "float32"
         return self._exact or None
+
+    @property
+    def greedy_head(self) -> str:
+        """What decides greedy tokens: ``exact-q8-screened`` once the exact head is in use, else ``float32``."""
+        return "exact-q8-screened" if self._exact else "float32"
 
     def _exact_is_faster(self, head, h: torch.Tensor | None) -> bool:
         from forerun.timing import median_s
