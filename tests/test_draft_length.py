@@ -116,3 +116,28 @@ def test_alpha_estimate_recovers_iid_acceptance():
     m = {"drafted": st.drafted, "target_passes": st.target_passes, "alpha": st.alpha, "draft_s": 0.0}
     assert abs(_predicted_speedup(m, none, {"4": 1.0}) - expected_tokens(0.6, 4)) < 0.03
     assert expected_tokens(st.acceptance_rate, 4) < 1.7  # accepted / drafted as alpha: far too low
+
+
+def test_verify_cost_ratios_are_timed_on_the_given_text(gemma, monkeypatch):
+    """With texts, every timed pass feeds that text's own tokens at its positions; texts too short are
+    skipped, and with none long enough the ratio falls back to random tokens (and says so)."""
+    import torch
+
+    from forerun.bench import verify_cost_ratios
+
+    backend = gemma.backend
+    text = [int(t) for t in torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(3))]
+    fed = []
+    real = backend.forward
+
+    def spy(tokens, pos, *a, **kw):
+        fed.append((pos, [int(t) for t in torch.as_tensor(tokens).view(-1)]))
+        return real(tokens, pos, *a, **kw)
+
+    verify_cost_ratios(backend, context=20, ks=[1, 3], reps=1)  # the backend's own first-use timings (kernel choice) first
+    monkeypatch.setattr(backend, "forward", spy)
+    res = verify_cost_ratios(backend, context=20, ks=[1, 3], reps=1, texts=[[7] * 10, text])
+    assert res["texts"] == 1 and res["context"] == 20 and res["1"] > 0 and res["3"] > 0
+    assert fed and all(toks == text[pos: pos + len(toks)] for pos, toks in fed)
+    res = verify_cost_ratios(backend, context=20, ks=[1], reps=1, texts=[[7] * 10])
+    assert res["texts"] == 0

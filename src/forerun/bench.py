@@ -77,30 +77,43 @@ def machine_info(dtype) -> dict:
     }
 
 
-def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 7, lazy_trees=()) -> dict:
-    """Median time of a (K+1)-token verify pass over a 1-token step, at a fixed context length.
+def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 7, lazy_trees=(), texts=None,
+                       max_texts: int = 4) -> dict:
+    """Time of a (K+1)-token verify pass over a 1-token step, at a context of about ``context`` tokens.
 
     Timed the way greedy generation runs it: where the backend verifies through exact argmaxes
-    (llama.cpp), that path is timed, else a forward with logits at every position. The context
-    (200) stays below position 240, from which llama.cpp's exact mode runs one-token steps as
-    two-token passes.
+    (llama.cpp), that path is timed, else a forward with logits at every position. ``texts`` (token
+    id lists: the bench's prompts followed by the target's own greedy continuations) are timed at
+    their own positions, and the ratio is that of the summed medians over texts: a head whose cost
+    depends on how peaked the next-token distribution is (the screened exact argmax on the CPU)
+    sees the rows that decoding sees. Without texts, random tokens are timed (flatter rows). The
+    context (200) stays below position 240, from which llama.cpp's exact mode runs one-token steps
+    as two-token passes.
     """
     from forerun.timing import median_forward_s
 
-    context = max(1, min(context, backend.max_context - max(ks) - 2))
-    ids = torch.randint(10, min(backend.vocab_size, 20000), (context + max(ks) + 1,), generator=torch.Generator().manual_seed(0))
+    widest = max([*ks, *(rows for rows, _ in lazy_trees)])
+    context = max(1, min(context, backend.max_context - widest - 2))
+    # (context, ids) per text: a short text is timed at a shorter context, one shorter than 16 not at all
+    seqs = [(c, torch.tensor(t)) for t in (texts or ()) if (c := min(context, len(t) - widest - 1)) >= 16][:max_texts]
+    n_texts = len(seqs)
+    if not seqs:  # no text long enough: random tokens
+        seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=torch.Generator().manual_seed(0)))]
+    fn = "argmax_forward" if hasattr(backend, "argmax_forward") else "forward"
     # One untimed sweep first: the first passes of each shape after loading run measurably
     # slower (allocator and oneDNN primitive warm-up) than the steady state of a generation.
-    fn = "argmax_forward" if hasattr(backend, "argmax_forward") else "forward"
+    c0, ids0 = seqs[0]
     for k in (0, *ks):
-        median_forward_s(backend, ids[: context + k + 1], k + 1, 1, method=fn)
-    one = median_forward_s(backend, ids[: context + 1], 1, reps, method=fn)
-    out = {"step_ms": one * 1000, "context": context}
-    out.update({str(k): median_forward_s(backend, ids[: context + k + 1], k + 1, reps, method=fn) / one for k in ks})
+        median_forward_s(backend, ids0[: c0 + k + 1], k + 1, 1, method=fn)
+
+    def total(n, method):
+        return sum(median_forward_s(backend, ids[: c + n], n, reps, method=method) for c, ids in seqs)
+
+    one = total(1, fn)
+    out = {"step_ms": one / len(seqs) * 1000, "context": round(sum(c for c, _ in seqs) / len(seqs)), "texts": n_texts}
+    out.update({str(k): total(k + 1, fn) / one for k in ks})
     for rows, head_rows in sorted(lazy_trees):  # "N+headH": N draft nodes and the root, the LM head on H rows
-        pass_ = _lazy_tree_pass(backend, head_rows)
-        ids_t = torch.randint(10, min(backend.vocab_size, 20000), (context + rows + 1,), generator=torch.Generator().manual_seed(1))
-        out[f"{rows}+head{head_rows}"] = median_forward_s(backend, ids_t, rows + 1, reps, method=pass_) / one
+        out[f"{rows}+head{head_rows}"] = total(rows + 1, _lazy_tree_pass(backend, head_rows)) / one
     return out
 
 
@@ -117,8 +130,11 @@ def _lazy_tree_pass(backend, head_rows: int):
     return run
 
 
-def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7) -> dict | None:
-    """Milliseconds of the LM head for each row count and candidate kernel (native backend on CPU)."""
+def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7, text=None) -> dict | None:
+    """Milliseconds of the LM head for each row count and candidate kernel (native backend on CPU).
+
+    The screened exact argmax (greedy path) is timed on the model's own final hidden states, at the
+    last positions of ``text`` (token ids of real text) when given, else of random tokens."""
     head = getattr(backend, "lm_head", None)
     if head is None or not getattr(head, "autotune", False):
         return None
@@ -129,9 +145,12 @@ def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7) -> dict 
     if exact is not None:  # the greedy path: screened exact argmax, timed on the model's own final hidden states
         from forerun.timing import median_s
 
-        ids = torch.randint(10, min(backend.vocab_size, 20000), (max(rows),), generator=g)
+        if text is not None and len(text) >= max(rows):
+            ids = torch.tensor(text[: backend.max_context])
+        else:
+            ids = torch.randint(10, min(backend.vocab_size, 20000), (max(rows),), generator=g)
         backend.reset()
-        h = backend.forward(ids, 0, logits=False, return_hidden=True).hidden
+        h = backend.forward(ids, 0, logits=False, return_hidden=True).hidden[-max(rows):]
         backend.reset()
         for n in rows:
             out[str(n)]["exact_argmax"] = median_s(lambda: exact.argmax(h[:n]), reps) * 1000
@@ -314,8 +333,10 @@ def write_markdown(results: dict, path: Path) -> None:
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     vr = results.get("verify_cost_ratio")
     if vr:
-        lines += ["", f"Verify cost ratio (time of a K+1-token pass over a 1-token step of {vr['step_ms']:.1f} ms, context {vr['context']}):", ""]
-        ks = [k for k in vr if k not in ("step_ms", "context")]
+        on = (f"timed on {vr['texts']} prompts followed by the target's own greedy output, mean context {vr['context']}"
+              if vr.get("texts") else f"timed on random tokens, context {vr['context']}")
+        lines += ["", f"Verify cost ratio (time of a K+1-token pass over a 1-token step of {vr['step_ms']:.1f} ms; {on}):", ""]
+        ks = [k for k in vr if k not in ("step_ms", "context", "texts")]
         lines.append("| K | " + " | ".join(ks) + " |")
         lines.append("|---|" + "---|" * len(ks))
         lines.append("| ratio | " + " | ".join(f"{vr[k]:.2f}" for k in ks) + " |")
@@ -465,7 +486,7 @@ def run_bench(args) -> dict:
         config["llama_cpp"] = "exact mode (see README); peer llama.cpp: llama.cpp's default settings"
     dtype = hf_model.dtype if target.hf_model is not None else "gguf (llama.cpp)"
     results = {"machine": machine_info(dtype), "config": config}
-    records = []
+    records, reference_outputs = [], []
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
     for p, ids in zip(prompts, encoded):
         ref = None
@@ -485,6 +506,7 @@ def run_bench(args) -> dict:
                     rec["prefill_s"] = prefill
             if name == "none":
                 ref = out
+                reference_outputs.append(out)
             rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids), equal_none=out == ref)
             records.append(rec)
             bar.update(1)
@@ -500,8 +522,11 @@ def run_bench(args) -> dict:
             m = results["methods"].get(name)
             if m and m.get("target_passes") and "steps_by_choice" not in m:
                 lazy[name] = max(1, round(m["head_rows"] / m["target_passes"]))
-    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks, lazy_trees={(tree_rows, h) for h in lazy.values()})
-    results["lm_head_kernels_ms"] = head_kernel_times(target.backend)
+    # Timed on the prompts with the target's own continuations (none's outputs): the rows decoding sees.
+    texts = [ids + r_out for ids, r_out in zip(encoded, reference_outputs)]
+    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks, lazy_trees={(tree_rows, h) for h in lazy.values()},
+                                                      texts=texts)
+    results["lm_head_kernels_ms"] = head_kernel_times(target.backend, text=max(texts, key=len) if texts else None)
     for name, m in results["methods"].items():
         if name in engines and name != "none" and "steps_by_choice" not in m:  # a tree or a chain or nothing per
             rows = tree_rows if name in tree_methods else None  # step (+auto) has no one draft shape to price
