@@ -203,3 +203,48 @@ def test_exact_argmax_narrows_flat_rows_with_float32_logits():
         assert torch.equal(head.argmax(h), ref)
         assert narrowed and head.candidates < sum(narrowed)  # the screen left many; float32 narrowed them
         assert bool(calls) == (flat > 3000 // 64)
+
+
+def test_verify_rows_equal_one_token_steps_bit_for_bit():
+    """Batch-invariant (the default on the CPU): every row of a chain pass and of a branching tree
+    pass, across the sliding window, has exactly the hidden state a one-token step at that
+    position computes with the row's path in the cache, so greedy verification cannot differ from
+    plain decoding even on a near tie."""
+    import pytest
+
+    be = wrap(tiny_gemma(2)).backend
+    if not be.batch_invariant:
+        pytest.skip("no C compiler for the row kernels")
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(4, 96, (40,), generator=g)
+    pos = 20  # past the sliding window (8)
+
+    def steps(path):  # hidden states of one-token steps over path, after the same prefill
+        be.reset()
+        be.forward(ids[:pos], 0, logits=False)
+        return torch.cat([be.forward(torch.tensor([t]), pos + i, logits=False, return_hidden=True).hidden
+                          for i, t in enumerate(path)])
+
+    chain = steps(ids[pos: pos + 12].tolist())
+    for n in (2, 5, 12):
+        be.reset()
+        be.forward(ids[:pos], 0, logits=False)
+        assert torch.equal(be.forward(ids[pos: pos + n], pos, logits=False, return_hidden=True).hidden, chain[:n])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, 5, 7, 3, 9])  # rows 1.. ; row 0 is the root
+    tokens = torch.randint(4, 96, (len(parents) + 1,), generator=g)
+    be.reset()
+    be.forward(ids[:pos], 0, logits=False)
+    tree_h = be.forward(tokens, pos, logits=False, return_hidden=True, tree=parents).hidden
+    for r in range(len(tokens)):
+        path, a = [], r
+        while a > 0:
+            path.append(a)
+            a = int(parents[a - 1]) + 1
+        path = [0] + path[::-1]
+        assert torch.equal(steps(tokens[path].tolist())[-1], tree_h[r]), r
+    # the library path (batch_invariant=False) computes the same values up to float32 rounding
+    be2 = wrap(tiny_gemma(2)).backend
+    be2._want_invariant = False
+    be2.reset()
+    be2.forward(ids[:pos], 0, logits=False)
+    assert torch.allclose(be2.forward(ids[pos: pos + 12], pos, logits=False, return_hidden=True).hidden, chain, atol=1e-4)

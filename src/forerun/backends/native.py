@@ -19,6 +19,10 @@ from forerun.backends.base import ArgmaxOutput, BackendBase, ForwardOutput
 log = logging.getLogger("forerun")
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text",)
+# Passes of up to this many rows (one-token steps, chains, token trees with a lookup branch) are
+# computed row by row alike where the backend is batch-invariant (see NativeGemma3.batch_invariant);
+# longer ones (prompts, shared by every method) take the library kernels.
+INVARIANT_ROWS = 64
 
 
 class _Linear:
@@ -59,7 +63,7 @@ class _Linear:
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.shape[0]
-        if how == "rows" and rows <= self.AUTOTUNE_ROWS:  # the body's choice (NativeGemma3.body_kernel)
+        if how == "rows" and rows <= INVARIANT_ROWS:  # the body's choice (NativeGemma3.body_kernel)
             return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
@@ -120,6 +124,76 @@ def f32_rows_kernel():
 def _f32_rows_fits(weight: torch.Tensor) -> bool:
     """Whether ``f32_rows`` takes this weight as it is: contiguous float32 on the CPU."""
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+
+
+_ATTN_LIB: list = []  # [loaded library or None], filled on first use
+
+
+def attn_rows_kernel():
+    """The compiled ``attn_rows.c`` (see there), or None where it cannot be built (logged once)."""
+    if not _ATTN_LIB:
+        import ctypes
+
+        from forerun.backends.greedy_head import compile_c
+
+        lib = compile_c("attn_rows", "batch-invariant attention runs row by row through PyTorch (slower)")
+        if lib is not None:
+            P, I = ctypes.c_void_p, ctypes.c_int
+            lib.forerun_attn_rows.restype = I
+            lib.forerun_attn_rows.argtypes = [P, P, P, ctypes.c_int64, I, I, I, I, P, P, P, P, ctypes.c_float, P]
+            lib.forerun_attn_threads.argtypes = [I]
+        _ATTN_LIB.append(lib)
+    return _ATTN_LIB[0]
+
+
+class RowKeys:
+    """The cache slots each row of a pass attends to, in order: ``lo[t]``..``hi[t]``-1, then
+    ``extra[xp[t]:xp[t+1]]`` (a tree row: its ancestors and itself). Exactly the slots a one-token
+    step at that row's position sees once the row's path is the cache's content."""
+
+    def __init__(self, lo, hi, extras=None):
+        T = len(lo)
+        extras = extras or [[] for _ in range(T)]
+        self.lo = torch.tensor(lo, dtype=torch.int32)
+        self.hi = torch.tensor(hi, dtype=torch.int32)
+        self.xp = torch.tensor([0] + [len(e) for e in extras], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.extra = torch.tensor([j for e in extras for j in e] or [0], dtype=torch.int32)
+        self.rows = [(a, b, e) for a, b, e in zip(lo, hi, extras)]
+
+    @classmethod
+    def chain(cls, pos: int, T: int, window: int | None) -> "RowKeys":
+        ends = range(pos + 1, pos + T + 1)
+        return cls([max(0, e - window) if window else 0 for e in ends], list(ends))
+
+    def slots(self, t: int) -> torch.Tensor | tuple[int, int]:
+        a, b, e = self.rows[t]
+        return (a, b) if not e else torch.cat([torch.arange(a, b), torch.tensor(e, dtype=torch.long)])
+
+
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowKeys, scale: float) -> torch.Tensor:
+    """Batch-invariant attention: q [T, heads, D] over one layer's cache k, v [kv_heads, cap, D],
+    row t over ``keys``' slots for row t only; [T, heads * D]. ``attn_rows.c`` where it builds,
+    else one PyTorch call per row (each row then as a one-token step computes it)."""
+    T, H, D = q.shape
+    lib = attn_rows_kernel()
+    if lib is None or q.dtype != torch.float32 or q.device.type != "cpu":
+        qt = q.transpose(0, 1)[None]
+        outs = []
+        for t in range(T):
+            sel = keys.slots(t)
+            kk, vv = (k[:, sel[0]: sel[1]], v[:, sel[0]: sel[1]]) if isinstance(sel, tuple) else (k[:, sel], v[:, sel])
+            outs.append(F.scaled_dot_product_attention(qt[:, :, t: t + 1], kk[None], vv[None], scale=scale,
+                                                       enable_gqa=H != k.shape[0]))
+        return torch.cat(outs, 2)[0].transpose(0, 1).reshape(T, H * D)
+    q = q.contiguous()
+    out = torch.empty(T, H, D, dtype=torch.float32)
+    lib.forerun_attn_threads(torch.get_num_threads())
+    rc = lib.forerun_attn_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], T, H, k.shape[0], D,
+                               keys.lo.data_ptr(), keys.hi.data_ptr(), keys.xp.data_ptr(), keys.extra.data_ptr(),
+                               scale, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("attn_rows: out of memory")
+    return out.view(T, H * D)
 
 
 def f32_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +261,7 @@ class NativeGemma3(BackendBase):
     supports_layer_skip = True
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
-                 exact_greedy: bool | str = "auto"):
+                 exact_greedy: bool | str = "auto", batch_invariant: bool = True):
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"native backend does not support model type {cfg.model_type!r}")
@@ -222,6 +296,7 @@ class NativeGemma3(BackendBase):
             self._rope_scale[t] = getattr(rot, f"{t}_attention_scaling", 1.0)
         self._pack = pack_linear
         self._body_choice = {"kernel": None}  # shared with forks: chosen once (see body_kernel)
+        self._want_invariant = batch_invariant
         self.exact_greedy = exact_greedy
         self._exact = None  # undecided; then the screened exact head, or False (float32 logits)
         self._hf_model = hf_model
@@ -272,17 +347,29 @@ class NativeGemma3(BackendBase):
 
     @property
     def body_kernel(self) -> str:
-        """How the layers' linear products run for passes of up to 32 rows: ``onednn`` (prepacked
-        weights) or ``rows`` (``f32_rows.c``: each weight row read once for all rows of the pass;
-        a row's sums do not depend on the other rows). Chosen on first use by timing whole body
-        passes of 1 and 5 rows both ways (timed alone, a small layer's weights sit in cache and
-        mislead the choice); longer passes (prompts) stay on oneDNN."""
+        """How the layers' linear products run for passes of up to ``INVARIANT_ROWS`` rows:
+        ``onednn`` (prepacked weights) or ``rows`` (``f32_rows.c``: each weight row read once for
+        all rows of the pass; a row's sums do not depend on the other rows). ``rows`` wherever it
+        builds when the backend is to be batch-invariant (the default), else chosen on first use
+        by timing whole body passes of 1 and 5 rows both ways (timed alone, a small layer's weights
+        sit in cache and mislead the choice); longer passes (prompts) stay on oneDNN."""
         if self._body_choice["kernel"] is None:
             self._body_choice["kernel"] = "onednn"  # meanwhile, and wherever ``rows`` cannot run
             if (self._pack and self.device.type == "cpu" and self.dtype == torch.float32
                     and f32_rows_kernel() is not None):
-                self._body_choice["kernel"] = self._time_body_kernels()
+                self._body_choice["kernel"] = "rows" if self._want_invariant else self._time_body_kernels()
         return self._body_choice["kernel"]
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every row of a pass of up to ``INVARIANT_ROWS`` rows (a chain, a token tree) is
+        computed bit for bit as a one-token step at that position computes it: the layers' products
+        by ``rows`` (each row's sums alone) and attention row by row over exactly the keys that row
+        sees, in cache order. With the screened exact head deciding each row from its hidden state,
+        greedy verification then cannot differ from plain decoding, not even on near ties. On by
+        default on the CPU where ``f32_rows.c`` builds (float32); ``batch_invariant=False`` lets the
+        body take whichever kernel times faster and attention take all rows at once."""
+        return self.body_kernel == "rows" and self._want_invariant
 
     def _time_body_kernels(self) -> str:
         from forerun.timing import median_s
@@ -503,6 +590,8 @@ class NativeGemma3(BackendBase):
         sliding = (k <= q) & (k > q - self.window) if self.window else (k <= q)
         if T == 1 and bool(sliding.all()):
             sliding = None
+        if T <= INVARIANT_ROWS and self.batch_invariant:  # each row: exactly the keys a one-token step sees
+            return {False: (0, full, RowKeys.chain(pos, T, None)), True: (start, sliding, RowKeys.chain(pos, T, self.window))}
         return {False: (0, full), True: (start, sliding)}
 
     def _tree_masks(self, pos: int, parents: torch.Tensor):
@@ -519,6 +608,13 @@ class NativeGemma3(BackendBase):
         sliding = seen
         if self.window:
             sliding = seen & (kpos[None, :] > qpos[:, None] - self.window)
+        if T <= INVARIANT_ROWS and self.batch_invariant:  # the prefix, then the row's ancestors and itself
+            extras = [(r.nonzero().view(-1) + pos).tolist() for r in anc]
+            qp = qpos.tolist()
+            w = self.window
+            return qpos, {False: (0, seen, RowKeys([0] * T, [pos] * T, extras)),
+                          True: (start, sliding[:, start:], RowKeys([min(pos, max(0, p - w + 1)) if w else 0 for p in qp], [pos] * T,
+                                                                    [[j for j in e if not w or j > p - w] for e, p in zip(extras, qp)]))}
         return qpos, {False: (0, seen), True: (start, sliding[:, start:])}
 
     @torch.inference_mode()
@@ -547,7 +643,9 @@ class NativeGemma3(BackendBase):
         end = pos + T
         self.k_cache[idx, :, pos:end] = k.transpose(0, 1)
         self.v_cache[idx, :, pos:end] = v.transpose(0, 1)
-        start, mask = mask_info
+        start, mask = mask_info[:2]
+        if len(mask_info) > 2:  # batch-invariant: every row as a one-token step over its own keys
+            return attention_rows(q, self.k_cache[idx], self.v_cache[idx], mask_info[2], self.scale)
         keys = self.k_cache[idx, :, start:end]  # [kv_heads, S, D]
         vals = self.v_cache[idx, :, start:end]
         out = F.scaled_dot_product_attention(
