@@ -188,6 +188,9 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     if not torch.cuda.is_available():  # CPU: greedy trees run the LM head on the walked rows only, and are priced so
         lazy = [k for k in res["verify_cost_ratio"] if k.startswith("4+head")]
         assert lazy and res["config"]["greedy_head"] in ("exact-q8-screened", "float32")
+        from forerun.backends.native import f32_rows_kernel
+
+        assert res["config"]["batch_invariant"] == (f32_rows_kernel() is not None) and "llama_cpp" not in res["config"]
         assert res["methods"]["eagle-tree+lookup:3"]["head_rows"] > 0
 
 

@@ -300,7 +300,8 @@ def write_markdown(results: dict, path: Path) -> None:
                  f"k={cfg['k']}, {cfg['prompts']} prompts."
                  + (f" Greedy head: {cfg['greedy_head']}; body kernel: {cfg['body_kernel']}." if "greedy_head" in cfg else ""))
     if "batch_invariant" in cfg:
-        lines.append(f"llama.cpp: {cfg['llama_cpp']}; multi-token passes bit-identical to one-token steps: {cfg['batch_invariant']}.")
+        lines.append((f"llama.cpp: {cfg['llama_cpp']}; " if "llama_cpp" in cfg else "")
+                     + f"verify passes bit-identical to one-token steps (batch-invariant): {cfg['batch_invariant']}.")
     lines.append("")
     lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | decode tokens/s | decode vs llama.cpp "
                  "| tau | acceptance | greedy = none |")
@@ -483,7 +484,8 @@ def run_bench(args) -> dict:
             config[attr] = getattr(target.backend, attr)
     if hasattr(target.backend, "batch_invariant"):
         config["batch_invariant"] = target.backend.batch_invariant
-        config["llama_cpp"] = "exact mode (see README); peer llama.cpp: llama.cpp's default settings"
+        if config["backend"] == "LlamaCppBackend":
+            config["llama_cpp"] = "exact mode (see README); peer llama.cpp: llama.cpp's default settings"
     dtype = hf_model.dtype if target.hf_model is not None else "gguf (llama.cpp)"
     results = {"machine": machine_info(dtype), "config": config}
     records, reference_outputs = [], []
