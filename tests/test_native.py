@@ -133,6 +133,35 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
     assert torch.allclose(lin._run(x, "rows"), lin._run(x, "plain"), atol=1e-4)
 
 
+def test_f16_weight_rows_kernel_matches_float64_and_is_used_only_where_exact():
+    """Float16 weights read by the rows kernel give float64's product of those weights up to
+    float32 rounding (vector-sized shapes, odd shapes, subnormal and negative halves), each row
+    alone; a layer takes the float16 copy only when float16 holds its weights exactly."""
+    import pytest
+
+    from forerun.backends.native import _Linear, f16w_rows, f32_rows_kernel
+
+    if f32_rows_kernel() is None:
+        pytest.skip("no C compiler for the f32_rows kernel")
+    g = torch.Generator().manual_seed(1)
+    for V, D, n in [(1001, 64, 1), (1001, 64, 17), (37, 24, 7), (5, 12, 3)]:
+        w16 = torch.randn(V, D, generator=g).half()
+        w16[0, :4] = torch.tensor([6e-8, -6e-8, 3e-5, -0.0]).half()  # subnormals and a negative zero
+        x = torch.randn(n, D, generator=g)
+        ref = x.double() @ w16.double().T
+        out = f16w_rows(w16, x)
+        bound = 4 * D * 2.0 ** -24 * (x.double().abs() @ w16.double().abs().T) + 1e-30
+        assert out.shape == (n, V) and ((out.double() - ref).abs() <= bound).all()
+        assert all(torch.equal(f16w_rows(w16, x[i: i + 1])[0], out[i]) for i in range(n))
+    exact = _Linear(torch.randn(64, 32, generator=g).half().float(), pack=True, half=True)
+    if exact.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    assert exact.half is not None
+    x = torch.randn(3, 32, generator=g)
+    assert torch.allclose(exact(x), x @ exact.weight.T, atol=1e-5)
+    assert _Linear(torch.randn(64, 32, generator=g), pack=True, half=True).half is None  # float16 would round it
+
+
 def test_body_kernel_is_chosen_once_and_both_kernels_agree():
     """The body's linear kernel is timed once per model (shared with forks); both candidates give
     the same logits up to float32 rounding, and the rows kernel (chains, trees) keeps greedy

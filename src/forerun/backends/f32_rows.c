@@ -15,6 +15,7 @@
  * Built with -O3 -march=native; without AVX2 and FMA a plain C loop is used.
  */
 #include <stdint.h>
+#include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -49,36 +50,62 @@ static inline float hsum8(__m256 a) {
 }
 
 /* The k loop of a tile over nr activation rows. Inlined into each call: called with the constant
- * TR (the common case) it is fully unrolled, with a smaller nr (the last group) it loops. */
-static inline __attribute__((always_inline)) void tile_k(const float *const *wp, const float *xr, int D, int nr,
-                                                         __m256 acc[TV][TR]) {
-    for (int k = 0; k < D; k += 8) {
-        __m256 wa[TV];
-        for (int a = 0; a < TV; a++) wa[a] = _mm256_loadu_ps(wp[a] + k);
-        for (int b = 0; b < nr; b++) {
-            __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);
-            for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);
-        }
+ * TR (the common case) it is fully unrolled, with a smaller nr (the last group) it loops.
+ * Generated for float32 weights and for float16 weights (converted to float32 in registers,
+ * F16C), which halve the bytes read: the products and sums are the same float32 operations. */
+#define TILE_FUNCS(SUF, WT, LOADW)                                                                         \
+    static inline __attribute__((always_inline)) void tile_k##SUF(const WT *const *wp, const float *xr,     \
+                                                                  int D, int nr, __m256 acc[TV][TR]) {     \
+        for (int k = 0; k < D; k += 8) {                                                                   \
+            __m256 wa[TV];                                                                                 \
+            for (int a = 0; a < TV; a++) wa[a] = LOADW(wp[a] + k);                                         \
+            for (int b = 0; b < nr; b++) {                                                                 \
+                __m256 xb = _mm256_loadu_ps(xr + (int64_t)b * D + k);                                      \
+                for (int a = 0; a < TV; a++) acc[a][b] = _mm256_fmadd_ps(wa[a], xb, acc[a][b]);           \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    /* Rows [v0, v0 + tv) of w against rows [r0, r0 + tr) of x, tv <= TV, tr <= TR, D % 8 == 0. */        \
+    static inline void tile##SUF(const WT *w, const float *x, float *out, int64_t V, int D, int64_t v0,     \
+                                 int tv, int r0, int tr) {                                                 \
+        __m256 acc[TV][TR];                                                                                \
+        const WT *wp[TV];                                                                                  \
+        for (int a = 0; a < TV; a++) {                                                                     \
+            wp[a] = w + (v0 + (a < tv ? a : 0)) * D; /* a short tile repeats its first row, unused */      \
+            for (int b = 0; b < TR; b++) acc[a][b] = _mm256_setzero_ps();                                  \
+        }                                                                                                  \
+        const float *xr = x + (int64_t)r0 * D;                                                             \
+        if (tr == TR)                                                                                      \
+            tile_k##SUF(wp, xr, D, TR, acc);                                                               \
+        else                                                                                               \
+            tile_k##SUF(wp, xr, D, tr, acc);                                                               \
+        for (int a = 0; a < tv; a++)                                                                       \
+            for (int b = 0; b < tr; b++) out[(int64_t)(r0 + b) * V + v0 + a] = hsum8(acc[a][b]);           \
+    }                                                                                                      \
+    /* Blocks of vb weight rows (about 256 KB of float32, kept in L2): the first group of activation   \
+     * rows brings the block in from memory, the other groups find it in L2; each group's activations  \
+     * (TR x D floats) stay in L1 throughout. */                                                          \
+    static void rows##SUF(const WT *w, int64_t V, int D, const float *x, int n, float *out) {              \
+        int64_t vb = (int64_t)(65536 / D) / TV * TV;                                                       \
+        if (vb < TV) vb = TV;                                                                              \
+        int64_t blocks = (V + vb - 1) / vb;                                                                \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int64_t bi = 0; bi < blocks; bi++) {                                                          \
+            int64_t b0 = bi * vb, b1 = b0 + vb < V ? b0 + vb : V;                                          \
+            for (int r0 = 0; r0 < n; r0 += TR) {                                                           \
+                int tr = n - r0 < TR ? n - r0 : TR;                                                        \
+                for (int64_t v0 = b0; v0 < b1; v0 += TV)                                                   \
+                    tile##SUF(w, x, out, V, D, v0, (int)(b1 - v0 < TV ? b1 - v0 : TV), r0, tr);            \
+            }                                                                                              \
+        }                                                                                                  \
     }
-}
 
-/* Rows [v0, v0 + tv) of w against rows [r0, r0 + tr) of x, tv <= TV, tr <= TR, D % 8 == 0. */
-static inline void tile(const float *w, const float *x, float *out, int64_t V, int D,
-                        int64_t v0, int tv, int r0, int tr) {
-    __m256 acc[TV][TR];
-    const float *wp[TV];
-    for (int a = 0; a < TV; a++) {
-        wp[a] = w + (v0 + (a < tv ? a : 0)) * D; /* a short tile repeats its first row, unused */
-        for (int b = 0; b < TR; b++) acc[a][b] = _mm256_setzero_ps();
-    }
-    const float *xr = x + (int64_t)r0 * D;
-    if (tr == TR)
-        tile_k(wp, xr, D, TR, acc);
-    else
-        tile_k(wp, xr, D, tr, acc);
-    for (int a = 0; a < tv; a++)
-        for (int b = 0; b < tr; b++) out[(int64_t)(r0 + b) * V + v0 + a] = hsum8(acc[a][b]);
-}
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+TILE_FUNCS(_f32, float, LOAD_F32)
+#ifdef __F16C__
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+TILE_FUNCS(_f16, uint16_t, LOAD_F16)
+#endif
 #endif
 
 /* w [V][D], x [n][D], out [n][V], all float32 and contiguous. Returns 0, or -1 for bad sizes. */
@@ -86,20 +113,7 @@ int forerun_f32_rows(const float *w, int64_t V, int D, const float *x, int n, fl
     if (V <= 0 || D <= 0 || n <= 0) return -1;
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
-        /* Blocks of vb weight rows (about 256 KB, kept in L2): the first group of activation rows
-         * brings the block in from memory, the other groups find it in L2; each group's
-         * activations (TR x D floats) stay in L1 throughout. */
-        int64_t vb = (int64_t)(65536 / D) / TV * TV;
-        if (vb < TV) vb = TV;
-        int64_t blocks = (V + vb - 1) / vb;
-#pragma omp parallel for schedule(static)
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            int64_t b0 = bi * vb, b1 = b0 + vb < V ? b0 + vb : V;
-            for (int r0 = 0; r0 < n; r0 += TR) {
-                int tr = n - r0 < TR ? n - r0 : TR;
-                for (int64_t v0 = b0; v0 < b1; v0 += TV) tile(w, x, out, V, D, v0, (int)(b1 - v0 < TV ? b1 - v0 : TV), r0, tr);
-            }
-        }
+        rows_f32(w, V, D, x, n, out);
         return 0;
     }
 #endif
@@ -110,6 +124,52 @@ int forerun_f32_rows(const float *w, int64_t V, int D, const float *x, int n, fl
             const float *xr = x + (int64_t)r * D;
             float s = 0.0f;
             for (int k = 0; k < D; k++) s += wv[k] * xr[k];
+            out[(int64_t)r * V + v] = s;
+        }
+    }
+    return 0;
+}
+
+/* IEEE half -> float for the fallback loop (normals, subnormals, zeros, infinities, NaN). */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp - 15 + 127) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* As forerun_f32_rows with float16 weights w [V][D] (IEEE half, as torch.float16 stores them). */
+int forerun_f16w_rows(const uint16_t *w, int64_t V, int D, const float *x, int n, float *out) {
+    if (V <= 0 || D <= 0 || n <= 0) return -1;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (D % 8 == 0) {
+        rows_f16(w, V, D, x, n, out);
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t v = 0; v < V; v++) {
+        const uint16_t *wv = w + v * D;
+        for (int r = 0; r < n; r++) {
+            const float *xr = x + (int64_t)r * D;
+            float s = 0.0f;
+            for (int k = 0; k < D; k++) s += half_to_float(wv[k]) * xr[k];
             out[(int64_t)r * V + v] = s;
         }
     }

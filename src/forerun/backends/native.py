@@ -42,13 +42,21 @@ class _Linear:
     and passes it as ``how``.)
     """
 
-    def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False):
+    def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False, half: bool = False):
         self.weight = weight
         self.packed = None
         if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.packed = weight.detach().to_mkldnn()
         self.autotune = autotune and self.packed is not None
         self.choice: dict[int, str] = {}
+        # half: passes of up to INVARIANT_ROWS rows read a float16 copy (``f16w_rows``), where
+        # float16 holds the weights exactly (a head saved in float16) and the kernel builds
+        self.half = None
+        if (half and self.packed is not None and weight.dtype == torch.float32 and weight.shape[1] % 8 == 0
+                and f32_rows_kernel() is not None):
+            w16 = weight.detach().half()
+            if torch.equal(w16.float(), weight):
+                self.half = w16.contiguous()
 
     def _run(self, x: torch.Tensor, how: str) -> torch.Tensor:
         if how == "onednn":
@@ -63,6 +71,8 @@ class _Linear:
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.shape[0]
+        if self.half is not None and rows <= INVARIANT_ROWS:
+            return f16w_rows(self.half, x)
         if how == "rows" and rows <= INVARIANT_ROWS:  # the body's choice (NativeGemma3.body_kernel)
             return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
@@ -117,6 +127,8 @@ def f32_rows_kernel():
             lib.forerun_f32_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                              ctypes.c_int, ctypes.c_void_p]
             lib.forerun_f32_threads.argtypes = [ctypes.c_int]
+            lib.forerun_f16w_rows.restype = ctypes.c_int
+            lib.forerun_f16w_rows.argtypes = lib.forerun_f32_rows.argtypes
         _F32_LIB.append(lib)
     return _F32_LIB[0]
 
@@ -213,6 +225,27 @@ def f32_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     lib.forerun_f32_threads(torch.get_num_threads())
     if lib.forerun_f32_rows(weight.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
         raise ValueError(f"f32_rows: bad sizes {n} x {D} against {V}")
+    return out
+
+
+def f16w_rows(weight16: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [n, D] @ weight16[V, D].T with float16 weights (half the bytes of float32), each product
+    and sum in float32 as ``f32_rows`` does them; for weights that float16 holds exactly (a trained
+    head saved in float16), the same values as the float32 weights give."""
+    lib = f32_rows_kernel()
+    if lib is None:
+        raise RuntimeError("the f32_rows kernel is not available (no C compiler)")
+    if weight16.dtype != torch.float16 or weight16.device.type != "cpu" or not weight16.is_contiguous():
+        raise ValueError("f16w_rows needs a contiguous float16 weight on the CPU")
+    x = x.to(torch.float32).contiguous()
+    n, D = x.shape
+    V = weight16.shape[0]
+    if weight16.shape[1] != D:
+        raise ValueError(f"f16w_rows: rows of {D} against a weight of {tuple(weight16.shape)}")
+    out = torch.empty(n, V, dtype=torch.float32)
+    lib.forerun_f32_threads(torch.get_num_threads())
+    if lib.forerun_f16w_rows(weight16.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
+        raise ValueError(f"f16w_rows: bad sizes {n} x {D} against {V}")
     return out
 
 

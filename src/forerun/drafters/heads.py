@@ -113,14 +113,17 @@ class DraftHead(nn.Module):
     def logits(self, g):  # [..., hidden] -> [..., draft_vocab]
         return self._lin(self.lm_head, self.norm_out(g))
 
-    def pack_for_inference(self, kernel: str = "onednn") -> "DraftHead":
+    def pack_for_inference(self, kernel: str = "onednn", half: bool = True) -> "DraftHead":
         """Use the backend's CPU matrix kernels for every linear layer: PyTorch's own one-row product
         is several times slower on CPU. The LM head takes the fastest kernel per row count; the
         other layers take ``kernel`` (the target's ``body_kernel``: ``onednn`` prepacked weights,
-        or ``rows``). Inference only: packed weights do not train."""
+        or ``rows``). With ``half`` (the default), a layer whose weights float16 holds exactly (a
+        head loaded from its float16 file) reads them as float16 for drafting passes (half the
+        bytes; the same float32 products, see ``f16w_rows``). Inference only: packed weights do
+        not train."""
         from forerun.backends.native import _Linear
 
-        self._packed = {id(m): _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head)
+        self._packed = {id(m): _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=half)
                         for m in self.modules() if isinstance(m, nn.Linear)}
         self._kernel = kernel
         return self
