@@ -259,7 +259,8 @@ def test_verify_rows_equal_one_token_steps_bit_for_bit():
         be.reset()
         be.forward(ids[:pos], 0, logits=False)
         assert torch.equal(be.forward(ids[pos: pos + n], pos, logits=False, return_hidden=True).hidden, chain[:n])
-    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, 5, 7, 3, 9])  # rows 1.. ; row 0 is the root
+    # rows 1.. (row 0 is the root); the last branch runs 10 deep, past the sliding window (8)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, 5, 7, 3, 9, 11, 12, 13, 14, 15])
     tokens = torch.randint(4, 96, (len(parents) + 1,), generator=g)
     be.reset()
     be.forward(ids[:pos], 0, logits=False)

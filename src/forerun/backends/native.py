@@ -642,12 +642,14 @@ class NativeGemma3(BackendBase):
         if self.window:
             sliding = seen & (kpos[None, :] > qpos[:, None] - self.window)
         if T <= INVARIANT_ROWS and self.batch_invariant:  # the prefix, then the row's ancestors and itself
-            extras = [(r.nonzero().view(-1) + pos).tolist() for r in anc]
-            qp = qpos.tolist()
+            rows = [r.nonzero().view(-1).tolist() for r in anc]  # each row's ancestors and itself, in row order
+            dep = depth.tolist()
             w = self.window
+            extras = [[pos + j for j in a] for a in rows]
             return qpos, {False: (0, seen, RowKeys([0] * T, [pos] * T, extras)),
-                          True: (start, sliding[:, start:], RowKeys([min(pos, max(0, p - w + 1)) if w else 0 for p in qp], [pos] * T,
-                                                                    [[j for j in e if not w or j > p - w] for e, p in zip(extras, qp)]))}
+                          True: (start, sliding[:, start:], RowKeys(
+                              [min(pos, max(0, pos + dep[i] - w + 1)) if w else 0 for i in range(T)], [pos] * T,
+                              [[pos + j for j in a if not w or dep[j] > dep[i] - w] for i, a in enumerate(rows)]))}
         return qpos, {False: (0, seen), True: (start, sliding[:, start:])}
 
     @torch.inference_mode()
