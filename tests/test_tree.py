@@ -5,7 +5,7 @@ import torch
 
 from forerun.drafters.base import Draft
 from forerun.drafters.eagle import static_tree
-from forerun.tree import graft_chain, greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
+from forerun.tree import chain_nodes, graft_chain, greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
 
 #        root
 #       /    \
@@ -89,7 +89,9 @@ def test_greedy_tree_walk_matches_the_full_walk_on_fewer_rows():
             asked.extend(rs)
             return ids[rs].tolist()
 
-        rows, out, n_eval = greedy_tree_walk(tokens, parents, argmax_rows, batch=1 + trial % 5)
+        # every other trial steers the walk by random node confidences
+        conf = torch.rand(n, generator=g).tolist() if trial % 2 else None
+        rows, out, n_eval = greedy_tree_walk(tokens, parents, argmax_rows, batch=1 + trial % 5, conf=conf)
         assert (rows, out) == full_walk(tokens, parents, ids) == greedy_tree_accept(tokens, parents, ids)
         assert n_eval == len(asked) == len(set(asked)) and {0, *rows} <= set(asked)
         fewer += n_eval < n + 1
@@ -99,6 +101,31 @@ def test_greedy_tree_walk_matches_the_full_walk_on_fewer_rows():
     walk = greedy_tree_walk(torch.tensor([10, 11, 12, 13, 14, 15]), PARENTS,
                             lambda rs: calls.append(rs) or ids[rs].tolist(), batch=4)
     assert walk == ([1, 3, 6], [10, 12, 15, 7], 4) and calls == [[0, 1, 3, 6]]
+
+
+def test_greedy_tree_walk_asks_for_the_rows_it_likely_reaches():
+    """With node confidences a call takes the rows most likely reached (the product of the
+    confidences down the path, best first) while that is at least TREE_WALK_MIN_REACH."""
+    from forerun.tree import TREE_WALK_MIN_REACH
+
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])  # PARENTS: n0, n1 under the root; n2, n3 under n0; ...
+    ids = torch.tensor([11, 0, 14, 0, 0, 99, 0])  # root -> n1 -> n4 -> 99
+    conf = [0.3, 0.9, 0.9, 0.2, 0.8, 0.9]
+    calls = []
+    walk = greedy_tree_walk(tokens, PARENTS, lambda rs: calls.append(rs) or ids[rs].tolist(), conf=conf)
+    assert walk[:2] == ([2, 5], [11, 14, 99])
+    # reach: n1 0.9, n4 0.72, n0 0.3, n2 0.27; n3 0.06, n5 0.243 are below the threshold
+    assert TREE_WALK_MIN_REACH == 0.25 and calls == [[0, 2, 5, 1, 3]]
+    calls.clear()
+    greedy_tree_walk(tokens, PARENTS, lambda rs: calls.append(rs) or ids[rs].tolist(), conf=[0.1] * 6)
+    assert calls == [[0], [2], [5]]  # nothing is likely: one row per call
+
+
+def test_chain_nodes_follow_the_grafted_chain():
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    t, p = graft_chain(tokens, PARENTS, [10, 12, 77, 78])
+    assert chain_nodes(t, p, [10, 12, 77, 78]) == [0, 2, 6, 7]
+    assert chain_nodes(tokens, PARENTS, [11, 14, 5]) == [1, 4]  # as far as the tree has it
 
 
 def test_sample_tree_accept_is_lossless():

@@ -128,7 +128,7 @@ class Engine:
                 passed = target.forward(feed, root, tree=tree, logits=False, return_hidden=True, **fwd)
                 hidden, feats = passed.hidden, passed.layers
                 lazy_rows = greedy_tree_walk(draft.tokens, draft.parents,
-                                             lambda rs: target.argmax_hidden(hidden[rs]).tolist())
+                                             lambda rs: target.argmax_hidden(hidden[rs]).tolist(), conf=draft.conf)
             elif params.greedy and fast_argmax and (tree is None or getattr(target, "argmax_tree", False)):
                 # the backend gives exact argmaxes cheaper than logits
                 logits = None
@@ -250,4 +250,5 @@ def clip_draft(draft: Draft, k: int) -> Draft:
 def _first_nodes(draft: Draft, n: int) -> Draft:
     """The tree's first ``n`` nodes (parents come first, so they form a tree)."""
     n = max(0, n)
-    return Draft(tokens=draft.tokens[:n], q=None, bucket=draft.bucket, parents=draft.parents[:n])
+    return Draft(tokens=draft.tokens[:n], q=None, bucket=draft.bucket, parents=draft.parents[:n],
+                 conf=None if draft.conf is None else draft.conf[:n])

@@ -11,6 +11,8 @@ cache moves those rows' keys and values into consecutive slots (the only data a 
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 
@@ -50,26 +52,34 @@ def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, target_ids: 
 
 
 TREE_WALK_BATCH = 4  # rows per LM-head call of a greedy tree walk (the row reached and 3 below it)
+TREE_WALK_MAX_ROWS = 6  # with per-node confidences: the most rows one call asks for
+TREE_WALK_MIN_REACH = 0.25  # ... and only rows the walk reaches at least this likely
 
 
-def greedy_tree_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax_rows, batch: int = TREE_WALK_BATCH):
+def greedy_tree_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax_rows, batch: int = TREE_WALK_BATCH,
+                     conf: list[float] | None = None):
     """``greedy_tree_accept`` with the target's argmaxes computed only for rows the walk reaches.
 
     ``argmax_rows(rows)`` gives the target's greedy token at each of the pass rows ``rows`` (a
-    list). Each round asks for the row the walk stands on and, in the same call, up to
-    ``batch - 1`` rows below it along first children (the drafter's most likely continuation:
-    siblings come in order of the drafter's confidence), so a walk that follows the drafter's
-    favourites costs one call. The path is the one the walk takes knowing every row's argmax
-    (``greedy_tree_accept``). Returns (path rows after the root, output tokens, rows evaluated)."""
+    list). Each round asks for the row the walk stands on and, in the same call, rows below it
+    that the walk is likely to need next: a call costs a pass over the LM head's weights plus a
+    little per row, so a row worth asking for is one the walk probably reaches.
+
+    Without ``conf``: up to ``batch - 1`` rows along first children (the drafter's most likely
+    continuation: siblings come in order of the drafter's confidence). With ``conf`` (per node,
+    the drafter's estimate that the target accepts it once its parent is reached): the rows
+    below with the highest chance of being reached (the product of the estimates down the path),
+    while that chance is at least ``TREE_WALK_MIN_REACH``, up to ``TREE_WALK_MAX_ROWS`` in all.
+    Either way the path is the one the walk takes knowing every row's argmax
+    (``greedy_tree_accept``); only the number of calls and rows differs.
+    Returns (path rows after the root, output tokens, rows evaluated)."""
     kids = children_lists(parents)
     tok = tokens.tolist()
     known: dict[int, int] = {}
     row, rows, out = 0, [], []
     while True:
         if row not in known:
-            ask = [row]
-            while len(ask) < batch and kids[ask[-1]]:
-                ask.append(kids[ask[-1]][0])
+            ask = _likely_rows(kids, row, conf) if conf is not None else _first_child_rows(kids, row, batch)
             for r, t in zip(ask, argmax_rows(ask)):
                 known[r] = int(t)
         want = known[row]
@@ -79,6 +89,27 @@ def greedy_tree_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax_rows, b
             return rows, out, len(known)
         rows.append(nxt)
         row = nxt
+
+
+def _first_child_rows(kids: list[list[int]], row: int, batch: int) -> list[int]:
+    ask = [row]
+    while len(ask) < batch and kids[ask[-1]]:
+        ask.append(kids[ask[-1]][0])
+    return ask
+
+
+def _likely_rows(kids: list[list[int]], row: int, conf: list[float]) -> list[int]:
+    """``row`` and the rows below it most likely to be reached (best first), see greedy_tree_walk."""
+    ask, frontier = [row], [(-conf[c - 1], c) for c in kids[row]]
+    heapq.heapify(frontier)
+    while frontier and len(ask) < TREE_WALK_MAX_ROWS:
+        neg, r = heapq.heappop(frontier)
+        if -neg < TREE_WALK_MIN_REACH:
+            break
+        ask.append(r)
+        for c in kids[r]:
+            heapq.heappush(frontier, (neg * conf[c - 1], c))
+    return ask
 
 
 def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, generator=None):
@@ -135,3 +166,17 @@ def graft_chain(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -
             nxt = child[(node, t)] = len(tok) - 1
         node = nxt
     return torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long)
+
+
+def chain_nodes(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -> list[int]:
+    """The nodes holding ``chain`` as a root-to-node path of the tree (as far as the tree has it)."""
+    child = {}
+    for i, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist())):
+        child.setdefault((p, t), i)
+    out, node = [], -1
+    for t in chain:
+        node = child.get((node, int(t)))
+        if node is None:
+            break
+        out.append(node)
+    return out

@@ -6,9 +6,10 @@
  * (oneDNN, MKL) is tuned for larger n and took 2-3x the one-row time for 4-17 rows here. This
  * kernel reads every weight row from memory once for all n rows: each register tile holds 4
  * weight rows x up to 3 activation rows of 8-lane partial sums (12 of the 16 vector registers;
- * 2 x 6, 3 x 4 and 1 x 12 measured within noise of it), the weights go through in L2-sized
- * blocks that every group of 3 activation rows (in L1) takes in turn, and OpenMP splits the
- * vocabulary.
+ * 2 x 6, 3 x 4 and 1 x 12 measured within noise of it), the weights go through in 64 KB blocks
+ * that every group of 3 activation rows (in L1) takes in turn while the next block is
+ * prefetched, and OpenMP splits the vocabulary. The tiling decides only which products run
+ * together, never the order of any output's sums, so each output row is the same whatever n is.
  *
  * The summation order differs from other kernels' (8 lanes, then a fixed pairwise lane sum), so
  * results can differ from theirs in the last bits, as the other kernels differ among themselves.
@@ -82,20 +83,30 @@ static inline float hsum8(__m256 a) {
         for (int a = 0; a < tv; a++)                                                                       \
             for (int b = 0; b < tr; b++) out[(int64_t)(r0 + b) * V + v0 + a] = hsum8(acc[a][b]);           \
     }                                                                                                      \
-    /* Blocks of vb weight rows (about 256 KB of float32, kept in L2): the first group of activation   \
-     * rows brings the block in from memory, the other groups find it in L2; each group's activations  \
-     * (TR x D floats) stay in L1 throughout. */                                                          \
+    /* Blocks of vb weight rows (about 64 KB of float32): the first group of activation rows brings   \
+     * the block in from memory, the other groups find it in cache; each group's activations (TR x D   \
+     * floats) stay in L1 throughout. Small blocks also split small matrices evenly between threads. */ \
     static void rows##SUF(const WT *w, int64_t V, int D, const float *x, int n, float *out) {              \
-        int64_t vb = (int64_t)(65536 / D) / TV * TV;                                                       \
+        int64_t vb = (int64_t)(16384 / D) / TV * TV;                                                       \
         if (vb < TV) vb = TV;                                                                              \
         int64_t blocks = (V + vb - 1) / vb;                                                                \
         _Pragma("omp parallel for schedule(static)")                                                       \
         for (int64_t bi = 0; bi < blocks; bi++) {                                                          \
             int64_t b0 = bi * vb, b1 = b0 + vb < V ? b0 + vb : V;                                          \
+            /* While the later groups work on this block from cache, the next block is prefetched: \
+             * its lines spread evenly over their tiles, so memory never idles. */                    \
+            const char *nx = (const char *)(w + b1 * D);                                                   \
+            int64_t nbytes = (b1 < V ? (b1 + vb < V ? vb : V - b1) * D : 0) * (int64_t)sizeof(WT);        \
+            int64_t ntiles = ((b1 - b0 + TV - 1) / TV) * ((n - 1) / TR);                                   \
+            int64_t per = ntiles > 0 ? (nbytes / 64 + ntiles - 1) / ntiles : 0, sent = 0;                  \
             for (int r0 = 0; r0 < n; r0 += TR) {                                                           \
                 int tr = n - r0 < TR ? n - r0 : TR;                                                        \
-                for (int64_t v0 = b0; v0 < b1; v0 += TV)                                                   \
+                for (int64_t v0 = b0; v0 < b1; v0 += TV) {                                                 \
+                    if (r0 > 0)                                                                            \
+                        for (int64_t q = 0; q < per && sent < nbytes; q++, sent += 64)                     \
+                            _mm_prefetch(nx + sent, _MM_HINT_T0);                                          \
                     tile##SUF(w, x, out, V, D, v0, (int)(b1 - v0 < TV ? b1 - v0 : TV), r0, tr);            \
+                }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
     }

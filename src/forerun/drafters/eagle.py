@@ -19,6 +19,7 @@ tree only pays when the lookup has nothing good to offer.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 
 import torch
@@ -26,9 +27,9 @@ import torch
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
-from forerun.draft_length import TreeOrLookup
+from forerun.draft_length import TreeOrLookup, update_acceptance
 from forerun.drafters.ngram import lookup_match
-from forerun.tree import graft_chain
+from forerun.tree import chain_nodes, graft_chain
 
 
 class FeatureDrafter(Drafter):
@@ -49,6 +50,8 @@ class FeatureDrafter(Drafter):
         # head); a fork starts afresh.
         self.policy = TreeOrLookup() if adaptive else None
         self._round = None  # this round's lookup chain and what the policy chose
+        self._chain = None  # this round's lookup chain in a tree, to measure how far it would have gone
+        self.chain_acc: dict[int, list[float]] = {}  # n-gram length -> decayed [accepted, rejections] of the chain
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -60,7 +63,7 @@ class FeatureDrafter(Drafter):
         super().begin(prompt, params, generator)
         self.feat_pos = 0  # target position of the first row of self.feats
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
-        self._round = None
+        self._round = self._chain = None
 
     def fork(self) -> "FeatureDrafter":
         return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None,
@@ -78,32 +81,48 @@ class FeatureDrafter(Drafter):
         return Draft(tokens=torch.tensor(chain[:cut], dtype=torch.long))
 
     def _tree_draft(self, tree: Draft | None, tokens: list[int], k: int) -> Draft:
-        """The head's tree (None: no head tree this round) with the lookup branch, if any, grafted on."""
+        """The head's tree (None: no head tree this round) with the lookup branch, if any, grafted on.
+
+        Node confidences (``Draft.conf``) carry over from the head's tree; a node of the lookup
+        branch gets the chain's measured per-token acceptance for this round's n-gram length
+        (a node both propose: the larger of the two)."""
         if tree is None:
-            tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+            tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long), conf=[])
         elif self._round is not None:
             self._round["tree"] = len(tree) > 0
         if self.lookup:
-            chain = self._round["chain"] if self._round is not None else lookup_match(tokens, k, *self.lookup)[0]
+            if self._round is not None:
+                chain, bucket = self._round["chain"], self._round["bucket"]
+            else:
+                chain, bucket = lookup_match(tokens, k, *self.lookup)
+            self._chain = {"base": len(tokens), "chain": chain, "bucket": bucket}
             if chain:
                 t, p = graft_chain(tree.tokens, tree.parents, chain)
-                tree = Draft(tokens=t, parents=p)
+                conf = None
+                if tree.conf is not None:
+                    acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
+                    a = acc / (acc + rej)
+                    conf = list(tree.conf) + [a] * (len(t) - len(tree))
+                    for node in chain_nodes(t, p, chain):
+                        conf[node] = max(conf[node], a)
+                tree = Draft(tokens=t, parents=p, conf=conf)
         if self._round is not None:
             self._round["rows"] = len(tree) + 1
         return tree
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
+        c, self._chain = self._chain, None
+        if c is not None and c["chain"]:
+            # How far the chain alone would have gone: the committed tokens are the target's own.
+            new, chain = tokens[c["base"]:], c["chain"]
+            confirmed = _common_prefix(chain, new)
+            update_acceptance(self.chain_acc.setdefault(c["bucket"], [2.0, 2.0]), 0.9, confirmed,
+                              min(len(chain), len(new)))
         r, self._round = self._round, None
         if r is None or "rows" not in r:
             return
         new, chain = tokens[r["base"]:], r["chain"]
-        # How far the chain alone would have gone: the committed tokens are the target's own.
-        confirmed = 0
-        for a, b in zip(chain, new):
-            if a != b:
-                break
-            confirmed += 1
-        self.policy.observe(r["bucket"], confirmed, min(len(chain), len(new)), r["tree"], num_accepted, r["rows"],
+        self.policy.observe(r["bucket"], _common_prefix(chain, new), min(len(chain), len(new)), r["tree"], num_accepted, r["rows"],
                             time.perf_counter() - r["t0"])
 
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
@@ -172,7 +191,10 @@ class EagleDrafter(FeatureDrafter):
         vals, idx = _host_topk(logp, self.top_k)
         # node: (score, token id, parent node or -1, depth); the first depth hangs off the root.
         nodes = [(sc, self.d2t_host[i], -1, 1) for sc, i in zip(vals, idx)]
-        frontier = list(range(min(self.branch, len(nodes))))
+        # Only nodes among the best ``tree_nodes`` can be kept, and a child never scores above its
+        # parent: expanding more than that many per depth cannot change the tree.
+        branch = min(self.branch, self.tree_nodes)
+        frontier = list(range(min(branch, len(nodes))))
         hid = {-1: g_last[0]}  # node -> head output after consuming its token
         slot = {}  # node -> its entry in the head cache (after the base committed entries)
         cache = self.cache
@@ -203,7 +225,7 @@ class EagleDrafter(FeatureDrafter):
                 sc0 = nodes[nd][0]
                 for sc, i in zip(vals[r], idx[r]):
                     cand.append((sc0 + sc, self.d2t_host[i], nd, d))
-            best = heapq.nlargest(self.branch, cand, key=lambda c: c[0])
+            best = heapq.nlargest(branch, cand, key=lambda c: c[0])
             frontier = list(range(len(nodes), len(nodes) + len(best)))
             nodes.extend(best)
         # Keep the best nodes; a child never scores above its parent, so ancestors come along
@@ -215,7 +237,18 @@ class EagleDrafter(FeatureDrafter):
         index = {nd: j for j, nd in enumerate(order)}
         tokens = torch.tensor([nodes[i][1] for i in order], dtype=torch.long)
         parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] != -1 else -1 for i in order], dtype=torch.long)
-        return Draft(tokens=tokens, parents=parents)
+        # The head's own probability of each node given its parent: its estimate of acceptance.
+        conf = [math.exp(nodes[i][0] - (nodes[nodes[i][2]][0] if nodes[i][2] != -1 else 0.0)) for i in order]
+        return Draft(tokens=tokens, parents=parents, conf=conf)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _host_topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
