@@ -82,6 +82,39 @@ def test_exact_float_argmax_equals_float64_argmax():
         assert torch.equal(torch.cat([head.argmax(h[i: i + 7]) for i in range(0, 40, 7)]), ref)
 
 
+def test_q8_head_kernels_match_exact_products():
+    """Every layout of the Q8_0 head kernel (row-major; interleaved 8-lane with 7-bit activations on
+    AVX2; 16-lane on AVX-512 VNNI, where the CPU has them) gives each logit within the float32
+    rounding bound of the exact product of the quantized operands, for pass sizes that fill their
+    register groups and that do not, and the largest logit's id."""
+    import pytest
+
+    from forerun.backends.greedy_head import Q8Head, _U32, q8_0_blocks, quantize_blocks
+
+    g = torch.Generator().manual_seed(5)
+    V, D = 1003, 96  # V: not a multiple of 8 or 16
+    raw = q8_0_blocks(torch.randn(V, D, generator=g))[0]
+    heads = [Q8Head(raw, D), Q8Head(raw, D, seven_bit=True)]
+    if not heads[0].available:
+        pytest.skip("no C compiler for the Q8_0 kernel")
+    for head in heads:
+        for n in (1, 3, 4, 5, 9):
+            h = torch.randn(n, D, generator=g) * 4
+            q, d = quantize_blocks(h, head.act_levels)
+            assert q.abs().max() <= head.act_levels
+            out, top, idx = head.logits(q, d)
+            scale = head.d.double()[None] * d.double()[:, None]  # [n, V, nb]
+            exact = (torch.einsum("vbj,rbj->rvb", head.q.double(), q.double()) * scale).sum(-1)
+            # each float term the kernels round is a partial sum of products: bounded by sum |w x|
+            bound = (head.nb + 6) * _U32 * (torch.einsum("vbj,rbj->rvb", head.q.double().abs(), q.double().abs()) * scale).sum(-1)
+            assert ((out.double() - exact).abs() <= bound).all(), (head.lanes, n)
+            assert torch.equal(idx[:, 0], out.argmax(-1)) and torch.equal(top[:, 0], out.max(-1).values)
+    if heads[1].lanes == 8:  # the 7-bit kernel refuses activations it could saturate on
+        q, d = quantize_blocks(torch.randn(2, D, generator=g), 127)
+        with pytest.raises(RuntimeError):
+            heads[1].logits(q, d)
+
+
 def test_argmax_forward_matches_logits_for_chains_and_trees():
     be = wrap(tiny_gemma(0)).backend
     be.exact_greedy = True  # opt-in (see README, performance notes)

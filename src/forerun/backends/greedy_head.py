@@ -48,6 +48,21 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
+def quantize_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [n, D] in 32-blocks of integers in [-levels, levels] -> (q [n, D/32, 32] float,
+    d [n, D/32] float32); x ~ q * d. ``levels=127`` is ggml's Q8_0 (``quantize_q8_0``); 63 is
+    what the 7-bit kernel takes."""
+    if levels == 127:
+        return quantize_q8_0(x)
+    n, D = x.shape
+    xb = x.float().reshape(n, D // QK, QK)
+    amax = xb.abs().amax(-1)
+    d = (amax / levels).half().float()  # as in Q8_0: an fp16 scale, so q * d is exact in float32
+    inv = torch.where(amax != 0, levels / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).clamp_(-levels, levels)
+    return q, d
+
+
 def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (slower)"):
     """Compile the package's ``<name>.c`` once into the cache folder and load it; None (logged,
     with ``without``: what happens instead) when impossible."""
@@ -83,16 +98,24 @@ def _compile_kernel():
     lib.forerun_q8_rows_x16.restype = ctypes.c_int
     lib.forerun_q8_rows_x16.argtypes = lib.forerun_q8_rows.argtypes
     lib.forerun_q8_has_x16.restype = ctypes.c_int
+    lib.forerun_q8_rows_x8.restype = ctypes.c_int
+    lib.forerun_q8_rows_x8.argtypes = lib.forerun_q8_rows.argtypes
+    lib.forerun_q8_has_x8.restype = ctypes.c_int
     lib.forerun_q8_threads.argtypes = [ctypes.c_int]
     return lib
 
 
 class Q8Head:
-    """Greedy argmax over a Q8_0 head [V, D] with a certificate of exactness per row."""
+    """Greedy argmax over a Q8_0 head [V, D] with a certificate of exactness per row.
+
+    ``seven_bit``: the caller can take activations quantized to 7 bits (|q| <= 63, see
+    ``quantize_blocks``), which lets CPUs with AVX2 but without AVX-512 VNNI use the interleaved
+    8-lane kernel (about twice the multiply-adds per cycle of the row-major one, see q8_head.c);
+    ``act_levels`` says which quantization the kernel in use takes (63 or 127)."""
 
     MAX_ROWS = 64
 
-    def __init__(self, raw: np.ndarray, dim: int, lib=None, threads: int | None = None):
+    def __init__(self, raw: np.ndarray, dim: int, lib=None, threads: int | None = None, seven_bit: bool = False):
         V = raw.shape[0]
         nb = dim // QK
         blocks = np.ascontiguousarray(raw).reshape(V, nb, 2 + QK)
@@ -105,25 +128,30 @@ class Q8Head:
         if self.lib is not None and threads:
             self.lib.forerun_q8_threads(int(threads))
         self.wu = self.dh16 = None
+        self.lanes = 0  # 16 or 8: the interleaved kernel in use; 0: row-major
         if self.lib is not None and self.lib.forerun_q8_has_x16():
-            self._interleave()
+            self._interleave(16)
+        elif self.lib is not None and seven_bit and self.lib.forerun_q8_has_x8():
+            self._interleave(8)
+        self.act_levels = 63 if self.lanes == 8 else 127
         # A bound on ||W_v|| for every row v (|q| <= 127 in each of its 32-blocks), so that
         # sum_j |W_vj x_j| <= ||W_v|| ||x|| bounds the rounding of both float32 sums.
         self.w_norm = float((self.d.square().sum(-1).sqrt() * 127.0 * QK ** 0.5).max())
 
-    def _interleave(self) -> None:
-        """The weights again, 16 vocabulary rows per 64-byte vector (see q8_head.c): [G, nb, 8, 16, 4]
-        bytes q + 128, and the scales as [G, nb, 16] fp16; rows past V are zero."""
+    def _interleave(self, lanes: int) -> None:
+        """The weights again, ``lanes`` vocabulary rows per vector (see q8_head.c): [G, nb, 8, lanes, 4]
+        bytes q + 128, and the scales as [G, nb, lanes] fp16; rows past V are zero."""
         V, nb = self.V, self.nb
-        G = (V + 15) // 16
+        G = (V + lanes - 1) // lanes
         q = self.q.numpy().view(np.uint8) ^ np.uint8(0x80)  # two's complement q + 128, as unsigned bytes
-        if G * 16 != V:
-            q = np.concatenate([q, np.full((G * 16 - V, nb, QK), 0x80, np.uint8)])
-        self.wu = torch.from_numpy(np.ascontiguousarray(q.reshape(G, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)))
+        if G * lanes != V:
+            q = np.concatenate([q, np.full((G * lanes - V, nb, QK), 0x80, np.uint8)])
+        self.wu = torch.from_numpy(np.ascontiguousarray(q.reshape(G, lanes, nb, 8, 4).transpose(0, 2, 3, 1, 4)))
         d = self.dh.numpy()
-        if G * 16 != V:
-            d = np.concatenate([d, np.zeros((G * 16 - V, nb), d.dtype)])
-        self.dh16 = torch.from_numpy(np.ascontiguousarray(d.reshape(G, 16, nb).transpose(0, 2, 1)))
+        if G * lanes != V:
+            d = np.concatenate([d, np.zeros((G * lanes - V, nb), d.dtype)])
+        self.dh16 = torch.from_numpy(np.ascontiguousarray(d.reshape(G, lanes, nb).transpose(0, 2, 1)))
+        self.lanes = lanes
 
     def embedding_rows(self) -> "Q8Rows":
         """The same table as token embeddings, dequantized row by row when indexed."""
@@ -142,8 +170,9 @@ class Q8Head:
         out = torch.empty(n, self.V)
         top = torch.empty(n, 2)
         idx = torch.empty(n, 2, dtype=torch.long)
-        if self.wu is not None:
-            fn, w, d = self.lib.forerun_q8_rows_x16, self.wu, self.dh16
+        if self.lanes:
+            fn = self.lib.forerun_q8_rows_x16 if self.lanes == 16 else self.lib.forerun_q8_rows_x8
+            w, d = self.wu, self.dh16
         else:
             fn, w, d = self.lib.forerun_q8_rows, self.q, self.dh
         rc = fn(w.data_ptr(), d.data_ptr(), self.V, self.nb, qx.data_ptr(), dx.data_ptr(), n, out.data_ptr(),
@@ -164,6 +193,8 @@ class Q8Head:
     def argmax(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, D] float32 final normed hidden states -> (argmax [n] int64, certified [n] bool)."""
         n = h.shape[0]
+        if self.act_levels != 127:
+            raise RuntimeError("certified argmaxes need the Q8_0 activations llama.cpp uses: build without seven_bit")
         q, d = quantize_q8_0(h)
         out = torch.zeros(n, dtype=torch.long)
         ok = torch.zeros(n, dtype=torch.bool)
@@ -229,8 +260,9 @@ class ExactFloatArgmax:
     bytes) instead of a float32 product of all rows with 262,144 x 640 weights.
 
     W is quantized to Q8_0 once (Wq; a head dequantized from a Q8_0 GGUF file comes back exactly).
-    For a row h the kernel gives a = Wq . Q8_0(h); the real logit W_v . h differs from a_v by at
-    most B = max||W_v|| ||h - hq|| + max||W_v - Wq_v|| ||hq|| + the kernel's float32 rounding. Only
+    For a row h the kernel gives a = Wq . hq, hq = h in 32-blocks of 8-bit integers (Q8_0), or of
+    7-bit integers where the CPU has AVX2 but not AVX-512 VNNI (the faster kernel there, see
+    ``Q8Head``); the real logit W_v . h differs from a_v by at most B = max||W_v|| ||h - hq|| + max||W_v - Wq_v|| ||hq|| + the kernel's float32 rounding. Only
     tokens with a_v >= max(a) - 2B can hold the maximum; their logits are recomputed from W in
     float64 (each product exact, the sum to ~1e-16), and the greedy token is the largest of those
     (ties: the lowest id). The answer depends on h alone, so it is the same for every pass size.
@@ -244,7 +276,7 @@ class ExactFloatArgmax:
         if w.shape[1] % QK:
             raise ValueError(f"hidden size {w.shape[1]} is not a multiple of {QK}")
         raw, self.w_norm, self.err_norm = q8_0_blocks(w)
-        self.q8 = Q8Head(raw, w.shape[1], threads=threads)
+        self.q8 = Q8Head(raw, w.shape[1], threads=threads, seven_bit=True)
         if not self.q8.available:
             return
         self.wq_norm = self.q8.w_norm  # bounds ||Wq_v|| from the scales alone
@@ -258,7 +290,7 @@ class ExactFloatArgmax:
     def argmax(self, h: torch.Tensor) -> torch.Tensor:
         """h [n, D] normed final hidden states -> greedy token ids [n] (int64)."""
         h = h.float().cpu()
-        q, d = quantize_q8_0(h)
+        q, d = quantize_blocks(h, self.q8.act_levels)
         hq = (q * d[..., None]).flatten(1)  # [n, D]
         out = torch.empty(len(h), dtype=torch.long)
         for s in range(0, len(h), self.q8.MAX_ROWS):

@@ -312,6 +312,128 @@ int forerun_q8_rows_x16(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb
 #endif
 }
 
+/* ---- Interleaved layout for AVX2: 8 vocabulary rows per 32-byte vector, 7-bit activations ----
+ *
+ * wu [G][nb][8][8][4] uint8: weight q + 128 of vocabulary row 8g + lane, bytes 4k..4k+3 of block b;
+ * dh [G][nb][8] fp16 block scales (rows past V: q = 0, scale 0). vpmaddubsw multiplies the
+ * unsigned weight bytes with 4 broadcast activation bytes and adds pairs into int16, then
+ * vpmaddwd adds those into int32: 4 products for each of 8 vocabulary rows, no horizontal sums.
+ * The int16 pairs cannot saturate because the activations lie in [-63, 63] (7-bit, the caller
+ * quantizes so): 2 * 255 * 63 = 32130 < 32767. Each block's integer sum starts at -128 * sum(x)
+ * of the block, which takes the +128 offset back exactly. Per lane (one logit) the float terms
+ * pass through nb + 2 roundings, as in the AVX-512 layout.
+ */
+int forerun_q8_has_x8(void) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RG8 4 /* activation rows per register group: 2 x RG8 accumulators + 4 of the 16 registers */
+static inline __attribute__((always_inline)) void group_x8(const uint8_t *wg, const uint16_t *dg, int nb,
+                                                           const int8_t *qx, const float *dx, const int32_t *corr,
+                                                           int r0, const int m, float *vals) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[RG8];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = wg + (int64_t)b * 256;
+        __m256i isum[RG8];
+        for (int r = 0; r < m; r++) isum[r] = _mm256_set1_epi32(-corr[(r0 + r) * nb + b]);
+        for (int k = 0; k < 8; k++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(wb + 32 * k));
+            for (int r = 0; r < m; r++) {
+                const int32_t *xp = (const int32_t *)(qx + ((int64_t)(r0 + r) * nb + b) * QK);
+                __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(xp[k]));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+        __m256 dwv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (int64_t)b * 8)));
+        for (int r = 0; r < m; r++) {
+            __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[(r0 + r) * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sc, acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(vals + (int64_t)r * 8, acc[r]);
+}
+
+static void group_x8_n(const uint8_t *wg, const uint16_t *dg, int nb, const int8_t *qx, const float *dx,
+                       const int32_t *corr, int r0, int m, float *vals) {
+    switch (m) {
+    case 1: group_x8(wg, dg, nb, qx, dx, corr, r0, 1, vals); break;
+    case 2: group_x8(wg, dg, nb, qx, dx, corr, r0, 2, vals); break;
+    case 3: group_x8(wg, dg, nb, qx, dx, corr, r0, 3, vals); break;
+    default: group_x8(wg, dg, nb, qx, dx, corr, r0, RG8, vals); break;
+    }
+}
+#endif
+
+int forerun_q8_rows_x8(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb,
+                       const int8_t *qx, const float *dx, int n, float *out,
+                       float *top, int64_t *top_idx) {
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+    (void)wu; (void)dh; (void)V; (void)nb; (void)qx; (void)dx; (void)n; (void)out; (void)top; (void)top_idx;
+    return -3;
+#else
+    if (n < 1 || n > MAXR) return -1;
+    for (int64_t i = 0; i < (int64_t)n * nb * QK; i++)
+        if (qx[i] < -63 || qx[i] > 63) return -4;
+    const int64_t G = (V + 7) / 8;
+    const int nth = max_threads();
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)n * nb);
+    float *tb;
+    int64_t *ti;
+    if (!corr) return -2;
+    if (top2_alloc(n, nth, &tb, &ti)) { free(corr); return -2; }
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < nb; b++) {
+            int32_t sx = 0;
+            for (int j = 0; j < QK; j++) sx += qx[((int64_t)r * nb + b) * QK + j];
+            corr[r * nb + b] = 128 * sx;
+        }
+#pragma omp parallel
+    {
+        const int t = thread_num();
+        float *bt = tb + 2 * n * t;
+        int64_t *bi = ti + 2 * n * t;
+        float vals[MAXR * 8];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *wg = wu + g * (int64_t)nb * 256;
+            const uint16_t *dg = dh + g * (int64_t)nb * 8;
+            for (int r0 = 0; r0 < n; r0 += RG8) {
+                int m = n - r0 < RG8 ? n - r0 : RG8;
+                group_x8_n(wg, dg, nb, qx, dx, corr, r0, m, vals + (int64_t)r0 * 8);
+            }
+            const int64_t v0 = g * 8;
+            const int lanes = V - v0 < 8 ? (int)(V - v0) : 8;
+            for (int r = 0; r < n; r++) {
+                const float *vr = vals + (int64_t)r * 8;
+                float *o = out + (int64_t)r * V + v0;
+                if (lanes == 8) {
+                    __m256 v = _mm256_loadu_ps(vr);
+                    _mm256_storeu_ps(o, v);
+                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                    if (_mm_cvtss_f32(h) <= bt[2 * r + 1]) continue;
+                } else {
+                    memcpy(o, vr, sizeof(float) * lanes);
+                }
+                for (int l = 0; l < lanes; l++)
+                    top2_push(vr[l], v0 + l, &bt[2 * r], &bi[2 * r], &bt[2 * r + 1], &bi[2 * r + 1]);
+            }
+        }
+    }
+    top2_merge(n, nth, tb, ti, top, top_idx);
+    free(corr);
+    return 0;
+#endif
+}
+
 void forerun_q8_threads(int n) {
 #ifdef _OPENMP
     if (n > 0) omp_set_num_threads(n);
