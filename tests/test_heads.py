@@ -252,14 +252,19 @@ def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
     eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
     propose, pass_rows = drafter.propose, []
     drafter.propose = lambda tokens, want: (d := propose(tokens, want), pass_rows.append(len(d) + 1))[0]
-    drafted = head_rows = 0
+    drafted = head_rows = verified = passes = 0
     for p in PROMPTS:
         want = ref.generate(p, max_new_tokens=24).token_ids
         res = eng.generate(p, max_new_tokens=24, k=k)
         assert res.token_ids == want
         drafted += res.stats.drafted
         head_rows += res.stats.head_rows
+        verified += res.stats.verified_rows
+        passes += res.stats.target_passes
+        assert res.stats.head_calls >= res.stats.target_passes
     assert drafted > 0
+    # a chain pass verifies its draft and one more row; a tree pass at least its depth and one more
+    assert verified == drafted + passes if tree is None else verified >= drafted + passes
     if tree is not None and tree[0] >= 12 and getattr(gemma.backend, "lazy_tree_head", False):
         # greedy trees on the CPU run the LM head only on the rows the acceptance walk reaches
         assert head_rows < sum(pass_rows)

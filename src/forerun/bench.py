@@ -92,7 +92,7 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     """
     from forerun.timing import median_forward_s
 
-    widest = max([*ks, *(rows for rows, _ in lazy_trees)])
+    widest = max([*ks, *(rows for rows, _, _ in lazy_trees)])
     context = max(1, min(context, backend.max_context - widest - 2))
     # (context, ids) per text: a short text is timed at a shorter context, one shorter than 16 not at all
     seqs = [(c, torch.tensor(t)) for t in (texts or ()) if (c := min(context, len(t) - widest - 1)) >= 16][:max_texts]
@@ -112,20 +112,25 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     one = total(1, fn)
     out = {"step_ms": one / len(seqs) * 1000, "context": round(sum(c for c, _ in seqs) / len(seqs)), "texts": n_texts}
     out.update({str(k): total(k + 1, fn) / one for k in ks})
-    for rows, head_rows in sorted(lazy_trees):  # "N+headH": N draft nodes and the root, the LM head on H rows
-        out[f"{rows}+head{head_rows}"] = total(rows + 1, _lazy_tree_pass(backend, head_rows)) / one
+    for rows, head_rows, calls in sorted(lazy_trees):  # "N+headH/C": N draft nodes and the root, the LM head on H rows in C calls
+        out[lazy_tree_key(rows, head_rows, calls)] = total(rows + 1, _lazy_tree_pass(backend, head_rows, calls)) / one
     return out
 
 
-def _lazy_tree_pass(backend, head_rows: int):
+def lazy_tree_key(rows: int, head_rows: int, calls: int) -> str:
+    return f"{rows}+head{head_rows}/{calls}"
+
+
+def _lazy_tree_pass(backend, head_rows: int, calls: int):
     """A greedy tree's verify pass as the engine runs it on the CPU: every row through the body,
-    then the LM head on ``head_rows`` rows in calls of ``TREE_WALK_BATCH`` (the walk's rounds)."""
-    from forerun.tree import TREE_WALK_BATCH
+    then the LM head on ``head_rows`` rows in ``calls`` calls (the walk's rounds)."""
+    calls = max(1, min(calls, head_rows))
+    bounds = [round(i * head_rows / calls) for i in range(calls + 1)]
 
     def run(tokens, pos):
         h = backend.forward(tokens, pos, logits=False, return_hidden=True).hidden
-        for s in range(0, head_rows, TREE_WALK_BATCH):
-            backend.argmax_hidden(h[s: min(head_rows, s + TREE_WALK_BATCH)])
+        for a, b in zip(bounds, bounds[1:]):
+            backend.argmax_hidden(h[a:b])
 
     return run
 
@@ -224,6 +229,8 @@ def _summarise(records, names, by_cat=True):
             "rejections": rej,
             "target_passes": passes,
             "head_rows": sum(r.get("head_rows", 0) for r in rs),
+            "head_calls": sum(r.get("head_calls", 0) for r in rs),
+            "verified_rows": sum(r.get("verified_rows", 0) for r in rs),
             "greedy_equal": sum(1 for r in rs if r["equal_none"]),
             "prompts": len(rs),
         }
@@ -265,17 +272,22 @@ def _summarise(records, names, by_cat=True):
     return out
 
 
-def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | str | None = None) -> float | None:
+def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | str | None = None,
+                       tree: bool = False) -> float | None:
     """Leviathan et al.'s speedup with measured inputs.
 
     alpha = per-token acceptance estimated from the drafts the target tested (accepted /
     (accepted + rejections), ``GenerationStats.alpha``; a draft after a rejected one is never
     tested, so accepted / drafted would undercount it), gamma = mean draft length per verify
     pass, c = measured draft time per drafted token over our plain step time (none's wall time
-    per token), and the verify pass costs the measured ratio r(gamma) of a step instead of 1. A
-    token tree (``rows`` draft nodes) is charged the ratio of a pass of that many rows (on the CPU,
-    greedy: ``"N+headH"``, the body on every row and the LM head on the H rows its walk took), and gamma
-    and alpha are those of its accepted path (depth): the chain formula then approximates the tree.
+    per token), and the verify pass costs the measured ratio r(gamma) of a step instead of 1:
+    speedup = E[tokens per pass](alpha, gamma) / (gamma c + r).
+
+    A token tree has no one chain to put into the formula: its tokens per pass are the measured
+    tau, gamma is its depth per pass, and the pass is charged the ratio of a pass of ``rows``, the
+    mean number of nodes it verified (head tree and any lookup branch; on the CPU, greedy:
+    ``"N+headH/C"``, the body on N + 1 rows and the LM head on the H rows its walks took, in C
+    calls). For trees the prediction thus checks the cost side alone.
     """
     if not m.get("drafted") or not m.get("target_passes") or not none.get("new_tokens"):
         return None
@@ -285,7 +297,7 @@ def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | str | None
     c = m["draft_s"] / m["drafted"] / step
     r = ratios.get(str(rows)) if rows else None
     r = r or ratios.get(str(min(8, max(1, round(gamma)))), 1.0)
-    expected = expected_tokens(alpha, gamma)
+    expected = m["mean_accepted_len"] if tree and m.get("mean_accepted_len") else expected_tokens(alpha, gamma)
     return expected / (gamma * c + r)
 
 
@@ -342,8 +354,9 @@ def write_markdown(results: dict, path: Path) -> None:
         lines.append("|---|" + "---|" * len(ks))
         lines.append("| ratio | " + " | ".join(f"{vr[k]:.2f}" for k in ks) + " |")
         if any("+head" in k for k in ks):
-            lines += ["", "N+headH: a greedy tree pass of N draft nodes and the root, with the LM head on H rows only "
-                      "(the rows the acceptance walk took on average, in calls of up to 4 rows)."]
+            lines += ["", "N+headH/C: a greedy tree pass of N draft nodes and the root (the nodes verified per pass on "
+                      "average), with the LM head on H rows only in C calls (the rows and calls the acceptance walk took "
+                      "on average)."]
     hk = results.get("lm_head_kernels_ms")
     if hk:
         kernels = [k for k in next(iter(hk.values())) if k != "chosen"]
@@ -355,10 +368,14 @@ def write_markdown(results: dict, path: Path) -> None:
     pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
     if pred:
         lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
+        tree_rows = [n for n in pred if methods[n].get("verified_rows") and any(s in n for s in _TREE_SUFFIXES)]
         for n, p in pred.items():
             m = methods[n]
             app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
             lines.append(f"| {n} | {x(m.get('speedup_vs_none'))} | {p:.2f}x | {app} |")
+        if tree_rows:
+            lines += ["", f"Trees ({', '.join(tree_rows)}): tokens per pass are the measured tau; the prediction prices "
+                          "the measured pass (nodes, head rows and calls above) and the drafting, so it checks the cost side."]
         mixed = [n for n, m in methods.items() if "steps_by_choice" in m]
         if mixed:
             lines += ["", f"Not predicted: {', '.join(mixed)} (each step verifies a tree, a chain or nothing, so no one draft shape prices it)."]
@@ -516,25 +533,31 @@ def run_bench(args) -> dict:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
     bar.close()
 
-    tree_rows = tree[0] if tree else None
-    ks = list(range(1, 9)) + ([tree_rows] if tree_rows and tree_rows > 8 else [])
-    lazy = {}  # greedy trees on the CPU: a pass of the tree's rows, the LM head on as many rows as the walk took
-    if tree_rows and getattr(target.backend, "lazy_tree_head", False):
-        for name in tree_methods:
-            m = results["methods"].get(name)
-            if m and m.get("target_passes") and "steps_by_choice" not in m:
-                lazy[name] = max(1, round(m["head_rows"] / m["target_passes"]))
+    # A tree method is priced by the pass it ran on average: its nodes per pass (head tree plus any
+    # lookup branch), and on the CPU the LM head on the rows and in the calls its walks took.
+    tree_nodes = {}
+    for name in tree_methods:
+        m = results["methods"].get(name)
+        if m and m.get("target_passes") and m.get("verified_rows") and "steps_by_choice" not in m:
+            tree_nodes[name] = max(1, round(m["verified_rows"] / m["target_passes"]) - 1)
+    ks = list(range(1, 9)) + sorted({n for n in tree_nodes.values() if n > 8})
+    lazy = {}  # greedy trees on the CPU: name -> (nodes, head rows, head calls)
+    if getattr(target.backend, "lazy_tree_head", False):
+        for name, nodes in tree_nodes.items():
+            m = results["methods"][name]
+            lazy[name] = (nodes, max(1, round(m["head_rows"] / m["target_passes"])),
+                          max(1, round(m.get("head_calls", 0) / m["target_passes"])))
     # Timed on the prompts with the target's own continuations (none's outputs): the rows decoding sees.
     texts = [ids + r_out for ids, r_out in zip(encoded, reference_outputs)]
-    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks, lazy_trees={(tree_rows, h) for h in lazy.values()},
-                                                      texts=texts)
+    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks, lazy_trees=set(lazy.values()), texts=texts)
     results["lm_head_kernels_ms"] = head_kernel_times(target.backend, text=max(texts, key=len) if texts else None)
     for name, m in results["methods"].items():
         if name in engines and name != "none" and "steps_by_choice" not in m:  # a tree or a chain or nothing per
-            rows = tree_rows if name in tree_methods else None  # step (+auto) has no one draft shape to price
+            rows = tree_nodes.get(name)  # step (+auto) has no one draft shape to price
             if name in lazy:
-                rows = f"{tree_rows}+head{lazy[name]}"
-            m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"], rows)
+                rows = lazy_tree_key(*lazy[name])
+            m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"],
+                                                                rows, tree=name in tree_methods)
     if hasattr(target.backend, "head_fallbacks"):
         results["greedy_head_fallbacks"] = target.backend.head_fallbacks
     results["records"] = records

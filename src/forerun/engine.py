@@ -121,14 +121,20 @@ class Engine:
             n_draft = draft.depth
             root = len(tokens) - 1
             feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
-            lazy_rows, head_rows = None, len(feed)
+            lazy_rows, head_rows, head_calls = None, len(feed), 1
             if params.greedy and tree is not None and getattr(target, "lazy_tree_head", False):
                 # the LM head runs only on the rows the acceptance walk reaches
                 logits = None
                 passed = target.forward(feed, root, tree=tree, logits=False, return_hidden=True, **fwd)
                 hidden, feats = passed.hidden, passed.layers
-                lazy_rows = greedy_tree_walk(draft.tokens, draft.parents,
-                                             lambda rs: target.argmax_hidden(hidden[rs]).tolist(), conf=draft.conf)
+                head_calls = 0
+
+                def head_argmax(rs):
+                    nonlocal head_calls
+                    head_calls += 1
+                    return target.argmax_hidden(hidden[rs]).tolist()
+
+                lazy_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
             elif params.greedy and fast_argmax and (tree is None or getattr(target, "argmax_tree", False)):
                 # the backend gives exact argmaxes cheaper than logits
                 logits = None
@@ -176,6 +182,8 @@ class Engine:
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.head_rows += head_rows
+            stats.head_calls += head_calls
+            stats.verified_rows += len(feed)
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
             policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket if per_bucket else None)

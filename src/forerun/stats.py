@@ -13,6 +13,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     head_rows: int = 0  # rows of the verify passes that went through the target's LM head
+    head_calls: int = 0  # LM-head calls those rows took (a lazy greedy tree walk may take several per pass)
+    verified_rows: int = 0  # rows of the verify passes (draft tokens or tree nodes, plus one each)
     rejections: int = 0  # verify passes whose draft had a token rejected (the rest of it went untested)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
