@@ -211,41 +211,34 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowK
 def f32_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [n, D] @ weight[V, D].T in float32 on the CPU with ``f32_rows.c``: one pass over the
     weights for all n rows (the LM head of a verify pass)."""
-    lib = f32_rows_kernel()
-    if lib is None:
-        raise RuntimeError("the f32_rows kernel is not available (no C compiler)")
     if not _f32_rows_fits(weight):
         raise ValueError("f32_rows needs a contiguous float32 weight on the CPU")
-    x = x.to(torch.float32).contiguous()
-    n, D = x.shape
-    V = weight.shape[0]
-    if weight.shape[1] != D:
-        raise ValueError(f"f32_rows: rows of {D} against a weight of {tuple(weight.shape)}")
-    out = torch.empty(n, V, dtype=torch.float32)
-    lib.forerun_f32_threads(torch.get_num_threads())
-    if lib.forerun_f32_rows(weight.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
-        raise ValueError(f"f32_rows: bad sizes {n} x {D} against {V}")
-    return out
+    return _rows_product("forerun_f32_rows", weight, x)
 
 
 def f16w_rows(weight16: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [n, D] @ weight16[V, D].T with float16 weights (half the bytes of float32), each product
     and sum in float32 as ``f32_rows`` does them; for weights that float16 holds exactly (a trained
     head saved in float16), the same values as the float32 weights give."""
+    if weight16.dtype != torch.float16 or weight16.device.type != "cpu" or not weight16.is_contiguous():
+        raise ValueError("f16w_rows needs a contiguous float16 weight on the CPU")
+    return _rows_product("forerun_f16w_rows", weight16, x)
+
+
+def _rows_product(fn: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     lib = f32_rows_kernel()
     if lib is None:
         raise RuntimeError("the f32_rows kernel is not available (no C compiler)")
-    if weight16.dtype != torch.float16 or weight16.device.type != "cpu" or not weight16.is_contiguous():
-        raise ValueError("f16w_rows needs a contiguous float16 weight on the CPU")
+    name = fn.removeprefix("forerun_")
     x = x.to(torch.float32).contiguous()
     n, D = x.shape
-    V = weight16.shape[0]
-    if weight16.shape[1] != D:
-        raise ValueError(f"f16w_rows: rows of {D} against a weight of {tuple(weight16.shape)}")
+    V = weight.shape[0]
+    if weight.shape[1] != D:
+        raise ValueError(f"{name}: rows of {D} against a weight of {tuple(weight.shape)}")
     out = torch.empty(n, V, dtype=torch.float32)
     lib.forerun_f32_threads(torch.get_num_threads())
-    if lib.forerun_f16w_rows(weight16.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
-        raise ValueError(f"f16w_rows: bad sizes {n} x {D} against {V}")
+    if getattr(lib, fn)(weight.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
+        raise ValueError(f"{name}: bad sizes {n} x {D} against {V}")
     return out
 
 

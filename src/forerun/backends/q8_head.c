@@ -116,6 +116,20 @@ static void top2_merge(int n, int nth, float *tb, int64_t *ti, float *top, int64
     free(ti);
 }
 
+/* Interleaved layouts: each block's integer sum starts at -128 * sum(x) of the block, which takes
+ * the weights' +128 offset back exactly. Returns the [n][nb] starts (malloc'ed), or NULL. */
+__attribute__((unused)) static int32_t *offset_corr(const int8_t *qx, int n, int nb) {
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)n * nb);
+    if (!corr) return NULL;
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < nb; b++) {
+            int32_t sx = 0;
+            for (int j = 0; j < QK; j++) sx += qx[((int64_t)r * nb + b) * QK + j];
+            corr[r * nb + b] = 128 * sx;
+        }
+    return corr;
+}
+
 static int max_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -192,6 +206,53 @@ int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
     return 0;
 }
 
+typedef void (*group_fn)(const uint8_t *wg, const uint16_t *dg, int nb, const int8_t *qx, const float *dx,
+                         const int32_t *corr, int r0, int m, float *vals);
+
+/* The interleaved layouts' pass: OpenMP splits the groups of ``lanes`` vocabulary rows, ``group``
+ * computes one group's logits for up to ``rg`` activation rows at a time (vals [row][lanes]), and
+ * each row's logits are stored and pushed into its top two (skipped when none beats the second). */
+__attribute__((unused)) static int interleaved_rows(group_fn group, int lanes, int rg, const uint8_t *wu,
+                                                    const uint16_t *dh, int64_t V, int nb, const int8_t *qx,
+                                                    const float *dx, int n, float *out, float *top, int64_t *top_idx) {
+    if (n < 1 || n > MAXR) return -1;
+    const int64_t G = (V + lanes - 1) / lanes;
+    const int nth = max_threads();
+    int32_t *corr = offset_corr(qx, n, nb);
+    float *tb;
+    int64_t *ti;
+    if (!corr) return -2;
+    if (top2_alloc(n, nth, &tb, &ti)) { free(corr); return -2; }
+#pragma omp parallel
+    {
+        const int t = thread_num();
+        float *bt = tb + 2 * n * t;
+        int64_t *bi = ti + 2 * n * t;
+        float vals[MAXR * 16];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *wg = wu + g * (int64_t)nb * 32 * lanes;
+            const uint16_t *dg = dh + g * (int64_t)nb * lanes;
+            for (int r0 = 0; r0 < n; r0 += rg)
+                group(wg, dg, nb, qx, dx, corr, r0, n - r0 < rg ? n - r0 : rg, vals + (int64_t)r0 * lanes);
+            const int64_t v0 = g * lanes;
+            const int live = V - v0 < lanes ? (int)(V - v0) : lanes;
+            for (int r = 0; r < n; r++) {
+                const float *vr = vals + (int64_t)r * lanes;
+                memcpy(out + (int64_t)r * V + v0, vr, sizeof(float) * live);
+                float mx = vr[0];
+                for (int l = 1; l < live; l++) mx = vr[l] > mx ? vr[l] : mx;
+                if (mx <= bt[2 * r + 1]) continue;
+                for (int l = 0; l < live; l++)
+                    top2_push(vr[l], v0 + l, &bt[2 * r], &bi[2 * r], &bt[2 * r + 1], &bi[2 * r + 1]);
+            }
+        }
+    }
+    top2_merge(n, nth, tb, ti, top, top_idx);
+    free(corr);
+    return 0;
+}
+
 /* ---- Interleaved layout: 16 vocabulary rows per 64-byte vector (AVX-512 VNNI) ----
  *
  * wu [G][nb][8][16][4] uint8: weight q + 128 of vocabulary row 16g + lane, bytes 4k..4k+3 of
@@ -262,53 +323,7 @@ int forerun_q8_rows_x16(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb
     (void)wu; (void)dh; (void)V; (void)nb; (void)qx; (void)dx; (void)n; (void)out; (void)top; (void)top_idx;
     return -3;
 #else
-    if (n < 1 || n > MAXR) return -1;
-    const int64_t G = (V + 15) / 16;
-    const int nth = max_threads();
-    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)n * nb);
-    float *tb;
-    int64_t *ti;
-    if (!corr) return -2;
-    if (top2_alloc(n, nth, &tb, &ti)) { free(corr); return -2; }
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < nb; b++) {
-            int32_t sx = 0;
-            for (int j = 0; j < QK; j++) sx += qx[((int64_t)r * nb + b) * QK + j];
-            corr[r * nb + b] = 128 * sx;
-        }
-#pragma omp parallel
-    {
-        const int t = thread_num();
-        float *bt = tb + 2 * n * t;
-        int64_t *bi = ti + 2 * n * t;
-        float vals[MAXR * 16];
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *wg = wu + g * (int64_t)nb * 512;
-            const uint16_t *dg = dh + g * (int64_t)nb * 16;
-            for (int r0 = 0; r0 < n; r0 += RG) {
-                int m = n - r0 < RG ? n - r0 : RG;
-                group_x16_n(wg, dg, nb, qx, dx, corr, r0, m, vals + (int64_t)r0 * 16);
-            }
-            const int64_t v0 = g * 16;
-            const int lanes = V - v0 < 16 ? (int)(V - v0) : 16;
-            for (int r = 0; r < n; r++) {
-                const float *vr = vals + (int64_t)r * 16;
-                float *o = out + (int64_t)r * V + v0;
-                if (lanes == 16) {
-                    _mm512_storeu_ps(o, _mm512_loadu_ps(vr));
-                    if (_mm512_reduce_max_ps(_mm512_loadu_ps(vr)) <= bt[2 * r + 1]) continue;
-                } else {
-                    memcpy(o, vr, sizeof(float) * lanes);
-                }
-                for (int l = 0; l < lanes; l++)
-                    top2_push(vr[l], v0 + l, &bt[2 * r], &bi[2 * r], &bt[2 * r + 1], &bi[2 * r + 1]);
-            }
-        }
-    }
-    top2_merge(n, nth, tb, ti, top, top_idx);
-    free(corr);
-    return 0;
+    return interleaved_rows(group_x16_n, 16, RG, wu, dh, V, nb, qx, dx, n, out, top, top_idx);
 #endif
 }
 
@@ -378,59 +393,9 @@ int forerun_q8_rows_x8(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb,
     (void)wu; (void)dh; (void)V; (void)nb; (void)qx; (void)dx; (void)n; (void)out; (void)top; (void)top_idx;
     return -3;
 #else
-    if (n < 1 || n > MAXR) return -1;
     for (int64_t i = 0; i < (int64_t)n * nb * QK; i++)
         if (qx[i] < -63 || qx[i] > 63) return -4;
-    const int64_t G = (V + 7) / 8;
-    const int nth = max_threads();
-    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)n * nb);
-    float *tb;
-    int64_t *ti;
-    if (!corr) return -2;
-    if (top2_alloc(n, nth, &tb, &ti)) { free(corr); return -2; }
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < nb; b++) {
-            int32_t sx = 0;
-            for (int j = 0; j < QK; j++) sx += qx[((int64_t)r * nb + b) * QK + j];
-            corr[r * nb + b] = 128 * sx;
-        }
-#pragma omp parallel
-    {
-        const int t = thread_num();
-        float *bt = tb + 2 * n * t;
-        int64_t *bi = ti + 2 * n * t;
-        float vals[MAXR * 8];
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *wg = wu + g * (int64_t)nb * 256;
-            const uint16_t *dg = dh + g * (int64_t)nb * 8;
-            for (int r0 = 0; r0 < n; r0 += RG8) {
-                int m = n - r0 < RG8 ? n - r0 : RG8;
-                group_x8_n(wg, dg, nb, qx, dx, corr, r0, m, vals + (int64_t)r0 * 8);
-            }
-            const int64_t v0 = g * 8;
-            const int lanes = V - v0 < 8 ? (int)(V - v0) : 8;
-            for (int r = 0; r < n; r++) {
-                const float *vr = vals + (int64_t)r * 8;
-                float *o = out + (int64_t)r * V + v0;
-                if (lanes == 8) {
-                    __m256 v = _mm256_loadu_ps(vr);
-                    _mm256_storeu_ps(o, v);
-                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-                    if (_mm_cvtss_f32(h) <= bt[2 * r + 1]) continue;
-                } else {
-                    memcpy(o, vr, sizeof(float) * lanes);
-                }
-                for (int l = 0; l < lanes; l++)
-                    top2_push(vr[l], v0 + l, &bt[2 * r], &bi[2 * r], &bt[2 * r + 1], &bi[2 * r + 1]);
-            }
-        }
-    }
-    top2_merge(n, nth, tb, ti, top, top_idx);
-    free(corr);
-    return 0;
+    return interleaved_rows(group_x8_n, 8, RG8, wu, dh, V, nb, qx, dx, n, out, top, top_idx);
 #endif
 }
 
