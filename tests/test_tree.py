@@ -5,7 +5,7 @@ import torch
 
 from forerun.drafters.base import Draft
 from forerun.drafters.eagle import static_tree
-from forerun.tree import chain_nodes, graft_chain, greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
+from forerun.tree import graft_chain, greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
 
 #        root
 #       /    \
@@ -38,16 +38,16 @@ def test_static_tree_is_prefix_closed():
 def test_graft_chain_shares_existing_nodes():
     tokens = torch.tensor([10, 11, 12, 13, 14, 15])
     # 10 -> 12 exists (n0 -> n2), then 77 and 78 are new below n2; n5 (15) is left alone.
-    t, p = graft_chain(tokens, PARENTS, [10, 12, 77, 78])
-    assert t.tolist() == [10, 11, 12, 13, 14, 15, 77, 78]
+    t, p, path = graft_chain(tokens, PARENTS, [10, 12, 77, 78])
+    assert t.tolist() == [10, 11, 12, 13, 14, 15, 77, 78] and path == [0, 2, 6, 7]
     assert p.tolist() == PARENTS.tolist() + [2, 6]
     tree_layout(p)  # parents still come first
     ids = torch.tensor([10, 12, 0, 77, 0, 0, 0, 78, 5])  # the target follows the grafted chain to its end
     assert greedy_tree_accept(t, p, ids) == ([1, 3, 7, 8], [10, 12, 77, 78, 5])
-    t, p = graft_chain(tokens, PARENTS, [10, 12, 15])  # already a path: nothing added
-    assert t.tolist() == tokens.tolist() and p.tolist() == PARENTS.tolist()
-    t, p = graft_chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [5, 6, 5])
-    assert t.tolist() == [5, 6, 5] and p.tolist() == [-1, 0, 1]  # onto an empty tree: a chain
+    t, p, path = graft_chain(tokens, PARENTS, [10, 12, 15])  # already a path: nothing added
+    assert t.tolist() == tokens.tolist() and p.tolist() == PARENTS.tolist() and path == [0, 2, 5]
+    t, p, path = graft_chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [5, 6, 5])
+    assert t.tolist() == [5, 6, 5] and p.tolist() == [-1, 0, 1] and path == [0, 1, 2]  # onto an empty tree: a chain
 
 
 def test_greedy_tree_accept():
@@ -119,13 +119,6 @@ def test_greedy_tree_walk_asks_for_the_rows_it_likely_reaches():
     calls.clear()
     greedy_tree_walk(tokens, PARENTS, lambda rs: calls.append(rs) or ids[rs].tolist(), conf=[0.1] * 6)
     assert calls == [[0], [2], [5]]  # nothing is likely: one row per call
-
-
-def test_chain_nodes_follow_the_grafted_chain():
-    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
-    t, p = graft_chain(tokens, PARENTS, [10, 12, 77, 78])
-    assert chain_nodes(t, p, [10, 12, 77, 78]) == [0, 2, 6, 7]
-    assert chain_nodes(tokens, PARENTS, [11, 14, 5]) == [1, 4]  # as far as the tree has it
 
 
 def test_sample_tree_accept_is_lossless():

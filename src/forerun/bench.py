@@ -368,7 +368,7 @@ def write_markdown(results: dict, path: Path) -> None:
     pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
     if pred:
         lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
-        tree_rows = [n for n in pred if methods[n].get("verified_rows") and any(s in n for s in _TREE_SUFFIXES)]
+        tree_rows = [n for n in pred if _tree_suffix(n.partition(":")[0])]
         for n, p in pred.items():
             m = methods[n]
             app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])

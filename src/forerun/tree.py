@@ -148,16 +148,18 @@ def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Ten
         return rows, out
 
 
-def graft_chain(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def graft_chain(tokens: torch.Tensor, parents: torch.Tensor,
+                chain: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Add ``chain`` to a tree as one more root-to-node path, sharing the nodes it already has.
 
     The walk follows existing children while they hold the chain's tokens and appends the rest as
-    new nodes (after every existing one, so parents still come first). Returns (tokens, parents)."""
+    new nodes (after every existing one, so parents still come first). Returns (tokens, parents,
+    the chain's nodes in order)."""
     tok, par = tokens.tolist(), parents.tolist()
     child = {}  # (parent node, token) -> node
     for i, (t, p) in enumerate(zip(tok, par)):
         child.setdefault((p, t), i)
-    node = -1
+    node, path = -1, []
     for t in chain:
         nxt = child.get((node, t))
         if nxt is None:
@@ -165,18 +167,5 @@ def graft_chain(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -
             par.append(node)
             nxt = child[(node, t)] = len(tok) - 1
         node = nxt
-    return torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long)
-
-
-def chain_nodes(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -> list[int]:
-    """The nodes holding ``chain`` as a root-to-node path of the tree (as far as the tree has it)."""
-    child = {}
-    for i, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist())):
-        child.setdefault((p, t), i)
-    out, node = [], -1
-    for t in chain:
-        node = child.get((node, int(t)))
-        if node is None:
-            break
-        out.append(node)
-    return out
+        path.append(node)
+    return torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long), path

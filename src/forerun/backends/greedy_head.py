@@ -39,27 +39,21 @@ log = logging.getLogger("forerun")
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's x86 ``quantize_row_q8_0`` for rows of x [n, D] -> (q [n, D/32, 32] float, d [n, D/32] fp32 of fp16)."""
-    n, D = x.shape
-    xb = x.float().reshape(n, D // QK, QK)
-    amax = xb.abs().amax(-1)  # [n, nb] float32
-    d = (amax / 127.0).half().float()  # stored as fp16
-    inv = torch.where(amax != 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv[..., None])  # float32 product, then round half to even (_MM_ROUND_NEAREST)
-    return q, d
+    return quantize_blocks(x, 127)
 
 
 def quantize_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x [n, D] in 32-blocks of integers in [-levels, levels] -> (q [n, D/32, 32] float,
-    d [n, D/32] float32); x ~ q * d. ``levels=127`` is ggml's Q8_0 (``quantize_q8_0``); 63 is
-    what the 7-bit kernel takes."""
-    if levels == 127:
-        return quantize_q8_0(x)
+    d [n, D/32] float32 of an fp16 scale, so q * d is exact in float32); x ~ q * d. ``levels=127``
+    is ggml's Q8_0 (``quantize_q8_0``); 63 is what the 7-bit kernel takes."""
     n, D = x.shape
     xb = x.float().reshape(n, D // QK, QK)
-    amax = xb.abs().amax(-1)
-    d = (amax / levels).half().float()  # as in Q8_0: an fp16 scale, so q * d is exact in float32
-    inv = torch.where(amax != 0, levels / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv[..., None]).clamp_(-levels, levels)
+    amax = xb.abs().amax(-1)  # [n, nb] float32
+    d = (amax / float(levels)).half().float()  # stored as fp16
+    inv = torch.where(amax != 0, torch.tensor(float(levels)) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None])  # float32 product, then round half to even (_MM_ROUND_NEAREST)
+    if levels != 127:  # ggml's Q8_0 does not clamp (x * 127 / amax cannot round past 127)
+        q.clamp_(-levels, levels)
     return q, d
 
 

@@ -29,7 +29,7 @@ from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
 from forerun.draft_length import TreeOrLookup, update_acceptance
 from forerun.drafters.ngram import lookup_match
-from forerun.tree import chain_nodes, graft_chain
+from forerun.tree import graft_chain
 
 
 class FeatureDrafter(Drafter):
@@ -50,8 +50,10 @@ class FeatureDrafter(Drafter):
         # head); a fork starts afresh.
         self.policy = TreeOrLookup() if adaptive else None
         self._round = None  # this round's lookup chain and what the policy chose
-        self._chain = None  # this round's lookup chain in a tree, to measure how far it would have gone
-        self.chain_acc: dict[int, list[float]] = {}  # n-gram length -> decayed [accepted, rejections] of the chain
+        self._chain = None  # without a policy: this round's lookup chain, to measure how far it would have gone
+        # n-gram length -> decayed [accepted, rejections] of the lookup chain (the policy keeps the same
+        # estimate, from every round, where there is one)
+        self.chain_acc: dict[int, list[float]] = self.policy.chain_acc if self.policy is not None else {}
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -95,15 +97,16 @@ class FeatureDrafter(Drafter):
                 chain, bucket = self._round["chain"], self._round["bucket"]
             else:
                 chain, bucket = lookup_match(tokens, k, *self.lookup)
-            self._chain = {"base": len(tokens), "chain": chain, "bucket": bucket}
+            if self.policy is None:
+                self._chain = {"base": len(tokens), "chain": chain, "bucket": bucket}
             if chain:
-                t, p = graft_chain(tree.tokens, tree.parents, chain)
+                t, p, path = graft_chain(tree.tokens, tree.parents, chain)
                 conf = None
                 if tree.conf is not None:
                     acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
                     a = acc / (acc + rej)
                     conf = list(tree.conf) + [a] * (len(t) - len(tree))
-                    for node in chain_nodes(t, p, chain):
+                    for node in path:
                         conf[node] = max(conf[node], a)
                 tree = Draft(tokens=t, parents=p, conf=conf)
         if self._round is not None:
