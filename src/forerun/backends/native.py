@@ -1,4 +1,5 @@
-"""Our own forward pass for Gemma 3 text models, with a static per-position KV cache.
+"""Our own forward pass for Llama, Mistral, Qwen2/3 and Gemma 1/2/3 text models, with a static
+per-position KV cache.
 
 Why not the transformers module: we need positions we choose, a cache rolled back by
 bookkeeping, layer skipping for self-speculation, hidden states, and the least possible
@@ -9,6 +10,7 @@ except that linear layers are prepacked for oneDNN on CPU (see ``_linear``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -18,9 +20,8 @@ from forerun.backends.base import ArgmaxOutput, BackendBase, ForwardOutput
 
 log = logging.getLogger("forerun")
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text",)
 # Passes of up to this many rows (one-token steps, chains, token trees with a lookup branch) are
-# computed row by row alike where the backend is batch-invariant (see NativeGemma3.batch_invariant);
+# computed row by row alike where the backend is batch-invariant (see NativeBackend.batch_invariant);
 # longer ones (prompts, shared by every method) take the library kernels.
 INVARIANT_ROWS = 64
 
@@ -38,7 +39,7 @@ class _Linear:
     reads each weight row once for all rows of the pass. Small-row
     products are what verify passes are made of. (The body's small layers are not tuned one by
     one: timed in isolation their weights sit in cache, which misleads the choice; the backend
-    picks one kernel for all of them from whole body passes, see ``NativeGemma3.body_kernel``,
+    picks one kernel for all of them from whole body passes, see ``NativeBackend.body_kernel``,
     and passes it as ``how``.)
     """
 
@@ -73,7 +74,7 @@ class _Linear:
         rows = x.shape[0]
         if self.half is not None and rows <= INVARIANT_ROWS:
             return f16w_rows(self.half, x)
-        if how == "rows" and rows <= INVARIANT_ROWS:  # the body's choice (NativeGemma3.body_kernel)
+        if how == "rows" and rows <= INVARIANT_ROWS:  # the body's choice (NativeBackend.body_kernel)
             return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
@@ -247,10 +248,14 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
-def _rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = True) -> torch.Tensor:
+    """RMS norm with the norm's effective weight (Gemma's ``1 + w`` folded in). ``weight_in_float``:
+    Gemma multiplies by the weight before casting back to x's dtype, Llama-style norms after."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight_plus_one).type_as(x)
+    if weight_in_float:
+        return (xf * weight).type_as(x)
+    return weight * xf.type_as(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -258,39 +263,104 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# Architectures the native forward runs, checked against transformers' own modules in the tests
+# (tiny random configurations). What differs between them is data, see ``Arch``.
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma2", "gemma", "llama", "mistral", "qwen2", "qwen3")
+_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What sets one decoder-only architecture of the Llama lineage apart from another."""
+
+    gemma_norms: bool  # norms scale by (1 + w) in float32; token embeddings scale by sqrt(hidden)
+    sandwich: bool  # Gemma 2/3: norms after attention and after the MLP too (four per layer)
+    act: str  # the MLP's gate activation
+    scale: float  # attention scale
+    attn_softcap: float | None  # Gemma 2: tanh soft cap on attention scores
+    final_softcap: float | None  # Gemma 2/3: tanh soft cap on the logits
+    layer_types: tuple  # "full_attention" / "sliding_attention" per layer
+    window: int | None  # sliding window of the sliding layers
+
+    @classmethod
+    def of(cls, cfg) -> "Arch":
+        mt = cfg.model_type
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"native backend does not support model type {mt!r}")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        qpas = getattr(cfg, "query_pre_attn_scalar", None)
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"native backend: unsupported activation {act!r}")
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        if not types:  # Mistral: every layer slides when a window is set
+            types = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+        if not window:
+            types = ["full_attention"] * cfg.num_hidden_layers
+        gemma = mt.startswith("gemma")
+        return cls(gemma_norms=gemma, sandwich=mt in ("gemma2", "gemma3_text"), act=act,
+                   scale=(qpas if qpas else head_dim) ** -0.5,
+                   attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+                   final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
+                   layer_types=tuple(types), window=window or None)
+
+
 class _Layer:
-    def __init__(self, hf_layer, attention_type: str, pack: bool):
+    def __init__(self, hf_layer, attention_type: str, pack: bool, arch: Arch):
         a, m = hf_layer.self_attn, hf_layer.mlp
         self.n_q = a.q_proj.out_features
         self.n_kv = a.k_proj.out_features
         self.qkv = _Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), pack)
+        self.qkv_bias = _bias(a.q_proj, a.k_proj, a.v_proj)  # Qwen2
         self.o = _Linear(a.o_proj.weight.detach(), pack)
+        self.o_bias = _bias(a.o_proj)
         self.inter = m.gate_proj.out_features
         self.gate_up = _Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), pack)
+        self.gate_up_bias = _bias(m.gate_proj, m.up_proj)
         self.down = _Linear(m.down_proj.weight.detach(), pack)
-        # Gemma norms scale by (1 + w): fold the 1 in once.
-        self.norms = [
-            (1.0 + n.weight.detach().float())
-            for n in (
-                hf_layer.input_layernorm,
-                hf_layer.post_attention_layernorm,
-                hf_layer.pre_feedforward_layernorm,
-                hf_layer.post_feedforward_layernorm,
-            )
-        ]
-        self.q_norm = 1.0 + a.q_norm.weight.detach().float()
-        self.k_norm = 1.0 + a.k_norm.weight.detach().float()
+        self.down_bias = _bias(m.down_proj)
+        self.act = _ACTIVATIONS[arch.act]
+        names = (("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm") if arch.sandwich else ("input_layernorm", "post_attention_layernorm"))
+        fold = _norm_weight if arch.gemma_norms else (lambda n: n.weight.detach())
+        # sandwich: [before attention, after attention, before the MLP, after the MLP]; else
+        # [before attention, before the MLP]
+        self.norms = [fold(getattr(hf_layer, n)) for n in names]
+        # Gemma 3 and Qwen3 norm queries and keys per head
+        self.q_norm = fold(a.q_norm) if hasattr(a, "q_norm") else None
+        self.k_norm = fold(a.k_norm) if hasattr(a, "k_norm") else None
         self.sliding = attention_type == "sliding_attention"
 
 
-class NativeGemma3(BackendBase):
+def _norm_weight(norm) -> torch.Tensor:
+    """Gemma's norms scale by (1 + w): fold the 1 in once."""
+    return 1.0 + norm.weight.detach().float()
+
+
+def _bias(*linears) -> torch.Tensor | None:
+    """The linear layers' biases side by side, or None where they have none."""
+    if all(getattr(l, "bias", None) is None for l in linears):
+        return None
+    return torch.cat([l.bias.detach() if l.bias is not None else l.weight.new_zeros(l.out_features)
+                      for l in linears])
+
+
+def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias
+
+
+class NativeBackend(BackendBase):
+    """Our own forward pass for the architectures in ``SUPPORTED_MODEL_TYPES``."""
+
     supports_layer_skip = True
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True):
         cfg = hf_model.config
-        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"native backend does not support model type {cfg.model_type!r}")
+        arch = Arch.of(cfg)
+        self.arch = arch
         inner = hf_model.model
         self.config = cfg
         self.device = inner.embed_tokens.weight.device
@@ -299,27 +369,26 @@ class NativeGemma3(BackendBase):
         self.hidden_size = cfg.hidden_size
         self.num_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
-        self.n_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        self.n_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.query_pre_attn_scalar**-0.5
-        self.window = cfg.sliding_window
+        self.scale = arch.scale
+        self.window = arch.window
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.embed = inner.embed_tokens.weight.detach()
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype)
-        self.final_norm = 1.0 + inner.norm.weight.detach().float()
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if arch.gemma_norms else 1.0, dtype=self.dtype)
+        self.final_norm = _norm_weight(inner.norm) if arch.gemma_norms else inner.norm.weight.detach()
         self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True)
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.layers = [
-            _Layer(layer, cfg.layer_types[i], pack_linear) for i, layer in enumerate(inner.layers)
-        ]
+        self.softcap = arch.final_softcap
+        self.layers = [_Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
         # Rotary tables per attention type, from the transformers module (it knows every rope variant).
         rot = inner.rotary_emb
         self._inv_freq = {}
         self._rope_scale = {}
-        for t in set(cfg.layer_types):
-            self._inv_freq[t] = getattr(rot, f"{t}_inv_freq").detach().float().to(self.device)
-            self._rope_scale[t] = getattr(rot, f"{t}_attention_scaling", 1.0)
+        for t in set(arch.layer_types):
+            per_type = hasattr(rot, f"{t}_inv_freq")  # Gemma 3: local and global layers rotate differently
+            self._inv_freq[t] = getattr(rot, f"{t}_inv_freq" if per_type else "inv_freq").detach().float().to(self.device)
+            self._rope_scale[t] = getattr(rot, f"{t}_attention_scaling" if per_type else "attention_scaling", 1.0)
         self._pack = pack_linear
         self._body_choice = {"kernel": None}  # shared with forks: chosen once (see body_kernel)
         self._want_invariant = batch_invariant
@@ -329,6 +398,9 @@ class NativeGemma3(BackendBase):
         self._cap = 0
         self._len = 0
         self.k_cache = self.v_cache = None
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, weight, self.eps, self.arch.gemma_norms)
 
     # -- cache -----------------------------------------------------------------------------
     @property
@@ -361,12 +433,12 @@ class NativeGemma3(BackendBase):
     def reset(self) -> None:
         self._len = 0
 
-    def fork(self) -> "NativeGemma3":
+    def fork(self) -> "NativeBackend":
         self.exact_head()  # decided once, so that every twin takes greedy tokens the same way
         return self._twin()
 
-    def _twin(self) -> "NativeGemma3":
-        twin = object.__new__(NativeGemma3)
+    def _twin(self) -> "NativeBackend":
+        twin = object.__new__(NativeBackend)
         twin.__dict__.update(self.__dict__)
         twin._cap, twin._len, twin.k_cache, twin.v_cache = 0, 0, None, None
         return twin
@@ -465,7 +537,7 @@ class NativeGemma3(BackendBase):
         self._len = end
         if not logits and not return_hidden:
             return ForwardOutput(logits=None, layers=feats)
-        h = _rms_norm(h[-1:] if last_only else h, self.final_norm, self.eps)
+        h = self._norm(h[-1:] if last_only else h, self.final_norm)
         return ForwardOutput(logits=self._logits(h, head) if logits else None, hidden=h if return_hidden else None,
                              layers=feats)
 
@@ -503,7 +575,7 @@ class NativeGemma3(BackendBase):
 
         if h is None:
             g = torch.Generator().manual_seed(0)
-            h = _rms_norm(torch.randn(1, self.hidden_size, generator=g).to(self.dtype), self.final_norm, self.eps)
+            h = self._norm(torch.randn(1, self.hidden_size, generator=g).to(self.dtype), self.final_norm)
         row = h[-1:].float().cpu()
         exact_s = median_s(lambda: head.argmax(row), 3)
         float_s = median_s(lambda: self._logits(row.to(self.device, self.dtype)).argmax(-1), 3)
@@ -554,26 +626,30 @@ class NativeGemma3(BackendBase):
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
-            x = _rms_norm(h, layer.norms[0], self.eps)
-            qkv = layer.qkv(x, how)
+            x = self._norm(h, layer.norms[0])
+            qkv = _add(layer.qkv(x, how), layer.qkv_bias)
             outs, r = [], 0
             for seq, pos, T, rope, masks in parts:
                 kind = "sliding_attention" if layer.sliding else "full_attention"
                 cos, sin = rope[kind] if kind in rope else next(iter(rope.values()))
                 outs.append(seq._attention(layer, i, qkv[r: r + T], pos, cos, sin, masks[layer.sliding]))
                 r += T
-            x = layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how)
-            h = h + _rms_norm(x, layer.norms[1], self.eps)
-            x = _rms_norm(h, layer.norms[2], self.eps)
-            gu = layer.gate_up(x, how)
-            x = layer.down(F.gelu(gu[:, : layer.inter], approximate="tanh") * gu[:, layer.inter :], how)
-            h = h + _rms_norm(x, layer.norms[3], self.eps)
+            x = _add(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
+            if self.arch.sandwich:  # Gemma 2/3: normed outputs, then a norm before the MLP
+                h = h + self._norm(x, layer.norms[1])
+                x = self._norm(h, layer.norms[2])
+            else:
+                h = h + x
+                x = self._norm(h, layer.norms[1])
+            gu = _add(layer.gate_up(x, how), layer.gate_up_bias)
+            x = _add(layer.down(layer.act(gu[:, : layer.inter]) * gu[:, layer.inter :], how), layer.down_bias)
+            h = h + (self._norm(x, layer.norms[3]) if self.arch.sandwich else x)
             if i in want:
                 want[i] = h
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @torch.inference_mode()
-    def forward_batch(self, seqs: Sequence["NativeGemma3"], feeds: Sequence[torch.Tensor],
+    def forward_batch(self, seqs: Sequence["NativeBackend"], feeds: Sequence[torch.Tensor],
                       positions: Sequence[int], layers: Sequence[int] = (),
                       greedy: Sequence[bool] = ()) -> list:
         """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
@@ -592,7 +668,7 @@ class NativeGemma3(BackendBase):
         for seq, pos, T, _, _ in parts:
             seq._len = pos + T
         sizes = [p[2] for p in parts]
-        hn = _rms_norm(h, self.final_norm, self.eps).split(sizes)
+        hn = self._norm(h, self.final_norm).split(sizes)
         per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
         exact = self.exact_head() if any(greedy) else None
         flags = [exact is not None and i < len(greedy) and bool(greedy[i]) for i in range(len(parts))]
@@ -663,8 +739,9 @@ class NativeGemma3(BackendBase):
         q = qkv[:, : layer.n_q].view(T, self.n_heads, D)
         k = qkv[:, layer.n_q : layer.n_q + layer.n_kv].view(T, self.n_kv_heads, D)
         v = qkv[:, layer.n_q + layer.n_kv :].view(T, self.n_kv_heads, D)
-        q = _rms_norm(q, layer.q_norm, self.eps)
-        k = _rms_norm(k, layer.k_norm, self.eps)
+        if layer.q_norm is not None:
+            q = self._norm(q, layer.q_norm)
+            k = self._norm(k, layer.k_norm)
         c, s = cos[:, None, :], sin[:, None, :]
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
@@ -672,6 +749,8 @@ class NativeGemma3(BackendBase):
         self.k_cache[idx, :, pos:end] = k.transpose(0, 1)
         self.v_cache[idx, :, pos:end] = v.transpose(0, 1)
         start, mask = mask_info[:2]
+        if self.arch.attn_softcap:
+            return self._capped_attention(q, idx, start, end, mask_info)
         if len(mask_info) > 2:  # batch-invariant: every row as a one-token step over its own keys
             return attention_rows(q, self.k_cache[idx], self.v_cache[idx], mask_info[2], self.scale)
         keys = self.k_cache[idx, :, start:end]  # [kv_heads, S, D]
@@ -685,3 +764,33 @@ class NativeGemma3(BackendBase):
             enable_gqa=self.n_heads != self.n_kv_heads,
         )  # [1, heads, T, D]
         return out[0].transpose(0, 1).reshape(T, self.n_heads * D)
+
+    def _capped_attention(self, q, idx, start, end, mask_info):
+        """Attention with Gemma 2's soft cap on the scores (cap * tanh(s / cap)), which the fused
+        kernels lack: q [T, heads, D] -> [T, heads * D]. Batch-invariant passes take each row alone
+        over its own keys (as a one-token step does)."""
+        T, H, D = q.shape
+        cap, group = self.arch.attn_softcap, self.n_heads // self.n_kv_heads
+        k_all, v_all = self.k_cache[idx], self.v_cache[idx]
+
+        def attend(qr, kk, vv, mask=None):  # qr [H, t, D], kk/vv [kv_heads, S, D]
+            kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
+            scores = torch.tanh((qr @ kk.transpose(1, 2)).float() * self.scale / cap) * cap
+            if mask is not None:
+                scores = scores.masked_fill(~mask[None], float("-inf"))
+            return (scores.softmax(-1).to(vv.dtype) @ vv).transpose(0, 1)  # [t, H, D]
+
+        qt = q.transpose(0, 1)
+        if len(mask_info) > 2:
+            keys = mask_info[2]
+            outs = []
+            for t in range(T):
+                sel = keys.slots(t)
+                kk, vv = ((k_all[:, sel[0]: sel[1]], v_all[:, sel[0]: sel[1]]) if isinstance(sel, tuple)
+                          else (k_all[:, sel], v_all[:, sel]))
+                outs.append(attend(qt[:, t: t + 1], kk, vv))
+            return torch.cat(outs).reshape(T, H * D)
+        mask = mask_info[1]
+        if mask is None:
+            mask = torch.ones(T, end - start, dtype=torch.bool, device=q.device)
+        return attend(qt, k_all[:, start:end], v_all[:, start:end], mask).reshape(T, H * D)

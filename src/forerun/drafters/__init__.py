@@ -104,7 +104,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
     if not getattr(target.backend, "supports_layer_skip", False):
-        raise ForerunError("layerskip needs a backend that can skip layers (--backend torch on a Gemma 3 model); "
+        raise ForerunError("layerskip needs a backend that can skip layers (--backend torch on a Llama, Mistral, Qwen2/3 or Gemma model); "
                            "llama.cpp has no per-call layer selection")
     from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forerun.batching import BatchEngine, BatchRequest, QueueFull
+from forerun.chat import chat_ids
 from forerun.sampling import SamplingParams
 from forerun.server.metrics import Metrics
 
@@ -60,6 +61,8 @@ class Service:
         self.tokenizer = model.tokenizer
         self.engine = engine
         self.name = name
+        # Requests may also name the model as it was given on the command line (e.g. ``smollm2``).
+        self.aliases = {name, getattr(model, "name", name)}
         self.api_key = api_key
         self.max_tokens = max_tokens
         self.request_timeout = request_timeout
@@ -82,17 +85,7 @@ class Service:
 
     # -- prompts ---------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return tok(plain_chat_text(messages)).input_ids
-
-
-def plain_chat_text(messages: list[dict]) -> str:
-    """The fallback for tokenizers without a chat template: 'Role: content' blocks, then 'Assistant:'."""
-    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return "\n\n".join(parts) + "\n\nAssistant:"
+        return chat_ids(self.tokenizer, messages)
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -130,7 +123,7 @@ def validate(body, service: Service, chat: bool) -> Job:
         raise _bad("missing required field 'model'", "model")
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
-    if model != service.name:
+    if model not in service.aliases:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{service.name}'",
                        param="model", code="model_not_found")
     for name, bad in (("logprobs", lambda v: v not in (None, False, 0)), ("top_logprobs", lambda v: v not in (None, 0)),

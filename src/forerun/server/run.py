@@ -29,7 +29,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
     if calibrate and drafter is not None:
         costs = engine.calibrate()
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
-    return Service(model, engine, name=name or model.name, api_key=api_key, max_tokens=max_tokens,
+    return Service(model, engine, name=name or model.id, api_key=api_key, max_tokens=max_tokens,
                    request_timeout=request_timeout, method=method)
 
 

@@ -47,7 +47,7 @@ def train_draft(args, log=print) -> dict:
     target = load_model(args.model, backend="torch", threads=args.threads)
     be = target.backend
     if not hasattr(be, "embed"):
-        raise ForerunError("train-draft needs a model the native backend runs (Gemma 3 text models)")
+        raise ForerunError("train-draft needs a model the native backend runs (Llama, Mistral, Qwen2/3, Gemma 1/2/3)")
     # A head to start from is checked now, not after an hour of self-distillation.
     init = load_trained_head(args.kind, target, args.init, flag="--init") if getattr(args, "init", None) else None
     seqs, times = [], {}
