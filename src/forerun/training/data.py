@@ -114,9 +114,11 @@ def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_toke
 
 def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str):
     """Yield (prompt, prompt ids, the target's greedy answer ids) for each prompt, with a progress bar.
+    An instruct model (a tokenizer with a chat template) answers each prompt as a user turn.
     n-gram speculation is lossless, so it only makes the answers come faster."""
     from tqdm import tqdm
 
+    from forerun.chat import prompt_ids
     from forerun.drafters.ngram import NgramDrafter
     from forerun.engine import Engine
 
@@ -124,7 +126,7 @@ def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str
     tok = target.tokenizer
     limit = target.backend.max_context - max_new_tokens
     for p in tqdm(prompts, desc=desc, unit="prompt"):
-        ids = tok(p).input_ids[-limit:]
+        ids = prompt_ids(tok, p)[-limit:]  # as a user turn where the model has a chat template
         yield p, ids, engine.generate(ids, max_new_tokens=max_new_tokens, k="auto").token_ids
 
 

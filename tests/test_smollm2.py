@@ -1,0 +1,104 @@
+"""Integration tests on a second real model nobody tuned for: SmolLM2-135M-Instruct (Q4_1 GGUF,
+Llama architecture, 49,152-token vocabulary, a chat template)."""
+
+import json
+
+import pytest
+import torch
+
+from forerun.chat import chat_ids
+from forerun.drafters import make_drafter
+from forerun.engine import Engine
+
+pytestmark = pytest.mark.bundled
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["Write a Python function that returns the squares of a list of numbers.",
+           "Summarize: The cat sat on the mat. The cat sat on the mat because the mat was warm.",
+           "List three colors:"]
+
+
+def test_runs_on_the_native_backend_and_matches_transformers(smollm2):
+    be = smollm2.backend
+    assert type(be).__name__ == "NativeBackend" and be.vocab_size == 49152
+    ids = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 3).input_ids
+    with torch.inference_mode():
+        ref = smollm2.hf_model(torch.tensor([ids])).logits[0].float()
+    be.reset()
+    ours = be.forward(torch.tensor(ids), 0).logits
+    assert (ours - ref).abs().max() < 2e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_real_chat_template_answers(smollm2):
+    ids = chat_ids(smollm2.tokenizer, QUESTION)
+    text = smollm2.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nWhat is the capital of France?"
+                                                                      "<|im_end|>\n<|im_start|>assistant\n")
+    out = Engine(smollm2.backend, None, smollm2.eos_token_ids).generate(ids, max_new_tokens=16)
+    assert "Paris" in smollm2.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+def test_plain_decoding_equals_transformers_generate(smollm2):
+    ids = chat_ids(smollm2.tokenizer, QUESTION)
+    ours = Engine(smollm2.backend, None, smollm2.eos_token_ids).generate(ids, max_new_tokens=24).token_ids
+    with torch.inference_mode():
+        theirs = smollm2.hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, top_p=None,
+                                           top_k=None, eos_token_id=sorted(smollm2.eos_token_ids))
+    assert ours == theirs[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+def test_speculation_is_lossless_on_torch(smollm2, method):
+    drafter = make_drafter(method, smollm2, skip_layers=list(range(10, 20)) if method == "layerskip" else None)
+    ref = Engine(smollm2.backend, None, smollm2.eos_token_ids)
+    eng = Engine(smollm2.backend, drafter, smollm2.eos_token_ids)
+    accepted = 0
+    for p in PROMPTS:
+        ids = chat_ids(smollm2.tokenizer, [{"role": "user", "content": p}])
+        res = eng.generate(ids, max_new_tokens=40, k=4)
+        assert res.token_ids == ref.generate(ids, max_new_tokens=40).token_ids, (method, p)
+        accepted += res.stats.accepted
+    assert accepted > 0
+
+
+def test_speculation_is_lossless_on_llamacpp(smollm2_cpp):
+    lm = smollm2_cpp
+    ref = Engine(lm.backend, None, lm.eos_token_ids)
+    eng = Engine(lm.backend, make_drafter("ngram", lm), lm.eos_token_ids)
+    for p in PROMPTS:
+        ids = chat_ids(lm.tokenizer, [{"role": "user", "content": p}])
+        assert eng.generate(ids, max_new_tokens=40, k="auto").token_ids == ref.generate(ids, max_new_tokens=40).token_ids
+
+
+def test_cli_generate_chats_by_default(capsys):
+    from forerun.cli import main
+
+    rc = main(["generate", "What is the capital of France?", "--backend", "torch", "--max-new-tokens", "16", "--json"])
+    obj = json.loads(capsys.readouterr().out)
+    assert rc == 0 and obj["chat"] is True and "Paris" in obj["text"]
+    rc = main(["generate", "The capital of France is", "--no-chat", "--backend", "torch", "--max-new-tokens", "4", "--json"])
+    obj = json.loads(capsys.readouterr().out)
+    assert rc == 0 and obj["chat"] is False
+
+
+def test_openai_client_chat_on_smollm2(smollm2):
+    """The official client's chat.completions.create, plain and streaming, against the real template."""
+    pytest.importorskip("openai")
+    from forerun.server.run import build_service
+    from test_server import Live
+
+    srv = Live(build_service(smollm2, method="ngram", max_batch=2, max_tokens=64))
+    try:
+        client = srv.client()
+        ids = [m.id for m in client.models.list().data]
+        assert ids == ["SmolLM2-135M-Instruct.Q4_1"]
+        for name in (ids[0], "smollm2"):  # the listed id, or the name it was loaded by
+            r = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=16, temperature=0)
+            assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(model=ids[0], messages=QUESTION, max_tokens=16, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    finally:
+        srv.close()
