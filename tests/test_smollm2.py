@@ -102,3 +102,40 @@ def test_openai_client_chat_on_smollm2(smollm2):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     finally:
         srv.close()
+
+
+def test_bench_auto_backend_per_method(tmp_path, capsys):
+    """--backend auto runs none/ngram on llama.cpp and layerskip on torch in one bench, each compared
+    with plain decoding on its own backend; the report says which backend ran each method."""
+    pytest.importorskip("llama_cpp")
+    from conftest import spec_bench_prompts  # noqa: F401  (skips without the prompts)
+    from forerun.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "coding", "turns": [PROMPTS[0]]}) + "\n")
+    rc = main(["bench", "--model", "smollm2", "--prompts", str(prompts), "--methods", "none,ngram,layerskip",
+               "--peers", "", "--max-new-tokens", "12", "--threads", "2", "--skip-layers", "10,11,12",
+               "--out", str(tmp_path / "b")])
+    assert rc == 0
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["config"]["backend_by_method"] == {"none": "llama.cpp", "ngram": "llama.cpp", "layerskip": "torch",
+                                                  "none@torch": "torch"}
+    assert res["config"]["chat_template"] is True
+    m = res["methods"]
+    assert all(m[k]["greedy_equal"] == 1 for k in ("ngram", "layerskip", "none@torch"))
+    assert m["layerskip"]["speedup_vs_none"] == pytest.approx(m["layerskip"]["tokens_per_s"] / m["none@torch"]["tokens_per_s"])
+    table = (tmp_path / "b" / "results.md").read_text()
+    assert "| layerskip | torch |" in table and "| ngram | llama.cpp |" in table
+
+
+def test_wrong_head_is_refused_and_shipped_heads_found_by_fingerprint(smollm2, tmp_path):
+    from forerun.drafters import shipped_head
+    from forerun.drafters.heads import target_fingerprint
+    from forerun.errors import ForerunError
+
+    fp = target_fingerprint(smollm2.backend.embed, smollm2.backend.num_layers)
+    gemma_head = shipped_head("eagle", {**fp, "vocab_size": 262144, "hidden_size": 640, "num_layers": 18,
+                                        "embed_checksum": None, "embed_row_sums": None})
+    assert gemma_head is not None and "gemma3" in gemma_head.name
+    with pytest.raises(ForerunError, match="trained for another target"):
+        make_drafter("eagle", smollm2, head_path=gemma_head)

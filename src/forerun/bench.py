@@ -86,9 +86,7 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     id lists: the bench's prompts followed by the target's own greedy continuations) are timed at
     their own positions, and the ratio is that of the summed medians over texts: a head whose cost
     depends on how peaked the next-token distribution is (the screened exact argmax on the CPU)
-    sees the rows that decoding sees. Without texts, random tokens are timed (flatter rows). The
-    context (200) stays below position 240, from which llama.cpp's exact mode runs one-token steps
-    as two-token passes.
+    sees the rows that decoding sees. Without texts, random tokens are timed (flatter rows).
     """
     from forerun.timing import median_forward_s
 

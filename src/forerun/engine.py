@@ -226,6 +226,8 @@ def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, gen
 
 def accept_argmax(draft: Draft, target_ids: torch.Tensor) -> tuple[list[int], int]:
     """Verify a chain draft greedily against the target's argmax at every position [k + 1]."""
+    if len(draft) == 0:  # plain decoding: the target's token
+        return [int(target_ids[0])], 0
     out, n = greedy_accept(draft.tokens[None].cpu(), target_ids[None].cpu())
     return out[0].tolist(), int(n[0])
 

@@ -166,8 +166,6 @@ class _HiddenTap:
         self.state.active = 0
 
     def _get(self, k: int, rows: int) -> np.ndarray:
-        # A node may hold more rows than asked for: a padded one-token pass (see
-        # LlamaCppBackend.SINGLE_PAD_FROM) computes its second row in every layer but the last.
         n = self.state.n[k]
         if n < rows * self.n_embd or n % self.n_embd:
             raise RuntimeError(f"llama.cpp did not hand over {self.names[k]} for {rows} rows")
@@ -230,6 +228,55 @@ class LlamaCppModel:
             self._head, self._head_reason = _build_greedy_head(self.path, self.n_embd, self.n_vocab)
         return self._head
 
+    _head_pays: bool | None = None
+
+    def head_pays(self, threads: int) -> bool:
+        """Whether the certified greedy head beats llama.cpp's own LM head here, timed once per model.
+
+        The certified head skips llama.cpp's head (the body stops at the final norm) and screens
+        the Q8_0 rows itself: a clear win for the bundled model's 262,144-row head, a loss for a
+        small vocabulary (SmolLM2's 49,152 rows: 13.6 ms against 9.1 ms a step), where llama.cpp's
+        head is cheap. Timed on runs of one-token steps; the faster way serves every pass."""
+        if self._head_pays is None:
+            head = self.greedy_head()
+            lib = _tap_lib()
+            if head is None or lib is None:
+                self._head_pays = False
+                return False
+            from forerun.timing import median_s
+
+            ctx = _Context(self, 256, threads, tap=True)
+            ids = np.random.default_rng(1).integers(100, min(self.n_vocab, 20000), 80).astype(np.int32)
+            ctx.decode(ids[:64], 0, "none")
+
+            def own(i):
+                ctx.decode(ids[i: i + 1], i, "all")
+                ctx.argmax(1, self.n_vocab)
+
+            def certified(i):
+                ctx.tap.start(stop=True)
+                try:
+                    ctx.decode(ids[i: i + 1], i, "all")
+                finally:
+                    ctx.tap.stop()
+                head.argmax(torch.from_numpy(ctx.tap.hidden(1)))
+
+            def steps(fn):  # consecutive one-token steps, as decoding runs them: timed alone, the
+                ctx.remove_from(64)  # head's rows would stay in cache and flatter it
+                for i in range(64, 76):
+                    fn(i)
+
+            t_own = median_s(lambda: steps(own), 5)
+            t_cert = median_s(lambda: steps(certified), 5)
+            del ctx
+            self._head_pays = t_cert < t_own
+            import logging
+
+            logging.getLogger("forerun").info("llama.cpp greedy head: %s (12 one-token steps: certified %.1f ms, "
+                                              "llama.cpp's own %.1f ms)", "certified" if self._head_pays else "llama.cpp's own",
+                                              t_cert * 1000, t_own * 1000)
+        return self._head_pays
+
     _invariant: bool | None = None
 
     def batch_invariant(self, threads: int) -> bool:
@@ -238,8 +285,8 @@ class LlamaCppModel:
         Greedy speculation is token-identical to plain decoding only if they do. Exact mode
         (the default) chooses llama.cpp settings under which ggml computes every row the same
         way whatever the pass size; the probe confirms it on this machine and build (a pass of
-        the longest verification, MAX_K + 1 tokens, after a 230-token prompt, against one-token
-        steps run as the backend runs them).
+        the longest verification, MAX_K + 1 tokens, after a 600-token prompt, against one-token
+        steps).
         """
         if self._invariant is None:
             from forerun.draft_length import MAX_K
@@ -247,18 +294,18 @@ class LlamaCppModel:
             rng = np.random.default_rng(0)
             hi = min(self.n_vocab, 20000)
             n = MAX_K + 1
-            P = 230  # the pass straddles position 256, where the attention kernel of one-token passes changes
-            pad_from = LlamaCppBackend.SINGLE_PAD_FROM if self.exact else 1 << 30
+            P = 600  # the pass straddles 512 and 640 cached cells, where the one-token attention kernel used to change
             prompt = rng.integers(100, hi, P).astype(np.int32)
             extra = rng.integers(100, hi, n).astype(np.int32)
-            ctx = _Context(self, 512, threads)
-            ctx.decode(prompt, 0, "none")
+            ctx = _Context(self, 1024, threads)
+            for s in range(0, P, ctx.n_batch):
+                ctx.decode(prompt[s: s + ctx.n_batch], s, "none")
             ctx.decode(extra, P, "all")
             together = ctx.logits(n, self.n_vocab)
             ctx.remove_from(P)
             ok = True
             for k in range(n):
-                ctx.decode(extra[k: k + 1], P + k, "last", pad=P + k >= pad_from)
+                ctx.decode(extra[k: k + 1], P + k, "last")
                 ok = ok and torch.equal(ctx.logits(1, self.n_vocab)[0], together[k])
             del ctx
             self._invariant = ok
@@ -325,16 +372,15 @@ class _Context:
             p.cb_eval = self.tap.fn
             p.cb_eval_user_data = self.tap.user_data
         if model.exact:
-            # Flash attention on an f16 cache computes every row of a pass of 2-63 tokens with its
-            # row-by-row kernel, the same whatever the pass size, and long prompt passes with its
-            # tiled kernel (prompt passes are shared by every method, so that is harmless). The one
-            # exception, one-token passes over >= 512 cache cells (split across threads), is
-            # avoided by the backend: such passes run as two-token passes (see SINGLE_PAD_FROM).
-            # Without flash attention llamafile's sgemm takes the f16 products of >= 2 rows, which
-            # round differently from the one-row product.
+            # Flash attention over a Q8_0 cache computes every row of a pass with the same
+            # row-by-row kernel whatever the pass size and however many cells the cache holds
+            # (measured: passes of 1 and of 33 rows bit-identical past 1,100 cached positions, on
+            # both real models). Over an f16 cache it does not: one-token passes over >= 512 cells
+            # take a thread-split kernel and long passes a tiled one, which round differently. Without
+            # flash attention llamafile's sgemm takes the products of >= 2 rows, which round
+            # differently from the one-row product. The Q8_0 cache is also the faster one here.
             p.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-            p.type_k = 1  # GGML_TYPE_F16
-            p.type_v = 1
+            p.type_k = p.type_v = 8  # GGML_TYPE_Q8_0
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_batch
@@ -376,26 +422,16 @@ class _Context:
     def clear(self) -> None:
         self.L.llama_memory_clear(self.mem, True)
 
-    def decode(self, tokens: np.ndarray, pos: int, outputs: str, pad: bool = False) -> int:
-        """Decode one chunk (<= n_batch tokens); outputs: 'all', 'last' or 'none'. Returns rows out.
-
-        ``pad`` (one token only): run it as a two-token pass, the second a copy of the first
-        at the next position whose row is not output and whose cache entry is removed again.
-        """
+    def decode(self, tokens: np.ndarray, pos: int, outputs: str) -> int:
+        """Decode one chunk (<= n_batch tokens); outputs: 'all', 'last' or 'none'. Returns rows out."""
         n = len(tokens)
         self.tok[:n] = tokens
         self.pos[:n] = np.arange(pos, pos + n, dtype=np.int32)
         self.out[:n] = 1 if outputs == "all" else 0
         if outputs == "last":
             self.out[n - 1] = 1
-        m = n
-        if pad and n == 1:
-            self.tok[1], self.pos[1], self.out[1] = self.tok[0], pos + 1, 0
-            m = 2
-        self.batch.n_tokens = m
+        self.batch.n_tokens = n
         rc = self.L.llama_decode(self.ptr, self.batch)
-        if m > n:
-            self.remove_from(pos + n)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc} at position {pos} ({n} tokens)")
         return n if outputs == "all" else (1 if outputs == "last" else 0)
@@ -404,6 +440,11 @@ class _Context:
         ptr = self.L.llama_get_logits(self.ptr)
         arr = np.ctypeslib.as_array(ptr, shape=(rows, n_vocab))
         return torch.from_numpy(arr.copy())  # llama.cpp reuses its buffer on the next decode
+
+    def argmax(self, rows: int, n_vocab: int) -> torch.Tensor:
+        """The argmax [rows] of the last decode's logits, read in place."""
+        arr = np.ctypeslib.as_array(self.L.llama_get_logits(self.ptr), shape=(rows, n_vocab))
+        return torch.from_numpy(arr.argmax(-1).astype(np.int64))
 
     def hidden(self, rows: int, n_embd: int) -> torch.Tensor:
         ptr = self.L.llama_get_embeddings(self.ptr)
@@ -422,18 +463,10 @@ class _Context:
 
 
 class LlamaCppBackend(BackendBase):
-    """The Backend interface over one llama.cpp context (one sequence).
-
-    In exact mode a one-token pass at position >= ``SINGLE_PAD_FROM`` runs as a two-token pass
-    (``pad_single``): llama.cpp's flash attention takes a thread-split kernel for one-token
-    passes once the cache view reaches 512 cells (positions >= 256, the view grows in steps of
-    256), which rounds differently from the kernel of every longer pass. A drafter's own model
-    needs no such care and may turn ``pad_single`` off.
-    """
+    """The Backend interface over one llama.cpp context (one sequence)."""
 
     supports_layer_skip = False
     hidden_is_normed = True  # llama.cpp gives the hidden state after the final norm
-    SINGLE_PAD_FROM = 240  # below 256, with a margin
 
     def __init__(self, model: LlamaCppModel, *, max_context: int | None = None, threads: int | None = None,
                  fast_greedy: bool = True):
@@ -448,9 +481,7 @@ class LlamaCppBackend(BackendBase):
         self.num_layers = model.n_layer
         self.device = torch.device("cpu")
         self.ctx = _Context(model, self.max_context, self.threads, tap=fast_greedy)
-        self.pad_single = model.exact
-        # one cell kept free for the padding row of a one-token pass at the last position
-        self.max_context = min(self.max_context, self.ctx.n_ctx - 1)
+        self.max_context = min(self.max_context, self.ctx.n_ctx)
         self._len = 0
 
     @property
@@ -473,9 +504,7 @@ class LlamaCppBackend(BackendBase):
         self._len = 0
 
     def fork(self) -> "LlamaCppBackend":
-        be = LlamaCppBackend(self.model, max_context=self.max_context, threads=self.threads, fast_greedy=self.fast_greedy)
-        be.pad_single = self.pad_single
-        return be
+        return LlamaCppBackend(self.model, max_context=self.max_context, threads=self.threads, fast_greedy=self.fast_greedy)
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
@@ -484,8 +513,7 @@ class LlamaCppBackend(BackendBase):
     def _decode(self, chunk: np.ndarray, pos: int, mode: str, start: int) -> int:
         """Decode one chunk at pos; on failure drop everything from ``start`` (this call's first position)."""
         try:
-            pad = self.pad_single and len(chunk) == 1 and pos >= self.SINGLE_PAD_FROM
-            rows = self.ctx.decode(chunk, pos, mode, pad=pad)
+            rows = self.ctx.decode(chunk, pos, mode)
         except RuntimeError:
             self._len = pos + len(chunk)  # llama.cpp may have kept part of the chunk: remove it all
             self.truncate(start)
@@ -575,11 +603,19 @@ class LlamaCppBackend(BackendBase):
         T = tokens.numel()
         layers = tuple(layers)
         use = self.fast_greedy and self.ctx.tap is not None and 0 < T <= self.ctx.n_batch
-        head = self.model.greedy_head() if use else None
-        if head is None:
+        head = self.model.greedy_head() if use and self.model.head_pays(self.threads) else None
+        if head is None and layers:
             passed = self.forward(tokens, pos, layers=layers)
-            ids = passed.logits.argmax(-1)
-            return (ids, passed.layers) if layers else ids
+            return passed.logits.argmax(-1), passed.layers
+        if head is None:  # llama.cpp's own head: the argmax straight off its logits buffer, no copy
+            self._check_forward(tokens, pos)
+            self.truncate(pos)
+            for s in range(0, T, self.ctx.n_batch):
+                rows = self._decode(tokens[s: s + self.ctx.n_batch].cpu().numpy().astype(np.int32), pos + s, "all",
+                                    start=pos)
+                best = self.ctx.argmax(rows, self.vocab_size)
+                out = best if s == 0 else torch.cat([out, best])
+            return out
         self._check_forward(tokens, pos)
         self.truncate(pos)
         ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)

@@ -13,8 +13,6 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, backend):
         self.backend = backend  # its own KV cache, kept in step with the committed tokens
-        if getattr(backend, "pad_single", False):
-            backend.pad_single = False  # proposals need not be batch-invariant: one-token steps stay one token
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
