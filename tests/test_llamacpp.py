@@ -88,8 +88,9 @@ def certified(lc):
     model = lc.backend.model
     if model.greedy_head() is None:
         pytest.skip(model._head_reason)
-    was = model.head_pays(lc.backend.threads)
-    model._head_pays = True
+    model.head_pays(lc.backend.threads)
+    was = model._head_pays
+    model._head_pays = {1: True, "multi": True}
     yield
     model._head_pays = was
 
@@ -160,8 +161,9 @@ def test_layer_outputs_on_llamacpp(lc, head):
     be = lc.backend
     if be.model.greedy_head() is None:
         pytest.skip(be.model._head_reason)
-    was = be.model.head_pays(be.threads)
-    be.model._head_pays = head == "certified"
+    be.model.head_pays(be.threads)
+    was = be.model._head_pays
+    be.model._head_pays = {1: head == "certified", "multi": head == "certified"}
     try:
         _check_layer_outputs(lc, be)
     finally:

@@ -18,6 +18,19 @@ PROMPTS = ["Write a Python function that returns the squares of a list of number
            "List three colors:"]
 
 
+def _lossless(lm, drafter, prompts=PROMPTS, max_new_tokens=40, k=4) -> int:
+    """Each prompt as a chat turn: speculative output equals plain decoding; the tokens accepted."""
+    ref = Engine(lm.backend, None, lm.eos_token_ids)
+    eng = Engine(lm.backend, drafter, lm.eos_token_ids)
+    accepted = 0
+    for p in prompts:
+        ids = chat_ids(lm.tokenizer, [{"role": "user", "content": p}])
+        res = eng.generate(ids, max_new_tokens=max_new_tokens, k=k)
+        assert res.token_ids == ref.generate(ids, max_new_tokens=max_new_tokens).token_ids, p
+        accepted += res.stats.accepted
+    return accepted
+
+
 def test_runs_on_the_native_backend_and_matches_transformers(smollm2):
     be = smollm2.backend
     assert type(be).__name__ == "NativeBackend" and be.vocab_size == 49152
@@ -52,24 +65,11 @@ def test_plain_decoding_equals_transformers_generate(smollm2):
 @pytest.mark.parametrize("method", ["ngram", "layerskip"])
 def test_speculation_is_lossless_on_torch(smollm2, method):
     drafter = make_drafter(method, smollm2, skip_layers=list(range(10, 20)) if method == "layerskip" else None)
-    ref = Engine(smollm2.backend, None, smollm2.eos_token_ids)
-    eng = Engine(smollm2.backend, drafter, smollm2.eos_token_ids)
-    accepted = 0
-    for p in PROMPTS:
-        ids = chat_ids(smollm2.tokenizer, [{"role": "user", "content": p}])
-        res = eng.generate(ids, max_new_tokens=40, k=4)
-        assert res.token_ids == ref.generate(ids, max_new_tokens=40).token_ids, (method, p)
-        accepted += res.stats.accepted
-    assert accepted > 0
+    assert _lossless(smollm2, drafter) > 0
 
 
 def test_speculation_is_lossless_on_llamacpp(smollm2_cpp):
-    lm = smollm2_cpp
-    ref = Engine(lm.backend, None, lm.eos_token_ids)
-    eng = Engine(lm.backend, make_drafter("ngram", lm), lm.eos_token_ids)
-    for p in PROMPTS:
-        ids = chat_ids(lm.tokenizer, [{"role": "user", "content": p}])
-        assert eng.generate(ids, max_new_tokens=40, k="auto").token_ids == ref.generate(ids, max_new_tokens=40).token_ids
+    _lossless(smollm2_cpp, make_drafter("ngram", smollm2_cpp), k="auto")
 
 
 def test_cli_generate_chats_by_default(capsys):
@@ -139,3 +139,14 @@ def test_wrong_head_is_refused_and_shipped_heads_found_by_fingerprint(smollm2, t
     assert gemma_head is not None and "gemma3" in gemma_head.name
     with pytest.raises(ForerunError, match="trained for another target"):
         make_drafter("eagle", smollm2, head_path=gemma_head)
+
+
+@pytest.mark.parametrize("tree,lookup", [(None, False), ((4, 3), True)])
+def test_shipped_eagle_head_is_lossless_on_torch(smollm2, tree, lookup):
+    """--method eagle works out of the box on SmolLM2: the shipped head is found by fingerprint."""
+    drafter = make_drafter("eagle", smollm2, tree=tree, tree_lookup=lookup)
+    assert _lossless(smollm2, drafter, max_new_tokens=32, k=3) > 0
+
+
+def test_shipped_eagle_head_is_lossless_on_llamacpp(smollm2_cpp):
+    assert _lossless(smollm2_cpp, make_drafter("eagle", smollm2_cpp), PROMPTS[:2], max_new_tokens=32, k=3) > 0

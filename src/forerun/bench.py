@@ -507,7 +507,8 @@ def run_bench(args) -> dict:
                             tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)))
 
     drafters = {m: build(m) for m in methods}
-    engines = {m: Engine(targets[backend_of[m]].backend, d, target.eos_token_ids) for m, d in drafters.items()}
+    engines = {m: Engine(targets[backend_of[m]].backend, d, targets[backend_of[m]].eos_token_ids)
+               for m, d in drafters.items()}
     params = SamplingParams()
     tok = target.tokenizer
     limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens

@@ -228,54 +228,63 @@ class LlamaCppModel:
             self._head, self._head_reason = _build_greedy_head(self.path, self.n_embd, self.n_vocab)
         return self._head
 
-    _head_pays: bool | None = None
+    _head_pays: dict | None = None
 
-    def head_pays(self, threads: int) -> bool:
-        """Whether the certified greedy head beats llama.cpp's own LM head here, timed once per model.
+    def head_pays(self, threads: int, rows: int = 1) -> bool:
+        """Whether the certified greedy head beats llama.cpp's own LM head for passes of ``rows``
+        rows, timed once per model for one-token steps and for five-row verify passes.
 
         The certified head skips llama.cpp's head (the body stops at the final norm) and screens
-        the Q8_0 rows itself: a clear win for the bundled model's 262,144-row head, a loss for a
-        small vocabulary (SmolLM2's 49,152 rows: 13.6 ms against 9.1 ms a step), where llama.cpp's
-        head is cheap. Timed on runs of one-token steps; the faster way serves every pass."""
+        the Q8_0 rows itself, all rows of a pass in one sweep over the weights; llama.cpp's head
+        costs about one more head pass per extra row. Which wins depends on the vocabulary and the
+        pass: on SmolLM2 (49,152 rows) llama.cpp's own head is the faster for one-token steps.
+        Both give llama.cpp's own argmax, so mixing them per pass size changes no token. Timed in
+        runs of consecutive passes, as decoding runs them: timed alone, the certified head's rows
+        stay in cache between calls and it looks faster than it is."""
         if self._head_pays is None:
             head = self.greedy_head()
-            lib = _tap_lib()
-            if head is None or lib is None:
-                self._head_pays = False
-                return False
-            from forerun.timing import median_s
+            if head is None or _tap_lib() is None:
+                self._head_pays = {1: False, "multi": False}
+            else:
+                self._head_pays = self._time_heads(head, threads)
+        return self._head_pays[1 if rows == 1 else "multi"]
 
-            ctx = _Context(self, 256, threads, tap=True)
-            ids = np.random.default_rng(1).integers(100, min(self.n_vocab, 20000), 80).astype(np.int32)
-            ctx.decode(ids[:64], 0, "none")
+    def _time_heads(self, head, threads: int) -> dict:
+        import logging
 
-            def own(i):
-                ctx.decode(ids[i: i + 1], i, "all")
-                ctx.argmax(1, self.n_vocab)
+        from forerun.timing import median_s
 
-            def certified(i):
-                ctx.tap.start(stop=True)
-                try:
-                    ctx.decode(ids[i: i + 1], i, "all")
-                finally:
-                    ctx.tap.stop()
-                head.argmax(torch.from_numpy(ctx.tap.hidden(1)))
+        ctx = _Context(self, 256, threads, tap=True)
+        ids = np.random.default_rng(1).integers(100, min(self.n_vocab, 20000), 100).astype(np.int32)
+        ctx.decode(ids[:64], 0, "none")
 
-            def steps(fn):  # consecutive one-token steps, as decoding runs them: timed alone, the
-                ctx.remove_from(64)  # head's rows would stay in cache and flatter it
-                for i in range(64, 76):
-                    fn(i)
+        def own(i, n):
+            ctx.decode(ids[i: i + n], i, "all")
+            ctx.argmax(n, self.n_vocab)
 
-            t_own = median_s(lambda: steps(own), 5)
-            t_cert = median_s(lambda: steps(certified), 5)
-            del ctx
-            self._head_pays = t_cert < t_own
-            import logging
+        def certified(i, n):
+            ctx.tap.start(stop=True)
+            try:
+                ctx.decode(ids[i: i + n], i, "all")
+            finally:
+                ctx.tap.stop()
+            head.argmax(torch.from_numpy(ctx.tap.hidden(n)))
 
-            logging.getLogger("forerun").info("llama.cpp greedy head: %s (12 one-token steps: certified %.1f ms, "
-                                              "llama.cpp's own %.1f ms)", "certified" if self._head_pays else "llama.cpp's own",
-                                              t_cert * 1000, t_own * 1000)
-        return self._head_pays
+        def passes(fn, n):  # 6 passes of n rows at consecutive positions
+            ctx.remove_from(64)
+            for i in range(64, 64 + 6 * n, n):
+                fn(i, n)
+
+        out, times = {}, {}
+        for key, n in ((1, 1), ("multi", 5)):
+            t_own, t_cert = median_s(lambda: passes(own, n), 5), median_s(lambda: passes(certified, n), 5)
+            out[key] = t_cert < t_own
+            times[n] = (t_cert * 1000 / 6, t_own * 1000 / 6)
+        del ctx
+        logging.getLogger("forerun").info(
+            "llama.cpp greedy head per pass: 1 row %s (certified %.1f ms, own %.1f ms), 5 rows %s (%.1f ms, %.1f ms)",
+            "certified" if out[1] else "own", *times[1], "certified" if out["multi"] else "own", *times[5])
+        return out
 
     _invariant: bool | None = None
 
@@ -603,7 +612,7 @@ class LlamaCppBackend(BackendBase):
         T = tokens.numel()
         layers = tuple(layers)
         use = self.fast_greedy and self.ctx.tap is not None and 0 < T <= self.ctx.n_batch
-        head = self.model.greedy_head() if use and self.model.head_pays(self.threads) else None
+        head = self.model.greedy_head() if use and self.model.head_pays(self.threads, T) else None
         if head is None and layers:
             passed = self.forward(tokens, pos, layers=layers)
             return passed.logits.argmax(-1), passed.layers
