@@ -122,6 +122,7 @@ def test_bench_auto_backend_per_method(tmp_path, capsys):
                                                   "none@torch": "torch"}
     assert res["config"]["chat_template"] is True
     m = res["methods"]
+    assert list(m)[:2] == ["none", "none@torch"]  # the references run first on every prompt
     assert all(m[k]["greedy_equal"] == 1 for k in ("ngram", "layerskip", "none@torch"))
     assert m["layerskip"]["speedup_vs_none"] == pytest.approx(m["layerskip"]["tokens_per_s"] / m["none@torch"]["tokens_per_s"])
     table = (tmp_path / "b" / "results.md").read_text()

@@ -480,8 +480,8 @@ def run_bench(args) -> dict:
     else:
         backend_of = {m: args.backend for m in methods}
     primary = backend_of["none"]
-    for b in sorted(set(backend_of.values()) - {primary}):
-        methods.append(f"none@{b}")
+    for b in sorted(set(backend_of.values()) - {primary}):  # right after none: each prompt's references run first
+        methods.insert(methods.index("none") + 1, f"none@{b}")
         method_k[f"none@{b}"] = args.k
         kinds[f"none@{b}"] = "none"
         backend_of[f"none@{b}"] = b
