@@ -513,7 +513,7 @@ def run_bench(args) -> dict:
     tok = target.tokenizer
     limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
     encoded = []
-    from forerun.chat import has_chat_template, prompt_ids
+    from forerun.chat import prompt_ids, uses_chat
 
     chat = getattr(args, "chat", "auto")
     for p in prompts:
@@ -546,7 +546,7 @@ def run_bench(args) -> dict:
               "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
     config["tree"] = list(tree) if tree else None
-    config["chat_template"] = chat == "on" or (chat == "auto" and has_chat_template(tok))
+    config["chat_template"] = uses_chat(tok, chat)
     config["backend"] = ", ".join(type(t.backend).__name__ for t in targets.values())
     config["backend_by_method"] = backend_of
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())

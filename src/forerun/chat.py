@@ -31,9 +31,14 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+def uses_chat(tokenizer, chat: str = "auto") -> bool:
+    """Whether prompts go in as user turns: ``chat`` "on", or "auto" where the tokenizer has a template."""
+    return chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
+
+
 def prompt_ids(tokenizer, text: str, chat: str = "auto") -> list[int]:
-    """A prompt's token ids: as a user turn of the chat template (``chat`` "on", or "auto" where the
-    tokenizer has a template), else the text as it is ("off")."""
-    if chat == "on" or (chat == "auto" and has_chat_template(tokenizer)):
+    """A prompt's token ids: as a user turn of the chat template where ``uses_chat``, else the
+    text as it is."""
+    if uses_chat(tokenizer, chat):
         return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text).input_ids)

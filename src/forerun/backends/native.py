@@ -182,6 +182,11 @@ class RowKeys:
         a, b, e = self.rows[t]
         return (a, b) if not e else torch.cat([torch.arange(a, b), torch.tensor(e, dtype=torch.long)])
 
+    def keys_values(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row t's keys and values [kv_heads, S_t, D] from one layer's cache k, v [kv_heads, cap, D]."""
+        sel = self.slots(t)
+        return (k[:, sel[0]: sel[1]], v[:, sel[0]: sel[1]]) if isinstance(sel, tuple) else (k[:, sel], v[:, sel])
+
 
 def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowKeys, scale: float) -> torch.Tensor:
     """Batch-invariant attention: q [T, heads, D] over one layer's cache k, v [kv_heads, cap, D],
@@ -193,8 +198,7 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowK
         qt = q.transpose(0, 1)[None]
         outs = []
         for t in range(T):
-            sel = keys.slots(t)
-            kk, vv = (k[:, sel[0]: sel[1]], v[:, sel[0]: sel[1]]) if isinstance(sel, tuple) else (k[:, sel], v[:, sel])
+            kk, vv = keys.keys_values(t, k, v)
             outs.append(F.scaled_dot_product_attention(qt[:, :, t: t + 1], kk[None], vv[None], scale=scale,
                                                        enable_gqa=H != k.shape[0]))
         return torch.cat(outs, 2)[0].transpose(0, 1).reshape(T, H * D)
@@ -266,6 +270,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # Architectures the native forward runs, checked against transformers' own modules in the tests
 # (tiny random configurations). What differs between them is data, see ``Arch``.
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma2", "gemma", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = "Llama, Mistral, Qwen2/3 or Gemma 1/2/3"  # the same, as users name them
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
@@ -783,12 +788,7 @@ class NativeBackend(BackendBase):
         qt = q.transpose(0, 1)
         if len(mask_info) > 2:
             keys = mask_info[2]
-            outs = []
-            for t in range(T):
-                sel = keys.slots(t)
-                kk, vv = ((k_all[:, sel[0]: sel[1]], v_all[:, sel[0]: sel[1]]) if isinstance(sel, tuple)
-                          else (k_all[:, sel], v_all[:, sel]))
-                outs.append(attend(qt[:, t: t + 1], kk, vv))
+            outs = [attend(qt[:, t: t + 1], *keys.keys_values(t, k_all, v_all)) for t in range(T)]
             return torch.cat(outs).reshape(T, H * D)
         mask = mask_info[1]
         if mask is None:

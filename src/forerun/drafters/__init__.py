@@ -47,8 +47,11 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
 
     be = target.backend
     if not hasattr(be, "embed"):
-        raise ForerunError(f"method {method} reads the target's hidden states: it needs the torch backend on a Gemma 3 "
-                           "model (--backend torch), or the llama.cpp backend with a Q8_0 LM head and a C compiler")
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError(f"method {method} reads the target's hidden states: it needs the torch backend on a "
+                           f"{SUPPORTED_ARCHITECTURES} model (--backend torch), or the llama.cpp backend with a Q8_0 "
+                           "LM head and a C compiler")
     if tree is not None and not hasattr(be, "keep_rows"):
         raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
     head = load_trained_head(method, target, head_path)
@@ -114,7 +117,9 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
     if not getattr(target.backend, "supports_layer_skip", False):
-        raise ForerunError("layerskip needs a backend that can skip layers (--backend torch on a Llama, Mistral, Qwen2/3 or Gemma model); "
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
                            "llama.cpp has no per-call layer selection")
     from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
 

@@ -30,7 +30,10 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
 
     be = target.backend
     if not hasattr(be, "embed"):
-        raise ForerunError("eval-draft reads the target's hidden states: it needs the torch backend on a model the native backend runs (Llama, Mistral, Qwen2/3, Gemma 1/2/3)")
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError("eval-draft reads the target's hidden states: it needs the torch backend on a "
+                           f"{SUPPORTED_ARCHITECTURES} model")
     if steps < 1 or top_k < 1 or max_new_tokens < 1:
         raise ForerunError("--steps, --top-k and --max-new-tokens must be >= 1")
     if head.cfg.kind == "medusa" and steps > head.cfg.medusa_heads:

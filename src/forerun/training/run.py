@@ -47,7 +47,9 @@ def train_draft(args, log=print) -> dict:
     target = load_model(args.model, backend="torch", threads=args.threads)
     be = target.backend
     if not hasattr(be, "embed"):
-        raise ForerunError("train-draft needs a model the native backend runs (Llama, Mistral, Qwen2/3, Gemma 1/2/3)")
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError(f"train-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
     # A head to start from is checked now, not after an hour of self-distillation.
     init = load_trained_head(args.kind, target, args.init, flag="--init") if getattr(args, "init", None) else None
     seqs, times = [], {}
