@@ -14,8 +14,10 @@ import numpy as np
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
-Q8_0 = 8
-_BLOCK = {Q8_0: (32, 34)}  # type -> (elements per block, bytes per block)
+# quantized types: id -> (weights per block, bytes per block)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 
 
 @dataclass
@@ -84,8 +86,8 @@ class GGUFFile:
     def raw_rows(self, name: str) -> np.ndarray:
         """A quantized 2-D tensor as raw bytes [rows, bytes per row] (a view of the mapped file)."""
         t = self.tensors[name]
-        if t.type not in _BLOCK or len(t.shape) != 2:
+        if t.type not in BLOCKS or len(t.shape) != 2:
             raise ValueError(f"tensor {name} has unsupported type {t.type}")
-        per, nbytes = _BLOCK[t.type]
+        per, nbytes = BLOCKS[t.type]
         row = t.shape[0] // per * nbytes
         return np.frombuffer(self.buf, dtype=np.uint8, count=row * t.shape[1], offset=t.offset).reshape(t.shape[1], row)

@@ -330,7 +330,8 @@ def load_model(
         first = str(e).splitlines()[0] if str(e) else ""
         raise ForerunError(f"cannot load model {spec!r}: {type(e).__name__}: {first}") from e
     hf_model.to(dev).eval()
-    return wrap_model(spec, hf_model, tokenizer, backend=backend, max_context=max_context)
+    return wrap_model(spec, hf_model, tokenizer, backend=backend, max_context=max_context,
+                      gguf=loc if kind == "gguf" else None)
 
 
 def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:
@@ -345,8 +346,10 @@ def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> 
     return LoadedModel(name=spec, hf_model=None, tokenizer=tokenizer, backend=be, eos_token_ids=eos)
 
 
-def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context: int | None = None) -> LoadedModel:
-    """Put an already-built transformers model behind a backend."""
+def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context: int | None = None,
+               gguf: str | None = None) -> LoadedModel:
+    """Put an already-built transformers model behind a backend (``gguf``: the file its weights
+    were dequantized from, whose blocks the native backend reads)."""
     from forerun.backends.hf import HFBackend
     from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
 
@@ -357,7 +360,7 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ForerunError(f"the native backend does not support model type {model_type!r} (it runs "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}); use --backend hf")
-        be = NativeBackend(hf_model, max_context=max_context)
+        be = NativeBackend(hf_model, max_context=max_context, gguf=gguf)
     elif backend == "hf":
         be = HFBackend(hf_model, max_context=max_context)
     else:

@@ -57,9 +57,9 @@ def quantize_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
     return q, d
 
 
-def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (slower)"):
-    """Compile the package's ``<name>.c`` once into the cache folder and load it; None (logged,
-    with ``without``: what happens instead) when impossible."""
+def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (slower)", flags: tuple = ()):
+    """Compile the package's ``<name>.c`` once (with extra compiler ``flags``) into the cache
+    folder and load it; None (logged, with ``without``: what happens instead) when impossible."""
     from forerun.models import cache_dir
 
     src = Path(__file__).with_name(f"{name}.c")
@@ -67,12 +67,13 @@ def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (
     if cc is None:
         log.warning("no C compiler found for %s.c: %s", name, without)
         return None
-    key = hashlib.sha1(src.read_bytes() + cc.encode() + os.uname().machine.encode()).hexdigest()[:12]
+    key = hashlib.sha1(src.read_bytes() + cc.encode() + os.uname().machine.encode()
+                       + " ".join(flags).encode()).hexdigest()[:12]
     out = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp)]
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             log.warning("could not compile %s.c (%s); %s", name, (r.stderr.strip().splitlines() or ["?"])[-1], without)

@@ -50,6 +50,7 @@ class _Linear:
             self.packed = weight.detach().to_mkldnn()
         self.autotune = autotune and self.packed is not None
         self.choice: dict[int, str] = {}
+        self.blocks = None  # the GGUF file's blocks of these weights (``block_weights``), set by the backend
         # half: passes of up to INVARIANT_ROWS rows read a float16 copy (``f16w_rows``), where
         # float16 holds the weights exactly (a head saved in float16) and the kernel builds
         self.half = None
@@ -72,6 +73,8 @@ class _Linear:
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.shape[0]
+        if self.blocks is not None and rows <= INVARIANT_ROWS and how in (None, "rows"):
+            return self.blocks(x)  # the same sums as ``rows``, from the GGUF blocks
         if self.half is not None and rows <= INVARIANT_ROWS:
             return f16w_rows(self.half, x)
         if how == "rows" and rows <= INVARIANT_ROWS:  # the body's choice (NativeBackend.body_kernel)
@@ -362,7 +365,9 @@ class NativeBackend(BackendBase):
     supports_layer_skip = True
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
-                 exact_greedy: bool | str = "auto", batch_invariant: bool = True):
+                 exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None):
+        """``gguf``: the GGUF file the weights were dequantized from; its blocks then serve the
+        layers' small passes where they rebuild the weights exactly (see ``block_weights``)."""
         cfg = hf_model.config
         arch = Arch.of(cfg)
         self.arch = arch
@@ -386,6 +391,8 @@ class NativeBackend(BackendBase):
         self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True)
         self.softcap = arch.final_softcap
         self.layers = [_Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
+        if gguf and pack_linear and self.device.type == "cpu" and self.dtype == torch.float32:
+            self._attach_blocks(gguf)
         # Rotary tables per attention type, from the transformers module (it knows every rope variant).
         rot = inner.rotary_emb
         self._inv_freq = {}
@@ -403,6 +410,38 @@ class NativeBackend(BackendBase):
         self._cap = 0
         self._len = 0
         self.k_cache = self.v_cache = None
+
+    # GGUF layer names of each _Layer linear, in the order its weight stacks them
+    _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+                   "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+
+    def _attach_blocks(self, path: str) -> None:
+        """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""
+        from forerun.backends.block_weights import block_rows_kernel, from_gguf
+        from forerun.gguf_file import GGUFFile
+
+        if block_rows_kernel() is None or f32_rows_kernel() is None:
+            return
+        try:
+            g = GGUFFile(str(path))
+        except (OSError, ValueError) as e:
+            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
+            return
+        done = total = 0
+        blocks = floats = 0
+        for i, layer in enumerate(self.layers):
+            for attr, parts in self._GGUF_PARTS.items():
+                lin = getattr(layer, attr)
+                total += 1
+                lin.blocks = from_gguf(g, [f"blk.{i}.{p}.weight" for p in parts], lin.weight)
+                if lin.blocks is not None:
+                    done += 1
+                    blocks += lin.blocks.nbytes
+                    floats += lin.weight.numel() * 4
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        self.lm_head.blocks = from_gguf(g, [head], self.lm_head.weight)
+        log.info("%d of %d layer products and %s LM head read GGUF blocks (%.0f MB instead of %.0f MB of float32)",
+                 done, total, "the" if self.lm_head.blocks is not None else "not the", blocks / 1e6, floats / 1e6)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, weight, self.eps, self.arch.gemma_norms)
