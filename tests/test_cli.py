@@ -128,6 +128,11 @@ def test_bench_writes_results(capsys, tiny_folder, tmp_path):
         if m["accepted"] + rej:
             assert m["alpha"] == m["accepted"] / (m["accepted"] + rej) >= m["acceptance_rate"]
     assert (out / "results.md").exists()
+    # charts beside the report, linked from it: real PNG files
+    for chart in ("tokens_per_s", "acceptance_by_position", "verify_cost"):
+        png = out / f"{chart}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000, chart
+        assert f"({chart}.png)" in (out / "results.md").read_text()
 
 
 def test_bench_bad_inputs(capsys, tmp_path):
@@ -269,6 +274,7 @@ def test_loadtest_end_to_end(capsys, tiny_folder, tmp_path):
     a, b = ng["greedy_equal_to_none"].split("/")
     assert a == b and int(b) > 0
     assert "texts" in json.loads(out.read_text())["methods"]["none"]["levels"][0]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # throughput and latency against concurrency
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -265,7 +265,7 @@ def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
     assert drafted > 0
     # a chain pass verifies its draft and one more row; a tree pass at least its depth and one more
     assert verified == drafted + passes if tree is None else verified >= drafted + passes
-    if tree is not None and tree[0] >= 12 and getattr(gemma.backend, "lazy_tree_head", False):
+    if tree is not None and tree[0] >= 12 and gemma.backend.capabilities.lazy_tree_head:
         # greedy trees on the CPU run the LM head only on the rows the acceptance walk reaches
         assert head_rows < sum(pass_rows)
 
@@ -466,7 +466,6 @@ def test_eval_draft_counts_tokens_outside_the_draft_vocabulary_as_misses(gemma, 
     prompt = [2, 10, 11, 12]
     answer = eng.generate(prompt, max_new_tokens=8).token_ids
     head, _ = _train(gemma, "medusa", tmp_path / "w", epochs=1)
-    be = gemma.backend
     # The same head with a draft vocabulary that holds none of the answer's tokens.
     outside = [t for t in range(4, 96) if t not in set(answer)][: head.cfg.draft_vocab]
     head.draft_to_target.copy_(torch.tensor(outside))

@@ -1,3 +1,5 @@
+"""``python -m forerun``: the command line."""
+
 import sys
 
 from forerun.cli import main

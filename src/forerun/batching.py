@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from forerun.backends.base import ArgmaxOutput
 from forerun.draft_length import update_acceptance
 from forerun.drafters.base import Draft, empty_draft
-from forerun.engine import accept_argmax, accept_chain, clip_draft, commit_tokens
+from forerun.engine import clip_draft, commit_tokens
+from forerun.verify import accept, pass_outputs
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
@@ -195,7 +195,7 @@ class BatchEngine:
         self.drafter = drafter if speculate else None
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        self.batched = hasattr(target, "forward_batch")
+        self.batched = target.capabilities.batched
         self.policy = LoadAwareK(k_max=k_max, sequential=not self.batched)
         self.waiting: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
@@ -207,7 +207,7 @@ class BatchEngine:
         # observers (metrics): on_step(rows, seconds, [(request, drafted, accepted)])
         self.on_step: Callable | None = None
         # Trained heads read target features at some layers, after the prefill and every pass.
-        self.layers = tuple(getattr(self.drafter, "feature_layers", ()))
+        self.layers = tuple(self.drafter.feature_layers) if self.drafter is not None else ()
         self._fwd = {"layers": self.layers} if self.layers else {}
         self.housekeeping: Callable | None = None  # called every HOUSEKEEPING_STEPS steps by run (e.g. heap trimming)
         self._steps = 0
@@ -289,8 +289,7 @@ class BatchEngine:
             return self._free.pop()
         self._n_slots += 1
         backend = self.target.fork()
-        if hasattr(backend, "reserve"):  # the whole context up front: memory does not creep up with long prompts
-            backend.reserve(backend.max_context)
+        backend.reserve(backend.max_context)  # the whole context up front: memory does not creep up with long prompts
         return _Slot(backend, None if self.drafter is None else self.drafter.fork())
 
     def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
@@ -354,16 +353,9 @@ class BatchEngine:
         out, times = [], []
         for be, f, p, g in zip(backends, feeds, positions, greedy):
             t = time.perf_counter()
-            out.append(self._one_pass(be, f, p, g))
+            out.append(pass_outputs(be, f, p, greedy=g, layers=self.layers))
             times.append((f.numel(), time.perf_counter() - t))
         return out, times
-
-    def _one_pass(self, be, feed, pos, greedy: bool):
-        if greedy and hasattr(be, "argmax_forward") and (not self.layers or getattr(be, "argmax_layers", False)):
-            if self.layers:
-                return ArgmaxOutput(*be.argmax_forward(feed, pos, layers=self.layers))
-            return ArgmaxOutput(be.argmax_forward(feed, pos))
-        return be.forward(feed, pos, **self._fwd)
 
     def step(self) -> None:
         """Admit waiting requests, then one draft / verify / accept round for every active one."""
@@ -412,10 +404,7 @@ class BatchEngine:
         # 3. Accept, 4. roll back, per sequence.
         report = []
         for r, d, out_i in zip(reqs, drafts, passed):
-            if out_i.logits is None:  # an exact argmax pass (greedy)
-                out, n_acc = accept_argmax(d, out_i.ids)
-            else:
-                out, n_acc = accept_chain(d, out_i.logits, r.params, r.generator)
+            _, out, n_acc = accept(d, out_i, r.params, r.generator)  # chains: the server verifies no trees
             root = len(r.tokens) - 1
             new, n_acc, finish = commit_tokens(out, n_acc, self.eos, r.max_new_tokens - r.produced, limit - len(r.tokens))
             r.tokens.extend(new)

@@ -97,7 +97,7 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     n_texts = len(seqs)
     if not seqs:  # no text long enough: random tokens
         seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=torch.Generator().manual_seed(0)))]
-    fn = "argmax_forward" if hasattr(backend, "argmax_forward") else "forward"
+    fn = "argmax_forward" if backend.capabilities.exact_argmax else "forward"
     # One untimed sweep first: the first passes of each shape after loading run measurably
     # slower (allocator and oneDNN primitive warm-up) than the steady state of a generation.
     c0, ids0 = seqs[0]
@@ -413,7 +413,7 @@ def _tree_pricing(summary: dict, tree_methods: list, backend):
             tree_nodes[name] = max(1, round(m["verified_rows"] / m["target_passes"]) - 1)
     ks = list(range(1, 9)) + sorted({n for n in tree_nodes.values() if n > 8})
     lazy = {}
-    if getattr(backend, "lazy_tree_head", False):
+    if backend.capabilities.lazy_tree_head:
         for name, nodes in tree_nodes.items():
             m = summary[name]
             lazy[name] = (nodes, max(1, round(m["head_rows"] / m["target_passes"])),
@@ -459,20 +459,20 @@ def run_bench(args) -> dict:
     if needs_draft and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     threads = getattr(args, "threads", None)
-    from forerun.cli import _load, _tree
+    from forerun.drafters import tree_shape
 
     # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32);
     # "eagle-tree+lookup": those trees plus the prompt-lookup branch; "eagle-tree+auto": that tree or
     # the lookup chain alone, chosen per step.
     tree_methods = {m for m in methods if _tree_suffix(m.partition(":")[0])}
-    tree = _tree(args)  # validated whether or not a tree method asks for it
+    tree = tree_shape(args.tree_nodes, args.tree_depth)  # validated whether or not a tree method asks for it
     if getattr(args, "tree_lookup", False):
         raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
                            "medusa-tree+...) in --methods instead of --tree-lookup")
     tree = (tree or (32, None)) if tree_methods else None
     # --backend auto picks per method (llama.cpp where a method runs there, torch where it needs
     # layers or hidden states); plain decoding then runs on every backend used, as each one's reference.
-    from forerun.models import method_backend
+    from forerun.models import load_for_methods, method_backend
 
     kinds = {m: _method_kind(m.partition(":")[0]) for m in methods}
     if args.backend == "auto":
@@ -487,7 +487,8 @@ def run_bench(args) -> dict:
         backend_of[f"none@{b}"] = b
     ref_of = {m: "none" if b == primary else f"none@{b}" for m, b in backend_of.items()}
     if len(set(backend_of.values())) == 1:
-        targets = {primary: _load(args, [kinds[m] for m in methods])}
+        targets = {primary: load_for_methods(args.model, [kinds[m] for m in methods], dtype=args.dtype,
+                                             device=args.device, backend=args.backend, threads=threads)}
         backend_of = {m: primary for m in methods}
     else:
         targets = {b: load_model(args.model, dtype=args.dtype, device=args.device, backend=b, threads=threads)
@@ -618,5 +619,11 @@ def run_bench(args) -> dict:
     results["records"] = records
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_markdown(results, out_dir / "results.md")
+    from forerun.plots import bench_charts
+
+    charts = bench_charts(results, out_dir)
+    if charts:
+        with open(out_dir / "results.md", "a") as f:
+            f.write("\n## Charts\n\n" + "\n".join(f"![{c.stem}]({c.name})" for c in charts) + "\n")
     print((out_dir / "results.md").read_text())
     return results

@@ -63,12 +63,10 @@ def _tree_args(p: argparse.ArgumentParser) -> None:
 
 
 def _tree(args):
-    """(nodes, depth) for a token tree, or None for a chain."""
-    if args.tree_nodes < 0:
-        raise ForerunError(f"--tree-nodes must be >= 0, got {args.tree_nodes}")
-    if args.tree_depth is not None and args.tree_depth < 1:
-        raise ForerunError(f"--tree-depth must be >= 1, got {args.tree_depth}")
-    return (args.tree_nodes, args.tree_depth) if args.tree_nodes else None
+    """(nodes, depth) for a token tree, or None for a chain (see ``drafters.tree_shape``)."""
+    from forerun.drafters import tree_shape
+
+    return tree_shape(args.tree_nodes, args.tree_depth)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,15 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args, methods=()):
-    """The target for ``methods``; with ``--backend auto`` the backend they all run on (see
-    ``models.method_backend``)."""
-    from forerun.models import load_model, method_backend
+    """The target for ``methods`` (see ``models.load_for_methods``)."""
+    from forerun.models import load_for_methods
 
-    backend = args.backend
-    if backend == "auto" and methods:
-        chosen = {method_backend(m, args.model, args.device) for m in methods}
-        backend = chosen.pop() if len(chosen) == 1 else "torch"
-    return load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads)
+    return load_for_methods(args.model, methods, dtype=args.dtype, device=args.device, backend=args.backend,
+                            threads=args.threads)
 
 
 def cmd_generate(args) -> int:

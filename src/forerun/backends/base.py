@@ -32,6 +32,19 @@ class ArgmaxOutput:
     logits: None = None
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond ``forward`` returning logits (see ``backends.base``)."""
+
+    exact_argmax: bool = False  # argmax_forward(tokens, pos): the greedy token of every row, cheaper than logits
+    argmax_features: bool = False  # ... with layers=: and the asked-for layers' outputs
+    argmax_tree: bool = False  # ... with tree=: over a token tree
+    lazy_tree_head: bool = False  # argmax_hidden(rows): greedy trees run the LM head on reached rows only
+    token_trees: bool = False  # forward(tree=) and keep_rows(): token-tree verification
+    batched: bool = False  # forward_batch(): several sequences in one pass
+    layer_skip: bool = False  # forward(skip_layers=): self-speculation
+
+
 class Backend(Protocol):
     vocab_size: int
     max_context: int
@@ -66,9 +79,13 @@ class Backend(Protocol):
 
 
 class BackendBase:
-    """Shared bookkeeping for backends."""
+    """Shared bookkeeping for backends, and what a backend declares it can do beyond ``forward``:
+    ``capabilities`` (the verify round, ``forerun.verify``, reads it)."""
 
-    supports_layer_skip = False
+    capabilities = Capabilities()
+
+    def reserve(self, n: int) -> None:
+        """Allocate the cache for ``n`` positions now, where the backend can (a server slot)."""
 
     def _check_forward(self, tokens: torch.Tensor, pos: int) -> None:
         if pos > self.length:

@@ -42,6 +42,14 @@ int forerun_block_threads(int n) {
 #endif
 }
 
+/* The weights a tile reads: one of the two layouts. */
+typedef struct {
+    const uint8_t *q4;
+    const int8_t *q8;
+    const float *scale, *offset;
+    int bias;
+} weights_t;
+
 /* Scalar weight w[v][k], as the dequantizer computes it. */
 static inline float q4_weight(const uint8_t *codes, const float *scale, const float *offset, int bias, int64_t v,
                               int D, int k) {
@@ -92,14 +100,6 @@ static inline __m256 q8_load8(const int8_t *codes, const float *scale, const flo
     if (offset) w = _mm256_add_ps(w, _mm256_broadcast_ss(offset + g));
     return w;
 }
-
-/* The weights a tile reads: one of the two layouts. */
-typedef struct {
-    const uint8_t *q4;
-    const int8_t *q8;
-    const float *scale, *offset;
-    int bias;
-} weights_t;
 
 /* One tile: weight rows [v0, v0 + tv) against activation rows [r0, r0 + tr). LOAD8 gives eight
  * weights of a row; the k loop and the sums are f32_rows.c's. */
@@ -196,24 +196,33 @@ TILE(q8_tile, Q8_LOAD)
 ROWS(q8_all, q8_tile, Q8_LOAD)
 #endif
 
-/* q4 layout (see the top): out [n][V] = x [n][D] . w[V][D]^T. Returns 0, -1 for bad sizes, -2 out of memory. */
-int forerun_q4_rows(const uint8_t *codes, const float *scale, const float *offset, int bias, int64_t V, int D,
-                    const float *x, int n, float *out) {
-    if (V <= 0 || D <= 0 || D % 32 != 0 || n <= 0) return -1;
-#if defined(__AVX2__) && defined(__FMA__)
-    weights_t W = {codes, NULL, scale, offset, bias};
-    return q4_all(&W, x, n, out, V, D);
-#else
+/* Without AVX2 and FMA: each output alone, the weights rebuilt one by one (f32_rows.c's loop). */
+static __attribute__((unused)) int scalar_rows(const weights_t *W, int64_t V, int D, const float *x, int n, float *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t v = 0; v < V; v++) {
         for (int r = 0; r < n; r++) {
             const float *xr = x + (int64_t)r * D;
             float s = 0.0f;
-            for (int k = 0; k < D; k++) s += q4_weight(codes, scale, offset, bias, v, D, k) * xr[k];
+            for (int k = 0; k < D; k++) {
+                float w = W->q4 ? q4_weight(W->q4, W->scale, W->offset, W->bias, v, D, k)
+                                : q8_weight(W->q8, W->scale, W->offset, v, D, k);
+                s += w * xr[k];
+            }
             out[(int64_t)r * V + v] = s;
         }
     }
     return 0;
+}
+
+/* q4 layout (see the top): out [n][V] = x [n][D] . w[V][D]^T. Returns 0, -1 for bad sizes, -2 out of memory. */
+int forerun_q4_rows(const uint8_t *codes, const float *scale, const float *offset, int bias, int64_t V, int D,
+                    const float *x, int n, float *out) {
+    if (V <= 0 || D <= 0 || D % 32 != 0 || n <= 0) return -1;
+    weights_t W = {codes, NULL, scale, offset, bias};
+#if defined(__AVX2__) && defined(__FMA__)
+    return q4_all(&W, x, n, out, V, D);
+#else
+    return scalar_rows(&W, V, D, x, n, out);
 #endif
 }
 
@@ -221,19 +230,10 @@ int forerun_q4_rows(const uint8_t *codes, const float *scale, const float *offse
 int forerun_q8w_rows(const int8_t *codes, const float *scale, const float *offset, int64_t V, int D, const float *x,
                      int n, float *out) {
     if (V <= 0 || D <= 0 || D % 16 != 0 || n <= 0) return -1;
-#if defined(__AVX2__) && defined(__FMA__)
     weights_t W = {NULL, codes, scale, offset, 0};
+#if defined(__AVX2__) && defined(__FMA__)
     return q8_all(&W, x, n, out, V, D);
 #else
-#pragma omp parallel for schedule(static)
-    for (int64_t v = 0; v < V; v++) {
-        for (int r = 0; r < n; r++) {
-            const float *xr = x + (int64_t)r * D;
-            float s = 0.0f;
-            for (int k = 0; k < D; k++) s += q8_weight(codes, scale, offset, v, D, k) * xr[k];
-            out[(int64_t)r * V + v] = s;
-        }
-    }
-    return 0;
+    return scalar_rows(&W, V, D, x, n, out);
 #endif
 }

@@ -223,7 +223,7 @@ _LIB: list = []
 def block_rows_kernel():
     """The compiled ``block_rows.c``, or None where it cannot be built (logged once)."""
     if not _LIB:
-        from forerun.backends.greedy_head import compile_c
+        from forerun.backends.ckernels import compile_c
 
         lib = compile_c("block_rows", "quantized layers run on their float32 weights", flags=("-ffp-contract=off",))
         if lib is not None:

@@ -22,15 +22,12 @@ does. Where no C compiler is available the backend uses llama.cpp's head for eve
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from forerun.backends.ckernels import compile_c
 
 QK = 32
 _U32 = 2.0 ** -24  # unit roundoff of float32
@@ -55,31 +52,6 @@ def quantize_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
     if levels != 127:  # ggml's Q8_0 does not clamp (x * 127 / amax cannot round past 127)
         q.clamp_(-levels, levels)
     return q, d
-
-
-def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (slower)", flags: tuple = ()):
-    """Compile the package's ``<name>.c`` once (with extra compiler ``flags``) into the cache
-    folder and load it; None (logged, with ``without``: what happens instead) when impossible."""
-    from forerun.models import cache_dir
-
-    src = Path(__file__).with_name(f"{name}.c")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found for %s.c: %s", name, without)
-        return None
-    key = hashlib.sha1(src.read_bytes() + cc.encode() + os.uname().machine.encode()
-                       + " ".join(flags).encode()).hexdigest()[:12]
-    out = cache_dir() / "kernels" / f"{name}-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            log.warning("could not compile %s.c (%s); %s", name, (r.stderr.strip().splitlines() or ["?"])[-1], without)
-            return None
-        os.replace(tmp, out)
-    return ctypes.CDLL(str(out))
 
 
 def _compile_kernel():

@@ -10,7 +10,6 @@ from forerun.backends.base import BackendBase, ForwardOutput
 
 
 class HFBackend(BackendBase):
-    supports_layer_skip = False
 
     def __init__(self, hf_model, *, max_context: int | None = None):
         cfg = hf_model.config

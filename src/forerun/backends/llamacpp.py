@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from forerun.backends.base import BackendBase, ForwardOutput
+from forerun.backends.base import BackendBase, Capabilities, ForwardOutput
 from forerun.errors import ForerunError
 
 DEFAULT_CONTEXT = 8192
@@ -116,7 +116,7 @@ _TAP_LIB = None
 def _tap_lib():
     global _TAP_LIB
     if _TAP_LIB is None:
-        from forerun.backends.greedy_head import compile_c
+        from forerun.backends.ckernels import compile_c
 
         _TAP_LIB = compile_c("tap", "trained heads cannot read layer outputs on this backend") or False
     return _TAP_LIB or None
@@ -280,7 +280,7 @@ class LlamaCppModel:
             t_own, t_cert = median_s(lambda: passes(own, n), 5), median_s(lambda: passes(certified, n), 5)
             out[key] = t_cert < t_own
             times[n] = (t_cert * 1000 / 6, t_own * 1000 / 6)
-        del ctx
+        ctx = None  # frees the timing context now
         logging.getLogger("forerun").info(
             "llama.cpp greedy head per pass: 1 row %s (certified %.1f ms, own %.1f ms), 5 rows %s (%.1f ms, %.1f ms)",
             "certified" if out[1] else "own", *times[1], "certified" if out["multi"] else "own", *times[5])
@@ -474,7 +474,7 @@ class _Context:
 class LlamaCppBackend(BackendBase):
     """The Backend interface over one llama.cpp context (one sequence)."""
 
-    supports_layer_skip = False
+    capabilities = Capabilities(exact_argmax=True, argmax_features=True)
     hidden_is_normed = True  # llama.cpp gives the hidden state after the final norm
 
     def __init__(self, model: LlamaCppModel, *, max_context: int | None = None, threads: int | None = None,
@@ -598,8 +598,6 @@ class LlamaCppBackend(BackendBase):
         if head is None:
             raise AttributeError("embed")
         return head.embedding_rows()
-
-    argmax_layers = True  # argmax_forward can also return layer outputs (for trained heads)
 
     @torch.inference_mode()
     def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = ()):

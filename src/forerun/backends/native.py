@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from forerun.backends.base import ArgmaxOutput, BackendBase, ForwardOutput
+from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 
 log = logging.getLogger("forerun")
 
@@ -123,7 +123,7 @@ def f32_rows_kernel():
     if not _F32_LIB:
         import ctypes
 
-        from forerun.backends.greedy_head import compile_c
+        from forerun.backends.ckernels import compile_c
 
         lib = compile_c("f32_rows", "the LM head uses the oneDNN/MKL kernels only")
         if lib is not None:
@@ -150,7 +150,7 @@ def attn_rows_kernel():
     if not _ATTN_LIB:
         import ctypes
 
-        from forerun.backends.greedy_head import compile_c
+        from forerun.backends.ckernels import compile_c
 
         lib = compile_c("attn_rows", "batch-invariant attention runs row by row through PyTorch (slower)")
         if lib is not None:
@@ -362,7 +362,12 @@ def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 class NativeBackend(BackendBase):
     """Our own forward pass for the architectures in ``SUPPORTED_MODEL_TYPES``."""
 
-    supports_layer_skip = True
+    @property
+    def capabilities(self) -> Capabilities:
+        """Exact argmax passes (chains, trees, with layer outputs), token trees, batched passes,
+        layer skipping; greedy trees run the LM head lazily on the CPU only (see ``lazy_tree_head``)."""
+        return Capabilities(exact_argmax=True, argmax_features=True, argmax_tree=True,
+                            lazy_tree_head=self.lazy_tree_head, token_trees=True, batched=True, layer_skip=True)
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None):
@@ -586,9 +591,6 @@ class NativeBackend(BackendBase):
                              layers=feats)
 
     # -- exact greedy targets --------------------------------------------------------------
-    argmax_layers = True  # argmax_forward also returns layer outputs (for trained heads)
-    argmax_tree = True  # ... and takes token trees
-
     def exact_head(self, h: torch.Tensor | None = None):
         """The screened exact argmax head (``greedy_head.ExactFloatArgmax``), built on first use;
         None on GPUs, without a C compiler, with ``exact_greedy`` off, or where it lost the timing

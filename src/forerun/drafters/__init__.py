@@ -52,7 +52,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
         raise ForerunError(f"method {method} reads the target's hidden states: it needs the torch backend on a "
                            f"{SUPPORTED_ARCHITECTURES} model (--backend torch), or the llama.cpp backend with a Q8_0 "
                            "LM head and a C compiler")
-    if tree is not None and not hasattr(be, "keep_rows"):
+    if tree is not None and not be.capabilities.token_trees:
         raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
     head = load_trained_head(method, target, head_path)
     if be.device.type == "cpu":
@@ -116,7 +116,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
 
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
-    if not getattr(target.backend, "supports_layer_skip", False):
+    if not target.backend.capabilities.layer_skip:
         from forerun.backends.native import SUPPORTED_ARCHITECTURES
 
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
@@ -129,3 +129,12 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
 
 
 __all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
+
+
+def tree_shape(nodes: int, depth: int | None):
+    """(nodes, depth) for a token tree of ``nodes`` draft nodes, or None for a chain (nodes 0)."""
+    if nodes < 0:
+        raise ForerunError(f"--tree-nodes must be >= 0, got {nodes}")
+    if depth is not None and depth < 1:
+        raise ForerunError(f"--tree-depth must be >= 1, got {depth}")
+    return (nodes, depth) if nodes else None

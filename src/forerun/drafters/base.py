@@ -43,6 +43,10 @@ class Drafter:
 
     name = "base"
     cheap_proposals = False  # True: proposing k_max tokens costs next to nothing, so adaptive K may cut after
+    feature_layers: tuple = ()  # target layers whose outputs the drafter reads (take_features after every pass)
+
+    def take_features(self, pos: int, features: torch.Tensor) -> None:
+        """The outputs of ``feature_layers`` at positions pos.. that the target kept (trained heads)."""
 
     def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         self.params = params

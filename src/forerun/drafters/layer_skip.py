@@ -26,7 +26,7 @@ class LayerSkipDrafter(DraftModelDrafter):
     name = "layerskip"
 
     def __init__(self, backend, skip_layers, context_vocab: bool = True, extra_vocab=()):
-        if not getattr(backend, "supports_layer_skip", False):
+        if not backend.capabilities.layer_skip:
             raise ForerunError("method layerskip needs a backend that can skip layers (the native backend)")
         bad = [i for i in skip_layers if not 0 <= i < backend.num_layers]
         if bad:
@@ -177,7 +177,7 @@ def corpus_token_frequencies(tokenizer, path: str, top: int, max_records: int = 
 
 
 def _calibration_file(target):
-    from forerun.models import cache_dir
+    from forerun.paths import cache_dir
 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(target.name))
     return cache_dir() / "layerskip" / f"{safe}-{target.backend.num_layers}.json"

@@ -333,6 +333,9 @@ def run_loadtest(args, log=print) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
+        from forerun.plots import loadtest_chart
+
+        loadtest_chart(report, Path(args.out).with_suffix(".png"))
     for r in report["methods"].values():
         for lv in r["levels"]:
             lv.pop("texts", None)

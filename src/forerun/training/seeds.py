@@ -92,7 +92,7 @@ def _reasoning(rng: random.Random) -> str:
         f"{a}, {b} and {c} sit in a row. {a} is not at either end and {b} is to the left of {a}. Where does {c} sit?",
         f"{a} is the mother of {b}, and {b} is the father of {c}. What is the relationship between {a} and {c}?",
         f"A farmer has {m} sheep and all but {n} run away. How many are left?",
-        f"Which is heavier: a kilogram of feathers or a kilogram of iron? Explain.",
+        "Which is heavier: a kilogram of feathers or a kilogram of iron? Explain.",
         f"If it takes {n} machines {n} minutes to make {n} widgets, how long would {m} machines take to make "
         f"{m} widgets?",
         f"{a} is older than {b} but younger than {c}. {d} is older than {c}. List them from oldest to youngest.",

@@ -1,0 +1,126 @@
+"""One verify round, asked of a backend in one call: the single place where a draft meets the target.
+
+The engine (one sequence) and the batch engine (many) both ask the same question, "verify this
+chain or tree, greedy or sampled, with or without the drafter's feature layers", and get back
+what was accepted. How the backend answers depends only on what it declares it can do
+(``backends.base.Capabilities``, declared by every backend), never on probing it:
+
+- greedy, a tree, ``lazy_tree_head``: one pass to the final hidden states, then the LM head only
+  on the rows the acceptance walk reaches (``tree.greedy_tree_walk``);
+- greedy, ``exact_argmax`` (with ``argmax_tree`` for trees and ``argmax_features`` when features
+  are wanted): the backend's exact argmax at every row, no logits;
+- otherwise: float32 logits at every row, then greedy or rejection-sampling acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forerun.backends.base import ArgmaxOutput, Capabilities
+from forerun.drafters.base import Draft
+from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
+from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept
+
+
+@dataclass
+class Verdict:
+    """What one verify round accepted."""
+
+    tokens: list[int]  # the accepted drafts, then the target's own token (and possibly more, unused)
+    accepted: int  # drafts accepted
+    rows: list[int] | None  # trees: the pass rows of the accepted path, in order (None for chains)
+    features: torch.Tensor | None  # the asked-for layers' outputs at every row of the pass
+    head_rows: int  # rows the LM head ran on
+    head_calls: int  # LM head calls
+
+    @property
+    def kept_rows(self) -> list[int]:
+        """Rows of the pass the cache keeps: the last committed token's, then the accepted drafts'."""
+        return list(range(self.accepted + 1)) if self.rows is None else [0] + self.rows[: self.accepted]
+
+
+def feed_of(last_token: int, draft: Draft) -> torch.Tensor:
+    """The rows of a verify pass: the last committed token, then the draft."""
+    return torch.cat([torch.tensor([last_token], dtype=torch.long), draft.tokens.cpu()])
+
+
+def verify(backend, draft: Draft, last_token: int, root: int, params: SamplingParams, generator=None,
+           layers: tuple = ()) -> Verdict:
+    """Run ``last_token`` and ``draft`` at positions ``root``.. on ``backend``'s cache and accept."""
+    caps: Capabilities = backend.capabilities
+    feed = feed_of(last_token, draft)
+    tree = draft.parents
+    layer_kw = {"layers": layers} if layers else {}
+    if params.greedy and tree is not None and caps.lazy_tree_head:
+        passed = backend.forward(feed, root, tree=tree, logits=False, return_hidden=True, **layer_kw)
+        hidden, calls = passed.hidden, [0]
+
+        def head_argmax(rs):
+            calls[0] += 1
+            return backend.argmax_hidden(hidden[rs]).tolist()
+
+        rows, out, head_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
+        return Verdict(out, len(rows), rows, passed.layers, head_rows, calls[0])
+    out = pass_outputs(backend, feed, root, greedy=params.greedy, layers=layers, tree=tree)
+    rows, tokens, n = accept(draft, out, params, generator)
+    return Verdict(tokens, n, rows, out.layers, len(feed), 1)
+
+
+def uses_argmax(caps: Capabilities, greedy: bool, layers: tuple = (), tree: torch.Tensor | None = None) -> bool:
+    """Whether a pass with these needs takes the backend's exact argmax instead of logits."""
+    return (greedy and caps.exact_argmax and (not layers or caps.argmax_features)
+            and (tree is None or caps.argmax_tree))
+
+
+def pass_outputs(backend, feed: torch.Tensor, root: int, *, greedy: bool, layers: tuple = (),
+                 tree: torch.Tensor | None = None):
+    """One verify pass without acceptance: an ``ArgmaxOutput`` where the backend's exact argmax
+    serves (greedy), else a ``ForwardOutput`` with logits."""
+    tree_kw = {} if tree is None else {"tree": tree}
+    if uses_argmax(backend.capabilities, greedy, layers, tree):
+        if layers:
+            return ArgmaxOutput(*backend.argmax_forward(feed, root, layers=layers, **tree_kw))
+        return ArgmaxOutput(backend.argmax_forward(feed, root, **tree_kw))
+    return backend.forward(feed, root, **({"layers": layers} if layers else {}), **tree_kw)
+
+
+def accept(draft: Draft, out, params: SamplingParams, generator=None) -> tuple[list[int] | None, list[int], int]:
+    """Acceptance of ``draft`` against a pass's outputs (argmaxes or logits): (tree rows of the
+    accepted path or None for a chain, tokens, drafts accepted)."""
+    if draft.parents is not None:
+        if out.logits is None:
+            rows, toks = greedy_tree_accept(draft.tokens, draft.parents, out.ids.cpu())
+        elif params.greedy:
+            rows, toks = greedy_tree_accept(draft.tokens, draft.parents, out.logits.argmax(-1).cpu())
+        else:
+            rows, toks = sample_tree_accept(draft.tokens, draft.parents, logits_to_probs(out.logits, params), generator)
+        return rows, toks, len(rows)
+    if out.logits is None:
+        return (None, *accept_argmax(draft, out.ids))
+    return (None, *accept_chain(draft, out.logits, params, generator))
+
+
+def accept_chain(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[int], int]:
+    """Verify a chain draft against the target's logits [k + 1, vocab]: (tokens, accepted drafts)."""
+    k = len(draft)
+    d = draft.tokens.to(logits.device)[None]  # [1, k]
+    if params.greedy:
+        out, n = greedy_verify(d, logits[None])
+    else:
+        p = logits_to_probs(logits, params)[None]  # [1, k + 1, vocab]
+        if draft.q is not None:
+            q = draft.q.to(p.device)[None]
+        else:  # deterministic drafter: q is one-hot on its proposal
+            q = torch.zeros_like(p[:, :k]).scatter_(-1, d[..., None], 1.0)
+        out, n = rejection_sample(d, q, p, generator)
+    return out[0].tolist(), int(n[0])
+
+
+def accept_argmax(draft: Draft, target_ids: torch.Tensor) -> tuple[list[int], int]:
+    """Verify a chain draft greedily against the target's argmax at every position [k + 1]."""
+    if len(draft) == 0:  # plain decoding: the target's token
+        return [int(target_ids[0])], 0
+    out, n = greedy_accept(draft.tokens[None].cpu(), target_ids[None].cpu())
+    return out[0].tolist(), int(n[0])
