@@ -93,6 +93,26 @@ def test_cancel_frees_the_slot_and_queue_is_bounded(gemma):
     assert finishes == ["cancelled", "length"]
 
 
+def test_a_cancelled_waiting_request_leaves_the_queue_at_once(gemma):
+    """Cancelling a request that is still waiting frees its place in the queue (no more 429s for
+    it) and tells its listener, without a step of the engine."""
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1, max_waiting=1)
+    events = {}
+    reqs = [BatchRequest(prompt=_prompts(1)[0], max_new_tokens=4,
+                         on_event=(lambda i: lambda t, f: f and events.setdefault(i, f))(i)) for i in range(3)]
+    eng.submit(reqs[0])
+    eng.submit(reqs[1])
+    with pytest.raises(QueueFull):
+        eng.submit(reqs[2])
+    eng.cancel(reqs[1])
+    assert events == {1: "cancelled"} and eng.n_waiting == 1
+    eng.submit(reqs[2])  # its place is free now
+    eng.cancel(reqs[1])  # twice: still one event
+    while eng.active or eng.waiting:
+        eng.step()
+    assert events == {1: "cancelled", 0: "length", 2: "length"}
+
+
 def test_sampling_in_a_batch_keeps_the_target_distribution(gemma):
     """The first two sampled tokens, verified in batches against n-gram drafts, follow the target's distribution."""
     from forerun.sampling import logits_to_probs

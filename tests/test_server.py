@@ -237,6 +237,41 @@ def test_disconnect_mid_stream_frees_the_slot(gemma):
         srv.close()
 
 
+def test_disconnect_without_streaming_frees_the_slot(gemma):
+    """A client that leaves a non-streaming request while tokens keep coming stops its generation."""
+    service = build_service(gemma, method="none", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
+    slow, submit = service.engine._pass, service.engine.submit
+    submitted = []
+
+    def slow_pass(*a, **kw):  # a token every ~20 ms: events keep coming, so no idle check would look
+        time.sleep(0.02)
+        return slow(*a, **kw)
+
+    service.engine._pass = slow_pass
+    service.engine.submit = lambda req: submitted.append(req) or submit(req)
+    srv = Live(service)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        c.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "w5 w9", "max_tokens": 200,
+                                                              "temperature": 0}),
+                  headers={"Content-Type": "application/json"})
+        t0 = time.time()
+        while service.engine.n_running == 0 and time.time() - t0 < 5:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert service.engine.n_running == 1
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
+        t0 = time.time()
+        while service.engine.n_running and time.time() - t0 < 10:
+            time.sleep(0.02)
+        assert service.engine.n_running == 0 and time.time() - t0 < 1.5
+        req = submitted[0]
+        assert req.cancelled and req.produced < 150  # stopped by the disconnect, not by finishing
+    finally:
+        srv.close()
+
+
 def test_auth_queue_and_timeout(gemma):
     service = build_service(gemma, method="none", name="tiny", api_key="s3cret", max_batch=1, max_waiting=0,
                             max_tokens=200, request_timeout=0.6, calibrate=False)

@@ -227,8 +227,18 @@ class BatchEngine:
         return req
 
     def cancel(self, req: BatchRequest) -> None:
-        """Stop a request; its slot is freed before the next step."""
+        """Stop a request. One still waiting leaves the queue at once (it no longer counts against
+        ``max_waiting``) and is told it was cancelled; a running one frees its slot before the next step."""
         req.cancelled = True
+        with self._lock:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                queued = False
+            else:
+                queued = True
+        if queued:
+            _emit(req, [], "cancelled")
         self._wake.set()
 
     @property

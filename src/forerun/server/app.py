@@ -263,6 +263,45 @@ class TextAssembler:
 
 # -- the app ---------------------------------------------------------------------------------
 
+class _Guard:
+    """The API key and a last-resort JSON 500, as plain ASGI middleware: it passes ``receive``
+    through untouched, so a handler sees its client disconnect (a function middleware would hide
+    it). Every answer of 400 or more is counted in the metrics."""
+
+    def __init__(self, app, service: "Service"):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rejected = self.service.metrics.rejected
+        if self.service.api_key is not None and scope.get("path") != "/health":
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.service.api_key.encode()):
+                rejected.labels(status="401").inc()
+                await ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
+                               "authentication_error", code="invalid_api_key").response()(scope, receive, send)
+                return
+        started = False
+
+        async def counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    rejected.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as e:  # noqa: BLE001 - last resort: a JSON 500, the server keeps running
+            if started:  # too late to answer: the connection is dropped
+                raise
+            rejected.labels(status="500").inc()
+            await ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()(scope, receive, send)
+
+
 def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
     """``engine_thread``: run the engine on a thread of its own while the app runs; ``forerun serve``
     passes False and runs the engine on the main thread instead (torch's CPU kernels run measurably
@@ -281,22 +320,7 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
     app = FastAPI(title="forerun", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     metrics = service.metrics
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if service.api_key is not None and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), service.api_key.encode()):
-                metrics.rejected.labels(status="401").inc()
-                return ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                                "authentication_error", code="invalid_api_key").response()
-        try:
-            response = await call_next(request)
-        except Exception as e:  # noqa: BLE001 - last resort: a JSON 500, the server keeps running
-            response = ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
-        if response.status_code >= 400:
-            metrics.rejected.labels(status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Guard, service=service)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -368,18 +392,31 @@ class _Run:
         self.finish = None
         self.created = int(time.time())
 
-    async def _next(self, request: Request):
-        """The next engine event, watching the deadline and the client's connection."""
+    async def _next(self, request: Request, poll_disconnect: bool = True):
+        """The next engine event, watching the deadline and (with ``poll_disconnect``, after half a
+        second without events) the client's connection. ``None`` on the queue means the client left."""
         deadline = self.t0 + self.service.request_timeout
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
                 raise TimeoutError
             try:
-                return await asyncio.wait_for(self.queue.get(), timeout=min(0.5, left))
+                event = await asyncio.wait_for(self.queue.get(), timeout=min(0.5, left))
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
+                if poll_disconnect and await request.is_disconnected():
                     raise ConnectionError from None
+                continue
+            if event is None:
+                raise ConnectionError
+            return event
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        """Wait for the client to go away (the body is read already, so the next message is the
+        disconnect), then cancel the request and wake the handler."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.service.engine.cancel(self.req)
+        self.queue.put_nowait(None)
 
     def _take(self, tokens: list[int], finish: str | None) -> str:
         if tokens and self.t_first is None:
@@ -426,9 +463,10 @@ class _Run:
 
     async def collect(self, request: Request):
         parts = []
+        watcher = asyncio.ensure_future(self._watch_disconnect(request))  # the client may leave at any token
         try:
             while self.finish is None:
-                tokens, finish = await self._next(request)
+                tokens, finish = await self._next(request, poll_disconnect=False)
                 parts.append(self._take(tokens, finish))
         except TimeoutError:
             self.service.engine.cancel(self.req)
@@ -436,6 +474,8 @@ class _Run:
         except ConnectionError:
             self.service.engine.cancel(self.req)
             return Response(status_code=499)
+        finally:
+            watcher.cancel()
         if self.req.error:
             return self._failed().response()
         self._record_end()
