@@ -177,6 +177,47 @@ def test_bad_inputs_get_openai_errors(live, path, body, raw, status):
     assert resp["error"]["message"]
 
 
+def test_oversized_bodies_and_prompts_are_refused_before_the_work(live):
+    """413 for a body over the limit (by Content-Length, and while it arrives without one); a
+    prompt too long for any tokenization to fit the context is refused without tokenizing it."""
+    service = live.service
+    limit = service.max_body_bytes
+    big = {"model": "tiny", "prompt": "w5 " * (limit // 3 + 10)}
+    code, resp = live.request("POST", "/v1/completions", body=big)
+    assert code == 413 and resp["error"]["code"] == "request_too_large"
+    c = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)  # chunked: no Content-Length
+    c.putrequest("POST", "/v1/completions")
+    c.putheader("Content-Type", "application/json")
+    c.putheader("Transfer-Encoding", "chunked")
+    c.endheaders()
+    chunk = b"x" * 65536
+    try:
+        for _ in range(limit // len(chunk) + 2):
+            c.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        c.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the body was all sent
+    r = c.getresponse()
+    assert r.status == 413
+    c.close()
+
+    calls = []
+    tokenize = service.tokenize
+    service.tokenize = lambda text: calls.append(len(text)) or tokenize(text)
+    try:
+        chars = service.engine.target.max_context * service.CHARS_PER_TOKEN + 1
+        code, resp = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": "w" * chars})
+        assert code == 400 and resp["error"]["code"] == "context_length_exceeded" and calls == []
+        code, resp = live.request("POST", "/v1/chat/completions",
+                                  body={"model": "tiny", "messages": [{"role": "user", "content": "w" * chars}]})
+        assert code == 400 and resp["error"]["code"] == "context_length_exceeded"
+        code, _ = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": "w5 w6", "max_tokens": 2})
+        assert code == 200 and calls == [5]  # normal prompts are tokenized (off the event loop)
+    finally:
+        service.tokenize = tokenize
+    assert live.request("GET", "/health")[0] == 200
+
+
 def test_wrong_method_and_server_survives(live):
     code, resp = live.request("GET", "/v1/completions")
     assert code == 405 and "error" in resp

@@ -56,7 +56,7 @@ class Service:
     """Model + engine thread + metrics; ``create_app(service)`` puts HTTP in front of it."""
 
     def __init__(self, model, engine: BatchEngine, *, name: str, api_key: str | None = None, max_tokens: int = 1024,
-                 request_timeout: float = 600.0, method: str = "ngram"):
+                 request_timeout: float = 600.0, method: str = "ngram", max_body_bytes: int = 4 << 20):
         self.model = model
         self.tokenizer = model.tokenizer
         self.engine = engine
@@ -67,6 +67,10 @@ class Service:
         self.max_tokens = max_tokens
         self.request_timeout = request_timeout
         self.method = method
+        self.max_body_bytes = max_body_bytes  # larger bodies are answered 413 before they are read whole
+        # prompts are tokenized off the event loop, one at a time (a tokenizer is not made for
+        # concurrent calls)
+        self.tokenizer_lock = threading.Lock()
         self.metrics = Metrics(engine)
         engine.on_step = self.metrics.on_step
         self.created = int(time.time())
@@ -85,7 +89,23 @@ class Service:
 
     # -- prompts ---------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return chat_ids(self.tokenizer, messages)
+        with self.tokenizer_lock:
+            return chat_ids(self.tokenizer, messages)
+
+    def tokenize(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer(text).input_ids
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse text too long for the context before tokenizing it: no tokenizer of a supported
+        model averages more than ``CHARS_PER_TOKEN`` characters a token on text, so such a prompt
+        could not fit and would only hold a worker for seconds."""
+        limit = self.engine.target.max_context * self.CHARS_PER_TOKEN
+        if chars > limit:
+            raise ApiError(400, f"the prompt is {chars} characters; this model's context ({self.engine.target.max_context} "
+                                f"tokens) cannot hold more than {limit}", param=param, code="context_length_exceeded")
+
+    CHARS_PER_TOKEN = 32
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -151,6 +171,7 @@ def validate(body, service: Service, chat: bool) -> Job:
             if "content" not in m:
                 raise _bad(f"messages[{i}] has no content", f"messages[{i}].content")
             clean.append({"role": "system" if role == "developer" else role, "content": _content_text(m["content"], i)})
+        service.check_prompt_chars(sum(len(m["content"]) for m in clean), "messages")
         try:
             ids = service.chat_prompt(clean)
         except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
@@ -165,7 +186,8 @@ def validate(body, service: Service, chat: bool) -> Job:
         if isinstance(prompt, str):
             if not prompt:
                 raise _bad("'prompt' is empty", "prompt")
-            ids = service.tokenizer(prompt).input_ids
+            service.check_prompt_chars(len(prompt), "prompt")
+            ids = service.tokenize(prompt)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             if any(t < 0 or t >= vocab for t in prompt):
                 raise _bad(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
@@ -351,12 +373,12 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
     async def _serve(request: Request, chat: bool):
         t0 = time.perf_counter()
         try:
-            raw = await request.body()
+            raw = await _read_body(request, service.max_body_bytes)
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
                 raise _bad("the request body is not valid JSON") from None
-            job = validate(body, service, chat)
+            job = await asyncio.to_thread(validate, body, service, chat)  # tokenizing: off the event loop
         except ApiError as e:
             return e.response()
         loop = asyncio.get_running_loop()
@@ -532,6 +554,22 @@ class _Run:
         finally:
             if not done:  # the client left: free the slot now
                 self.service.engine.cancel(self.req)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes (from its
+    Content-Length, or while it arrives)."""
+    too_big = ApiError(413, f"the request body exceeds this server's limit of {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _sse(obj: dict) -> str:

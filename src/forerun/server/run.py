@@ -13,7 +13,7 @@ log = logging.getLogger("forerun")
 
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
-                  k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None):
+                  k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
@@ -30,7 +30,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
         costs = engine.calibrate()
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
     return Service(model, engine, name=name or model.id, api_key=api_key, max_tokens=max_tokens,
-                   request_timeout=request_timeout, method=method)
+                   request_timeout=request_timeout, method=method, max_body_bytes=max_body_bytes)
 
 
 def _heap_trimmer():
