@@ -157,6 +157,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stream": "yes"}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": 3}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": ["w" * 257]}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "logprobs": 2}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": " ".join(["w5"] * 300)}, None, 400),  # past the 256-token context
     ("/v1/chat/completions", {"model": "tiny"}, None, 400),
@@ -353,3 +354,44 @@ def test_auth_queue_and_timeout(gemma):
         assert service.engine.n_running == 0
     finally:
         srv.close()
+
+
+def _assemble(tok, ids, stop, seed):
+    """Push ids in random chunks through a TextAssembler: (concatenated deltas, stopped)."""
+    import random
+
+    from forerun.server.app import TextAssembler
+
+    rng = random.Random(seed)
+    ta, out, i = TextAssembler(tok, stop), [], 0
+    while i < len(ids) and not ta.stopped:
+        n = rng.randint(1, 4)
+        out.append(ta.push(ids[i: i + n], final=i + n >= len(ids)))
+        i += n
+    return "".join(out), ta.stopped
+
+
+def _expected(tok, ids, stop):
+    text = tok.decode(ids, skip_special_tokens=True)
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_text_equals_decoding_the_whole_output(gemma, seed):
+    """Deltas decoded a few tokens at a time add up to the full decode, cut at the first stop string."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, gemma.backend.vocab_size, (60,), generator=g).tolist()
+    text = gemma.tokenizer.decode(ids, skip_special_tokens=True)
+    for stop in ([], [text[40:47]], [text[100:103], "zz-none"], ["never there"]):
+        assert _assemble(gemma.tokenizer, ids, stop, seed) == _expected(gemma.tokenizer, ids, stop)
+
+
+@pytest.mark.bundled
+def test_incremental_text_on_a_real_tokenizer(smollm2):
+    """SmolLM2's byte-level BPE, with multi-byte characters split across tokens and a stop string."""
+    tok = smollm2.tokenizer
+    ids = tok("Café crème, naïve façade — 東京 🚀🚀 and ünïcödé everywhere; then STOP here.").input_ids
+    for seed in range(5):
+        for stop in ([], ["STOP"], ["🚀 and"], ["東"]):
+            assert _assemble(tok, ids, stop, seed) == _expected(tok, ids, stop)

@@ -135,6 +135,9 @@ def _content_text(content, i: int) -> str:
     raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
+MAX_STOP_CHARS = 256
+
+
 def validate(body, service: Service, chat: bool) -> Job:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
@@ -235,6 +238,8 @@ def validate(body, service: Service, chat: bool) -> Job:
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise _bad("'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _bad(f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     stream = body.get("stream", False)
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
@@ -252,31 +257,57 @@ def validate(body, service: Service, chat: bool) -> Job:
 
 class TextAssembler:
     """Token ids in, text deltas out: holds back an unfinished character and any tail that could
-    still become a stop string; cuts the text where a stop string appears."""
+    still become a stop string; cuts the text where a stop string appears.
+
+    Decoding is incremental: each push decodes only the tokens since the last settled point,
+    with a few tokens before it as context (the text of a token can depend on its neighbour, e.g.
+    a leading space), and takes what goes beyond that context's own text. Stop strings are looked
+    for only in the new text and the longest stop string's length before it."""
+
+    CONTEXT = 4  # tokens decoded before the new ones, for the new ones' text
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tok = tokenizer
         self.stop = stop
+        self.longest = max((len(x) for x in stop), default=0)
         self.ids: list[int] = []
+        self.text = ""  # the settled text
+        self.settled = 0  # tokens whose text is in self.text
         self.sent = 0
+        self.searched = 0  # self.text before this has no stop string starting in it
         self.stopped = False
+
+    def _settle(self, final: bool) -> None:
+        start = max(0, self.settled - self.CONTEXT)
+        before = self.tok.decode(self.ids[start: self.settled], skip_special_tokens=True)
+        now = self.tok.decode(self.ids[start:], skip_special_tokens=True)
+        if not now.startswith(before):  # the context decodes differently now: take all from the start
+            start, before = 0, ""
+            now = self.tok.decode(self.ids, skip_special_tokens=True)
+            self.text = ""
+        tail = now[len(before):]
+        if not final and tail.endswith("\ufffd"):  # a multi-byte character still arriving
+            return
+        self.text += tail
+        self.settled = len(self.ids)
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        self._settle(final)
+        text = self.text
+        lo = max(0, self.searched - self.longest)
+        cut = min((i for i in (text.find(x, lo) for x in self.stop) if i >= 0), default=-1)
+        self.searched = len(text)
         if cut >= 0:
             self.stopped = True
             safe = cut
         else:
             safe = len(text)
             if not final:
-                while safe > self.sent and text[safe - 1] == "\ufffd":  # a multi-byte character still arriving
-                    safe -= 1
-                for s in self.stop:
-                    for n in range(min(len(s) - 1, safe), 0, -1):
-                        if text[:safe].endswith(s[:n]):
-                            safe = min(safe, len(text[:safe]) - n)
+                for x in self.stop:  # hold back a tail that may still grow into a stop string
+                    for n in range(min(len(x) - 1, safe), 0, -1):
+                        if text.endswith(x[:n], 0, safe):
+                            safe = min(safe, len(text) - n)
                             break
         delta = text[self.sent: safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
