@@ -219,6 +219,39 @@ def test_oversized_bodies_and_prompts_are_refused_before_the_work(live):
     assert live.request("GET", "/health")[0] == 200
 
 
+def test_json_only_and_loopback_host_names_only(gemma, live, monkeypatch):
+    """A body sent as another content type is refused (415); bound to loopback, a request whose
+    Host names another site (DNS rebinding from a web page) is refused (421); empty API keys are
+    refused, and the key may come from the environment."""
+    from forerun.errors import ForerunError
+    from forerun.server.run import is_loopback, resolve_api_key
+
+    body = {"model": "tiny", "prompt": "w5", "max_tokens": 1}
+    code, resp = live.request("POST", "/v1/completions", body=body, headers={"Content-Type": "text/plain"})
+    assert code == 415 and resp["error"]["code"] == "unsupported_media_type"
+    assert live.request("POST", "/v1/completions", body=body)[0] == 200
+    assert live.request("GET", "/v1/models", headers={"Host": "evil.example"})[0] == 200  # not bound to loopback
+
+    srv = Live(build_service(gemma, method="none", name="tiny", calibrate=False, loopback_hosts=True))
+    try:
+        for host, status in (("evil.example", 421), ("evil.example:80", 421), (f"127.0.0.1:{srv.port}", 200),
+                             (f"localhost:{srv.port}", 200), ("[::1]:80", 200)):
+            assert srv.request("GET", "/v1/models", headers={"Host": host})[0] == status, host
+    finally:
+        srv.close()
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+
+    monkeypatch.delenv("FORERUN_API_KEY", raising=False)
+    assert resolve_api_key(None) is None and resolve_api_key("k1") == "k1"
+    monkeypatch.setenv("FORERUN_API_KEY", "from-env")
+    assert resolve_api_key(None) == "from-env" and resolve_api_key("k1") == "k1"
+    for empty in ("", "  "):
+        with pytest.raises(ForerunError, match="empty"):
+            resolve_api_key(empty)
+        with pytest.raises(ForerunError, match="empty"):
+            build_service(gemma, method="none", api_key=empty, calibrate=False)
+
+
 def test_wrong_method_and_server_survives(live):
     code, resp = live.request("GET", "/v1/completions")
     assert code == 405 and "error" in resp

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none | ngram | draft | layerskip | eagle | medusa (default ngram; chains, no token trees)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                                   "(default: $FORERUN_API_KEY where set)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: "
                    "the model file's stem, the folder's name or the hub id)")
     s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")

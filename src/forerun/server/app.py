@@ -56,7 +56,8 @@ class Service:
     """Model + engine thread + metrics; ``create_app(service)`` puts HTTP in front of it."""
 
     def __init__(self, model, engine: BatchEngine, *, name: str, api_key: str | None = None, max_tokens: int = 1024,
-                 request_timeout: float = 600.0, method: str = "ngram", max_body_bytes: int = 4 << 20):
+                 request_timeout: float = 600.0, method: str = "ngram", max_body_bytes: int = 4 << 20,
+                 loopback_hosts: bool = False):
         self.model = model
         self.tokenizer = model.tokenizer
         self.engine = engine
@@ -68,6 +69,9 @@ class Service:
         self.request_timeout = request_timeout
         self.method = method
         self.max_body_bytes = max_body_bytes  # larger bodies are answered 413 before they are read whole
+        # bound to loopback: only requests addressed to a loopback name are served, so that a web
+        # page whose name resolves to 127.0.0.1 (DNS rebinding) cannot drive the server
+        self.loopback_hosts = loopback_hosts
         # prompts are tokenized off the event loop, one at a time (a tokenizer is not made for
         # concurrent calls)
         self.tokenizer_lock = threading.Lock()
@@ -316,6 +320,16 @@ class TextAssembler:
 
 # -- the app ---------------------------------------------------------------------------------
 
+def _loopback_host(header: bytes) -> bool:
+    """Whether a Host header names the loopback interface (with or without a port)."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        host = host[: host.find("]") + 1]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    return host in ("localhost", "127.0.0.1", "[::1]", "::1") or host.startswith("127.")
+
+
 class _Guard:
     """The API key and a last-resort JSON 500, as plain ASGI middleware: it passes ``receive``
     through untouched, so a handler sees its client disconnect (a function middleware would hide
@@ -328,6 +342,11 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         rejected = self.service.metrics.rejected
+        if self.service.loopback_hosts and not _loopback_host(dict(scope.get("headers") or ()).get(b"host", b"")):
+            rejected.labels(status="421").inc()
+            await ApiError(421, "this server answers only requests addressed to localhost or 127.0.0.1",
+                           code="misdirected_request").response()(scope, receive, send)
+            return
         if self.service.api_key is not None and scope.get("path") != "/health":
             auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
@@ -404,6 +423,10 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
     async def _serve(request: Request, chat: bool):
         t0 = time.perf_counter()
         try:
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json "
+                                    f"(got {ctype or 'none'!r})", code="unsupported_media_type")
             raw = await _read_body(request, service.max_body_bytes)
             try:
                 body = json.loads(raw)

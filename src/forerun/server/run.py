@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from forerun.batching import BatchEngine
 from forerun.drafters import check_method, make_drafter
@@ -11,9 +12,28 @@ from forerun.errors import ForerunError
 log = logging.getLogger("forerun")
 
 
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a --host binds to the loopback interface only."""
+    return host in LOOPBACK_NAMES or host.startswith("127.")
+
+
+def resolve_api_key(arg: str | None) -> str | None:
+    """--api-key, else $FORERUN_API_KEY, else None (no key); an empty key is refused, not taken
+    as "no key"."""
+    key = arg if arg is not None else os.environ.get("FORERUN_API_KEY")
+    if key is not None and not key.strip():
+        raise ForerunError("the API key is empty (--api-key or $FORERUN_API_KEY): give a key, or set neither "
+                           "to serve without one")
+    return key
+
+
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
-                  k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20):
+                  k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20,
+                  loopback_hosts: bool = False):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
@@ -22,6 +42,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
             raise ForerunError(f"{label} must be >= {lo}, got {v}")
     if request_timeout <= 0:
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
+    resolve_api_key(api_key)
     # every method of generate, verified as chains; each slot forks this drafter
     drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
@@ -30,7 +51,8 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
         costs = engine.calibrate()
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
     return Service(model, engine, name=name or model.id, api_key=api_key, max_tokens=max_tokens,
-                   request_timeout=request_timeout, method=method, max_body_bytes=max_body_bytes)
+                   request_timeout=request_timeout, method=method, max_body_bytes=max_body_bytes,
+                   loopback_hosts=loopback_hosts)
 
 
 def _heap_trimmer():
@@ -61,6 +83,7 @@ def serve(args) -> int:
     from forerun.server.app import create_app
 
     check_method(args.method, bool(args.draft))
+    api_key = resolve_api_key(args.api_key)
     skip = parse_skip_layers(args.skip_layers)
     if not 0 <= args.port <= 65535:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
@@ -75,7 +98,7 @@ def serve(args) -> int:
         draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
                            max_context=args.max_context)
     service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name or args.model,
-                            api_key=args.api_key, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                            api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
                             skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None)
     if not service.engine.batched:
