@@ -196,3 +196,80 @@ def test_layerskip_batches_equal_plain(gemma):
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
     assert run_batch(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0
+
+
+class _FailingNgram(NgramDrafter):
+    """An n-gram drafter that fails on sequences starting with token 3."""
+
+    def fork(self):
+        return _FailingNgram()
+
+    def propose(self, tokens, k):
+        if tokens[0] == 3:
+            raise RuntimeError("drafter broke")
+        return super().propose(tokens, k)
+
+
+def test_failures_end_only_their_own_request(gemma, monkeypatch):
+    """A drafter failing, a pass failing for one sequence, a slot that cannot be made, failing
+    housekeeping: each ends (with "error") only the request it belongs to; the others finish with
+    plain decoding's tokens."""
+    import forerun.batching as batching
+
+    prompts = _prompts(3)
+    ref = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=12).token_ids for p in prompts]
+
+    def run(eng, reqs):
+        events = {}
+        for i, r in enumerate(reqs):
+            r.on_event = (lambda i: lambda t, f: events.setdefault(i, []).append((t, f)))(i)
+            eng.submit(r)
+        eng.run(until=lambda: not eng.active and not eng.waiting)
+        toks = {i: [t for ts, _ in ev for t in ts] for i, ev in events.items()}
+        finish = {i: ev[-1][1] for i, ev in events.items()}
+        return toks, finish
+
+    # 1. the drafter of one sequence fails
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=_FailingNgram(), max_batch=4)
+    toks, finish = run(eng, [BatchRequest(prompt=[3] + prompts[0], max_new_tokens=12)]
+                       + [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts[1:]])
+    assert finish == {0: "error", 1: "length", 2: "length"} and [toks[1], toks[2]] == ref[1:]
+
+    # 2. the batched pass fails because of one sequence, which fails again on its own
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=4)
+    bad = BatchRequest(prompt=prompts[0], max_new_tokens=12)
+    real_batch, real_alone = gemma.backend.forward_batch, batching.pass_outputs
+
+    def forward_batch(seqs, *a, **kw):
+        if bad.slot is not None and any(s is bad.slot.backend for s in seqs) and bad.produced >= 3:
+            raise RuntimeError("pass broke")
+        return real_batch(seqs, *a, **kw)
+
+    def alone(be, *a, **kw):
+        if bad.slot is not None and be is bad.slot.backend:
+            raise RuntimeError("pass broke again")
+        return real_alone(be, *a, **kw)
+
+    monkeypatch.setattr(gemma.backend, "forward_batch", forward_batch)
+    monkeypatch.setattr(batching, "pass_outputs", alone)
+    toks, finish = run(eng, [bad] + [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts[1:]])
+    assert finish == {0: "error", 1: "length", 2: "length"} and [toks[1], toks[2]] == ref[1:]
+    assert bad.error == "RuntimeError: pass broke again"
+    monkeypatch.undo()
+
+    # 3. no slot can be made for one request taken off the queue; 4. housekeeping fails
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=4)
+    real_slot, calls = eng._slot, []
+
+    def slot():
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("no room for a cache")
+        return real_slot()
+
+    eng._slot = slot
+    eng.HOUSEKEEPING_STEPS = 1
+    eng.housekeeping = lambda: 1 / 0
+    toks, finish = run(eng, [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts])
+    assert finish == {0: "error", 1: "length", 2: "length"} and [toks[1], toks[2]] == ref[1:]
+    assert eng.dead is None

@@ -252,6 +252,30 @@ def test_json_only_and_loopback_host_names_only(gemma, live, monkeypatch):
             build_service(gemma, method="none", api_key=empty, calibrate=False)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_reports_a_dead_engine(gemma):
+    """The engine loop dying answers the requests it held (500), refuses new ones (503) and turns
+    /health to 503."""
+    service = build_service(gemma, method="none", name="tiny", calibrate=False)
+    srv = Live(service)
+    try:
+        assert srv.request("GET", "/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
+
+        def broken_step():
+            raise SystemExit("engine bug")  # not an Exception: nothing inside the loop catches it
+
+        service.engine.step = broken_step
+        body = {"model": "tiny", "prompt": "w5", "max_tokens": 2}
+        code, resp = srv.request("POST", "/v1/completions", body=body)
+        assert code == 500 and "engine bug" in resp["error"]["message"]
+        code, resp = srv.request("GET", "/health")
+        assert code == 503 and resp["status"] == "dead" and "engine bug" in resp["error"]
+        code, resp = srv.request("POST", "/v1/completions", body=body)
+        assert code == 503 and resp["error"]["code"] == "engine_stopped"
+    finally:
+        srv.close()
+
+
 def test_wrong_method_and_server_survives(live):
     code, resp = live.request("GET", "/v1/completions")
     assert code == 405 and "error" in resp

@@ -15,6 +15,7 @@ draft length falls to zero and the step is plain batched decoding.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,13 @@ from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 
 _ids = itertools.count(1)
+
+
+log = logging.getLogger("forerun")
+
+
+class EngineStopped(ForerunError):
+    """The engine loop has died: no request can be served."""
 
 
 class QueueFull(ForerunError):
@@ -204,6 +212,7 @@ class BatchEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.dead: str | None = None  # why the engine loop stopped, if it died
         # observers (metrics): on_step(rows, seconds, [(request, drafted, accepted)])
         self.on_step: Callable | None = None
         # Trained heads read target features at some layers, after the prefill and every pass.
@@ -218,6 +227,8 @@ class BatchEngine:
             raise ForerunError("empty prompt")
         if len(req.prompt) >= self.target.max_context:
             raise ForerunError(f"prompt is {len(req.prompt)} tokens; the context limit is {self.target.max_context}")
+        if self.dead:
+            raise EngineStopped(f"the engine has stopped ({self.dead})")
         with self._lock:
             # max_waiting counts requests beyond the free slots: those wait at least one step
             if len(self.waiting) >= self.max_waiting + max(0, self.max_batch - len(self.active)):
@@ -251,20 +262,36 @@ class BatchEngine:
 
     # -- engine thread ------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Step until ``stop`` (or ``until()`` is true); failures are reported to the requests they touched."""
-        while not self._stop.is_set() and not (until is not None and until()):
-            if not self.active and not self.waiting:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            self._steps += 1
-            if self.housekeeping is not None and self._steps % self.HOUSEKEEPING_STEPS == 0:
-                self.housekeeping()
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001 - e.g. a drafter failing: end the requests of this step
-                for req in list(self.active):
-                    self._fail(req, e)
+        """Step until ``stop`` (or ``until()`` is true); failures are reported to the requests they
+        touched (``step`` isolates them per request where it can) and logged. Should the loop itself
+        die, ``dead`` says why (the server's /health reports it)."""
+        try:
+            while not self._stop.is_set() and not (until is not None and until()):
+                if not self.active and not self.waiting:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._steps += 1
+                if self.housekeeping is not None and self._steps % self.HOUSEKEEPING_STEPS == 0:
+                    try:
+                        self.housekeeping()
+                    except Exception:  # noqa: BLE001 - housekeeping is optional work
+                        log.exception("engine housekeeping failed (ignored)")
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 - a failure step() could not pin on one request
+                    log.exception("engine step failed: ending the %d requests of the step", len(self.active))
+                    for req in list(self.active):
+                        self._fail(req, e)
+        except BaseException as e:
+            self.dead = f"{type(e).__name__}: {e}"
+            log.exception("the engine loop stopped")
+            with self._lock:
+                left, self.waiting = list(self.active) + list(self.waiting), deque()
+            for req in left:  # nobody will serve them now: answer them
+                req.error = f"the engine stopped ({self.dead})"
+                _emit(req, [], "error")
+            raise
 
     def stop(self) -> None:
         self._stop.set()
@@ -313,6 +340,7 @@ class BatchEngine:
     def _fail(self, req: BatchRequest, e: Exception) -> None:
         """End a request with an error; its cache is dropped (the failure may have left it half written)."""
         req.error = f"{type(e).__name__}: {e}"
+        log.warning("request %s failed: %s", req.id, req.error)
         if req.slot is not None:
             req.slot.backend.reset()
         self._finish(req, [], "error")
@@ -326,8 +354,8 @@ class BatchEngine:
             if req.cancelled:
                 self._finish(req, [], "cancelled")
                 continue
-            req.slot = self._slot()
-            try:
+            try:  # a request off the queue is answered whatever happens next
+                req.slot = self._slot()
                 self._prefill(req)
             except Exception as e:  # noqa: BLE001 - reported to this request only
                 self._fail(req, e)
@@ -380,19 +408,32 @@ class BatchEngine:
         # 1. Draft: cheap drafters propose at full length and are cut after; others propose what the policy plans.
         t0 = time.perf_counter()
         drafts: list[Draft] = []
+        failed: set[int] = set()
+
+        def propose(r: BatchRequest, k: int) -> Draft:  # a drafter failing ends its own request only
+            try:
+                return r.slot.drafter.propose(r.tokens, k) if k > 0 else empty_draft()
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e)
+                failed.add(r.id)
+                return empty_draft()
+
         cheap = self.drafter is None or self.drafter.cheap_proposals
         if self.drafter is None:
             drafts = [empty_draft() for _ in reqs]
         elif cheap:
             for r, room in zip(reqs, rooms):
-                want = min(self.policy.k_max, room - 1)
-                drafts.append(r.slot.drafter.propose(r.tokens, want) if want > 0 else empty_draft())
+                drafts.append(propose(r, min(self.policy.k_max, room - 1)))
             ks = self.policy.choose([len(d) for d in drafts], [d.bucket for d in drafts], charge_drafting=False)
             drafts = [clip_draft(d, k) for d, k in zip(drafts, ks)]
         else:
             ks = self.policy.choose([max(0, room - 1) for room in rooms], [None] * len(reqs), charge_drafting=True)
             for r, k in zip(reqs, ks):
-                drafts.append(clip_draft(r.slot.drafter.propose(r.tokens, k), k) if k > 0 else empty_draft())
+                drafts.append(clip_draft(propose(r, k), k))
+        if failed:
+            reqs, drafts = [r for r in reqs if r.id not in failed], [d for r, d in zip(reqs, drafts) if r.id not in failed]
+            if not reqs:
+                return
         t1 = time.perf_counter()
         if not cheap:
             self.policy.observe_draft(sum(len(d) for d in drafts), t1 - t0)
@@ -403,10 +444,11 @@ class BatchEngine:
         try:
             passed, pass_times = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs],
                                             greedy=[r.params.greedy for r in reqs])
-        except Exception as e:  # noqa: BLE001 - fail the requests of this pass, keep serving
-            for r in reqs:
-                self._fail(r, e)
-            return
+        except Exception as e:  # noqa: BLE001 - find which requests fail: each one again on its own
+            reqs, drafts, feeds, passed, pass_times = self._pass_alone(reqs, drafts, feeds, e)
+            if not reqs:
+                return
+            rows = sum(f.numel() for f in feeds)
         t2 = time.perf_counter()
         for n_rows, secs in pass_times:
             self.policy.observe_pass(n_rows, secs)
@@ -414,33 +456,63 @@ class BatchEngine:
         # 3. Accept, 4. roll back, per sequence.
         report = []
         for r, d, out_i in zip(reqs, drafts, passed):
-            _, out, n_acc = accept(d, out_i, r.params, r.generator)  # chains: the server verifies no trees
-            root = len(r.tokens) - 1
-            new, n_acc, finish = commit_tokens(out, n_acc, self.eos, r.max_new_tokens - r.produced, limit - len(r.tokens))
-            r.tokens.extend(new)
-            r.produced += len(new)
-            r.slot.backend.truncate(len(r.tokens) - 1)
-            if self.layers:  # features of the kept positions: the last committed token and the accepted drafts
-                r.slot.drafter.take_features(root, out_i.layers[: n_acc + 1])
-            if r.slot.drafter is not None:
-                r.slot.drafter.accepted(r.tokens, n_acc)
-            self.policy.observe(d.bucket, len(d), n_acc)
-            s = r.stats
-            s.record_step(len(d), n_acc)
-            s.verify_s += (t2 - t1) * (len(d) + 1) / rows  # this sequence's share of the pass
-            s.draft_s += (t1 - t0) / len(reqs)
-            s.new_tokens = r.produced
-            s.wall_s = time.perf_counter() - r.t_submit
+            try:
+                n_acc = self._commit(r, d, out_i, limit, t0, t1, t2, rows, len(reqs))
+            except Exception as e:  # noqa: BLE001 - this request only
+                self._fail(r, e)
+                continue
             report.append((r, len(d), n_acc))
-            if finish is not None:
-                self._finish(r, new, finish)
-            else:
-                _emit(r, new, None)
         if self.on_step is not None:
             try:
                 self.on_step(rows, t2 - t1, report)
             except Exception:
                 pass
+
+    def _pass_alone(self, reqs, drafts, feeds, error: Exception):
+        """After a failed batched pass: each sequence's pass on its own; those that fail again end
+        with their error, the others go on. Returns what survives as (reqs, drafts, feeds, outputs,
+        pass times)."""
+        if len(reqs) == 1:
+            self._fail(reqs[0], error)
+            return [], [], [], [], []
+        log.warning("a batched pass of %d sequences failed (%s: %s): each one again on its own", len(reqs),
+                    type(error).__name__, error)
+        kept = []
+        for r, d, f in zip(reqs, drafts, feeds):
+            t = time.perf_counter()
+            try:
+                out = pass_outputs(r.slot.backend, f, len(r.tokens) - 1, greedy=r.params.greedy, layers=self.layers)
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e)
+                continue
+            kept.append((r, d, f, out, (f.numel(), time.perf_counter() - t)))
+        return tuple(list(x) for x in zip(*kept)) if kept else ([], [], [], [], [])
+
+    def _commit(self, r: BatchRequest, d: Draft, out_i, limit: int, t0: float, t1: float, t2: float, rows: int,
+                n_reqs: int) -> int:
+        """Accept one sequence's draft, commit, roll back, report; the drafts accepted."""
+        _, out, n_acc = accept(d, out_i, r.params, r.generator)  # chains: the server verifies no trees
+        root = len(r.tokens) - 1
+        new, n_acc, finish = commit_tokens(out, n_acc, self.eos, r.max_new_tokens - r.produced, limit - len(r.tokens))
+        r.tokens.extend(new)
+        r.produced += len(new)
+        r.slot.backend.truncate(len(r.tokens) - 1)
+        if self.layers:  # features of the kept positions: the last committed token and the accepted drafts
+            r.slot.drafter.take_features(root, out_i.layers[: n_acc + 1])
+        if r.slot.drafter is not None:
+            r.slot.drafter.accepted(r.tokens, n_acc)
+        self.policy.observe(d.bucket, len(d), n_acc)
+        s = r.stats
+        s.record_step(len(d), n_acc)
+        s.verify_s += (t2 - t1) * (len(d) + 1) / rows  # this sequence's share of the pass
+        s.draft_s += (t1 - t0) / n_reqs
+        s.new_tokens = r.produced
+        s.wall_s = time.perf_counter() - r.t_submit
+        if finish is not None:
+            self._finish(r, new, finish)
+        else:
+            _emit(r, new, None)
+        return n_acc
 
 
 def _emit(req: BatchRequest, tokens: list[int], finish: str | None) -> None:

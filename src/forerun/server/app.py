@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forerun.batching import BatchEngine, BatchRequest, QueueFull
+from forerun.batching import BatchEngine, BatchRequest, EngineStopped, QueueFull
 from forerun.chat import chat_ids
 from forerun.sampling import SamplingParams
 from forerun.server.metrics import Metrics
@@ -84,6 +84,14 @@ class Service:
         if self._thread is None:
             self._thread = threading.Thread(target=self.engine.run, name="forerun-engine", daemon=True)
             self._thread.start()
+
+    def engine_dead(self) -> str | None:
+        """Why the engine loop is not running, or None while it is."""
+        if self.engine.dead:
+            return self.engine.dead
+        if self._thread is not None and not self._thread.is_alive():
+            return "the engine thread has stopped"
+        return None
 
     def stop(self) -> None:
         self.engine.stop()
@@ -401,6 +409,9 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        dead = service.engine_dead()
+        if dead:
+            return JSONResponse({"status": "dead", "error": dead}, status_code=503)
         return {"status": "ok", "running": service.engine.n_running, "waiting": service.engine.n_waiting}
 
     @app.get("/metrics")
@@ -446,6 +457,8 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
             service.engine.submit(req)
         except QueueFull as e:
             return ApiError(429, f"the server is at capacity: {e}", "rate_limit_error", code="queue_full").response()
+        except EngineStopped as e:
+            return ApiError(503, str(e), "server_error", code="engine_stopped").response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         run = _Run(service, req, job, queue, t0, chat, rid)
         if job.stream:
