@@ -159,6 +159,18 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": 3}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": ["w" * 257]}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "logprobs": 2}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "logit_bias": {"5": 100}}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "presence_penalty": 0.5}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "frequency_penalty": 1}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
+                              "tool_choice": "required"}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
+                              "response_format": {"type": "json_object"}}, None, 400),
+    ("/v1/completions", None, b'{"model": "tiny", "prompt": "w5", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
+    ("/v1/completions", None, b'{"model": "tiny\\ud800", "prompt": "w5"}', 400),
+    ("/v1/completions", None, b'{"model": "tiny", "prompt": "w5\\udfff"}', 400),
     ("/v1/completions", {"model": "tiny", "prompt": " ".join(["w5"] * 300)}, None, 400),  # past the 256-token context
     ("/v1/chat/completions", {"model": "tiny"}, None, 400),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, None, 400),
@@ -270,10 +282,33 @@ def test_health_reports_a_dead_engine(gemma):
         assert code == 500 and "engine bug" in resp["error"]["message"]
         code, resp = srv.request("GET", "/health")
         assert code == 503 and resp["status"] == "dead" and "engine bug" in resp["error"]
-        code, resp = srv.request("POST", "/v1/completions", body=body)
-        assert code == 503 and resp["error"]["code"] == "engine_stopped"
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        resp = json.loads(r.read())
+        assert r.status == 503 and resp["error"]["code"] == "engine_stopped"
+        assert r.getheader("x-should-retry") == "false"  # retrying would meet the same dead engine
     finally:
         srv.close()
+
+
+def test_valid_variants_are_accepted_and_tiny_temperatures_are_greedy(live, gemma):
+    """Requests real clients send that are valid (nulls for defaults, no-op values of unsupported
+    options, tool turns) are served; a temperature too small to divide by decodes greedily."""
+    ok = [{"model": "tiny", "prompt": "w5 w6", "max_tokens": 3, "n": None, "stream_options": {"include_usage": None},
+           "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": None, "tools": None, "response_format": {"type": "text"}},
+          {"model": "tiny", "messages": [{"role": "user", "content": "w5"}, {"role": "assistant", "content": None},
+                                         {"role": "tool", "content": "w7"}, {"role": "user", "content": "w8"}],
+           "max_tokens": 3, "tool_choice": "none", "tools": []}]
+    for body in ok:
+        code, resp = live.request("POST", "/v1/chat/completions" if "messages" in body else "/v1/completions", body=body)
+        assert code == 200, resp
+    greedy = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": "w5 w6", "max_tokens": 6,
+                                                          "temperature": 0})[1]["choices"][0]["text"]
+    for t in (1e-38, 1e-30, 5e-6):
+        code, resp = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": "w5 w6", "max_tokens": 6,
+                                                                  "temperature": t, "seed": 3})
+        assert code == 200 and resp["choices"][0]["text"] == greedy, t
 
 
 def test_wrong_method_and_server_survives(live):

@@ -17,6 +17,9 @@ import torch
 from forerun.errors import ForerunError
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (as vLLM does)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -34,7 +37,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small (below ``GREEDY_BELOW``) that dividing logits by it would
+        overflow float32 or leave only the top token: decoded greedily."""
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -28,16 +28,19 @@ from forerun.server.metrics import Metrics
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry: bool | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry = retry  # x-should-retry for clients (the openai SDK reads it); None: their default
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"Retry-After": "1"} if self.status in (429, 503) and self.retry is not False else {}
+        if self.retry is not None:
+            headers["x-should-retry"] = "true" if self.retry else "false"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 @dataclass
@@ -149,6 +152,38 @@ def _content_text(content, i: int) -> str:
 
 MAX_STOP_CHARS = 256
 
+# Options a client may send; each one with a value that would change the output is refused rather
+# than silently ignored (its no-op values pass).
+_UNSUPPORTED = (
+    ("logprobs", lambda v: v not in (None, False, 0)), ("top_logprobs", lambda v: v not in (None, 0)),
+    ("echo", lambda v: v not in (None, False)), ("best_of", lambda v: v not in (None, 1)),
+    ("suffix", lambda v: v not in (None, "")), ("tools", lambda v: v not in (None, [])),
+    ("tool_choice", lambda v: v not in (None, "none")), ("functions", lambda v: v not in (None, [])),
+    ("function_call", lambda v: v not in (None, "none")),
+    ("response_format", lambda v: v is not None and v != {"type": "text"}),
+    ("logit_bias", lambda v: v not in (None, {})), ("presence_penalty", lambda v: v not in (None, 0)),
+    ("frequency_penalty", lambda v: v not in (None, 0)), ("repetition_penalty", lambda v: v not in (None, 1)),
+)
+
+
+def _has_lone_surrogate(obj) -> bool:
+    """Whether a decoded JSON value holds a string that is not valid Unicode (a lone surrogate).
+    Iterative: a body may nest as deeply as the JSON parser allowed."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
 
 def validate(body, service: Service, chat: bool) -> Job:
     if not isinstance(body, dict):
@@ -161,13 +196,11 @@ def validate(body, service: Service, chat: bool) -> Job:
     if model not in service.aliases:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{service.name}'",
                        param="model", code="model_not_found")
-    for name, bad in (("logprobs", lambda v: v not in (None, False, 0)), ("top_logprobs", lambda v: v not in (None, 0)),
-                      ("echo", lambda v: v not in (None, False)), ("best_of", lambda v: v not in (None, 1)),
-                      ("suffix", lambda v: v not in (None, ""))):
+    for name, bad in _UNSUPPORTED:
         if name in body and bad(body[name]):
-            raise _bad(f"'{name}' is not supported by this server", name)
-    n = body.get("n", 1)
-    if not _is_int(n) or n != 1:
+            raise _bad(f"'{name}' is not supported by this server (it would change the output)", name)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
         raise _bad("only n=1 is supported", "n")
 
     if chat:
@@ -181,11 +214,14 @@ def validate(body, service: Service, chat: bool) -> Job:
             if not isinstance(m, dict):
                 raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
             role = m.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise _bad(f"messages[{i}].role must be system, developer, user or assistant", f"messages[{i}].role")
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                raise _bad(f"messages[{i}].role must be system, developer, user, assistant or tool", f"messages[{i}].role")
             if "content" not in m:
                 raise _bad(f"messages[{i}] has no content", f"messages[{i}].content")
-            clean.append({"role": "system" if role == "developer" else role, "content": _content_text(m["content"], i)})
+            content = m["content"]
+            if content is None and role == "assistant":  # an assistant turn that only called tools
+                content = ""
+            clean.append({"role": "system" if role == "developer" else role, "content": _content_text(content, i)})
         service.check_prompt_chars(sum(len(m["content"]) for m in clean), "messages")
         try:
             ids = service.chat_prompt(clean)
@@ -257,12 +293,13 @@ def validate(body, service: Service, chat: bool) -> Job:
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+    usage = opts.get("include_usage") if isinstance(opts, dict) else None
+    if not isinstance(opts, dict) or usage not in (None, True, False):
         raise _bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
     params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                             seed=None if seed is None else seed % (2**63))
     return Job(ids=ids, max_tokens=max_tokens, params=params, stop=stop, stream=stream,
-               include_usage=bool(opts.get("include_usage", False)))
+               include_usage=bool(usage))
 
 
 # -- text assembly ---------------------------------------------------------------------------
@@ -443,6 +480,10 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
                 raise _bad("the request body is not valid JSON") from None
+            except RecursionError:
+                raise _bad("the request body nests too deeply") from None
+            if _has_lone_surrogate(body):
+                raise _bad("the request holds a string that is not valid Unicode (a lone surrogate)")
             job = await asyncio.to_thread(validate, body, service, chat)  # tokenizing: off the event loop
         except ApiError as e:
             return e.response()
@@ -458,7 +499,7 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
         except QueueFull as e:
             return ApiError(429, f"the server is at capacity: {e}", "rate_limit_error", code="queue_full").response()
         except EngineStopped as e:
-            return ApiError(503, str(e), "server_error", code="engine_stopped").response()
+            return ApiError(503, str(e), "server_error", code="engine_stopped", retry=False).response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         run = _Run(service, req, job, queue, t0, chat, rid)
         if job.stream:
@@ -533,10 +574,10 @@ class _Run:
 
     def _timeout(self) -> ApiError:
         return ApiError(504, f"the request did not finish within {self.service.request_timeout:g} s", "timeout",
-                        code="request_timeout")
+                        code="request_timeout", retry=False)  # a retry would run as long again
 
     def _failed(self) -> ApiError:
-        return ApiError(500, f"generation failed: {self.req.error}", "server_error")
+        return ApiError(500, f"generation failed: {self.req.error}", "server_error", retry=False)
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.service.name, "choices": choices,
