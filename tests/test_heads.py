@@ -238,6 +238,18 @@ def test_head_errors(heads, gemma, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ForerunError, match="draft_to_target"):
         make_drafter("eagle", gemma, head_path=bad)
+    # The head is checked against the target's fingerprint, not against what it says of itself:
+    # its own shapes, its map's range, and a checksum that cannot be left empty.
+    for edit, needle in ((lambda c: c.update(vocab_size=c["vocab_size"] * 2), "its vocab_size"),
+                         (lambda c: c.update(hidden_size=c["hidden_size"] + 8), "its hidden_size"),
+                         (lambda c: c["target"].update(embed_checksum=[]), "no checksum"),
+                         (lambda c: c["target"].pop("embed_checksum"), "no checksum")):
+        bad = _copy(path, tmp_path / f"self-{needle.replace(' ', '_')}-{len(list(tmp_path.iterdir()))}")
+        cfg = json.loads((bad / "config.json").read_text())
+        edit(cfg)
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ForerunError, match=needle):
+            make_drafter("eagle", gemma, head_path=bad)
     with pytest.raises(ForerunError, match="no eagle head is shipped"):
         make_drafter("eagle", gemma)
 

@@ -73,10 +73,13 @@ def fingerprint_mismatch(trained_for: dict, fingerprint: dict) -> str | None:
         if trained_for.get(key) != fingerprint.get(key):
             return f"{key} {trained_for.get(key)}, this target has {fingerprint.get(key)}"
     a, b = trained_for.get("embed_checksum"), fingerprint.get("embed_checksum")
-    if a is not None and b is not None and any(abs(x - y) > 2e-3 for x, y in zip(a, b)):
+    if b is not None and (not isinstance(a, list) or len(a) != len(b)):
+        return "the head records no checksum of its target's weights"  # an empty one would match anything
+    if b is not None and any(abs(x - y) > 2e-3 for x, y in zip(a, b)):
         return "same shapes, different weights"
     a, b = trained_for.get("embed_row_sums"), fingerprint.get("embed_row_sums")
-    if a is not None and b is not None and any(abs(x - y) > 2e-3 * max(1.0, abs(x)) for x, y in zip(a, b)):
+    if a is not None and b is not None and (len(a) != len(b) or any(abs(x - y) > 2e-3 * max(1.0, abs(x))
+                                                                    for x, y in zip(a, b))):
         return "same shapes, different weights"
     return None
 
@@ -319,8 +322,13 @@ def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | 
     if kind is not None and cfg.kind != kind:
         raise ForerunError(f"{path} holds a {cfg.kind} head, not {kind}")
     why = fingerprint_mismatch(cfg.target, fingerprint) if fingerprint is not None else None
+    if fingerprint is not None and not why:  # the head's own shapes must be the target's too
+        for key in ("vocab_size", "hidden_size"):
+            if getattr(cfg, key) != fingerprint.get(key):
+                why = f"its {key} is {getattr(cfg, key)}, this target has {fingerprint.get(key)}"
     if why:
         raise ForerunError(f"{path} was trained for another target ({why})")
+    vocab = fingerprint["vocab_size"] if fingerprint is not None else cfg.vocab_size
     try:
         from safetensors.torch import load_file
 
@@ -330,8 +338,9 @@ def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | 
     d2t = tensors.get("draft_to_target")
     if d2t is None or d2t.ndim != 1 or d2t.numel() != cfg.draft_vocab:
         raise ForerunError(f"{weights}: draft_to_target missing or not {cfg.draft_vocab} entries")
-    if int(d2t.min()) < 0 or int(d2t.max()) >= cfg.vocab_size:
-        raise ForerunError(f"{weights}: draft_to_target holds token ids outside the target vocabulary (0..{cfg.vocab_size - 1})")
+    if int(d2t.min()) < 0 or int(d2t.max()) >= min(vocab, cfg.vocab_size):
+        raise ForerunError(f"{weights}: draft_to_target holds token ids outside the target vocabulary "
+                           f"(0..{min(vocab, cfg.vocab_size) - 1})")
     head = build_head(cfg, d2t)
     try:
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
