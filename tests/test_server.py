@@ -487,3 +487,36 @@ def test_incremental_text_on_a_real_tokenizer(smollm2):
     for seed in range(5):
         for stop in ([], ["STOP"], ["🚀 and"], ["東"]):
             assert _assemble(tok, ids, stop, seed) == _expected(tok, ids, stop)
+
+
+def test_loadtest_compares_named_servers_in_one_table(gemma, capsys):
+    """--url NAME=URL, repeated: every server measured at every level, one table with each one's
+    ratio to the best of the others."""
+    from forerun.cli import main
+    from forerun.errors import ForerunError
+    from forerun.server.loadtest import comparison_table, parse_urls
+
+    assert parse_urls(["http://h:1/v1?a=b"]) == {"external": "http://h:1/v1?a=b"}
+    assert parse_urls(["a=http://h:1", "http://h:2"]) == {"a": "http://h:1", "server2": "http://h:2"}
+    for bad in (["a=ftp://h"], ["a=http://h:1", "a=http://h:2"], ["=http://h:1"], ["a=nothing"]):
+        with pytest.raises(ForerunError):
+            parse_urls(bad)
+    report = {"methods": {"x": {"levels": [{"concurrency": 1, "output_tokens_per_s": 30.0}]},
+                          "y": {"levels": [{"concurrency": 1, "output_tokens_per_s": 20.0}]}}}
+    assert "| x | 30.0 (1.50x) |" in comparison_table(report) and "| y | 20.0 (0.67x) |" in comparison_table(report)
+
+    a = Live(build_service(gemma, method="none", name="tiny", calibrate=False))
+    b = Live(build_service(gemma, method="ngram", name="tiny", calibrate=False))
+    try:
+        code = main(["loadtest", "--url", f"plain={a.url}", "--url", f"ngram={b.url}", "--concurrency", "1,2",
+                     "--requests", "4", "--max-tokens", "6"])
+        assert code == 0
+        out = capsys.readouterr()
+        report = json.loads(out.out)
+        assert list(report["methods"]) == ["plain", "ngram"]
+        for r in report["methods"].values():
+            assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and all(lv["ok"] == 4 for lv in r["levels"])
+        assert "| plain |" in report["table"] and "| ngram |" in report["table"] and report["table"] in out.err
+    finally:
+        a.close()
+        b.close()

@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "holds a KV cache this long, allocated when the slot is first used")
 
     lt = sub.add_parser("loadtest", help="concurrent clients against forerun serve: throughput and latency")
-    lt.add_argument("--url", default=None, help="a running server's base URL (default: start one per --methods entry)")
+    lt.add_argument("--url", action="append", default=None, metavar="[NAME=]URL",
+                    help="a running server's base URL, optionally named (vllm=http://127.0.0.1:8001); repeat it to "
+                         "measure several servers in one report (default: start one per --methods entry)")
     lt.add_argument("--methods", default="none,ngram", help="with no --url: serve each method in turn (default none,ngram)")
     lt.add_argument("--model", default=DEFAULT_MODEL)
     lt.add_argument("--backend", default="auto")

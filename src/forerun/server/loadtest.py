@@ -53,6 +53,48 @@ INVALID = [
 ]
 
 
+def parse_urls(urls: list[str] | str | None) -> dict[str, str]:
+    """``--url`` values, ``NAME=URL`` or a bare URL, as {name: url} in the order given."""
+    if not urls:
+        return {}
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    out: dict[str, str] = {}
+    for i, u in enumerate(urls):
+        name, sep, url = u.partition("=")
+        if not sep or "://" in name:  # a bare URL (whose query may hold '=')
+            name, url = ("external" if len(urls) == 1 else f"server{i + 1}"), u
+        name, url = name.strip(), url.strip()
+        if not name or not url.startswith(("http://", "https://")) or not urlparse(url).hostname:
+            raise ForerunError(f"--url must be URL or NAME=URL with an http(s) URL, got {u!r}")
+        if name in out:
+            raise ForerunError(f"--url names {name!r} twice")
+        out[name] = url
+    return out
+
+
+def comparison_table(report: dict) -> str:
+    """Markdown: output tokens/s of every server or method at every concurrency level, each with
+    its ratio to the best of the others at that level."""
+    runs = report["methods"]
+    levels = sorted({lv["concurrency"] for r in runs.values() for lv in r["levels"]})
+    tps = {name: {lv["concurrency"]: lv["output_tokens_per_s"] for lv in r["levels"]} for name, r in runs.items()}
+    lines = ["| server | " + " | ".join(f"c={c} tokens/s (vs best other)" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for name in runs:
+        cells = []
+        for c in levels:
+            mine = tps[name].get(c)
+            others = [t[c] for n, t in tps.items() if n != name and t.get(c)]
+            if mine is None:
+                cells.append("-")
+            elif others:
+                cells.append(f"{mine:.1f} ({mine / max(others):.2f}x)")
+            else:
+                cells.append(f"{mine:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def load_prompts(path: str | None) -> list[str]:
     if not path:
         return list(BUILTIN_PROMPTS)
@@ -278,12 +320,13 @@ def run_loadtest(args, log=print) -> dict:
     if args.requests is not None and args.requests < 1:
         raise ForerunError(f"--requests must be >= 1, got {args.requests}")
     prompts = load_prompts(args.prompts)
-    methods = ["external"] if args.url else [m for m in args.methods.split(",") if m]
+    servers = parse_urls(args.url)  # name -> URL of running servers, or {} to start our own
+    methods = list(servers) if servers else [m for m in args.methods.split(",") if m]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "invalid_fraction": args.invalid_fraction, "cpu_count": os.cpu_count(),
               "methods": {}}
     for method in methods:
-        proc, url = (None, args.url) if args.url else _start_server(args, method, log)
+        proc, url = (None, servers[method]) if servers else _start_server(args, method, log)
         try:
             model = args.model
             code, body = _Client(url, args.api_key).get("/v1/models")
@@ -330,6 +373,9 @@ def run_loadtest(args, log=print) -> dict:
                 if b:
                     same = [k for k in lv["texts"] if k in b["texts"]]
                     lv["greedy_equal_to_none"] = f"{sum(lv['texts'][k] == b['texts'][k] for k in same)}/{len(same)}"
+    if len(report["methods"]) > 1:
+        report["table"] = comparison_table(report)
+        log(report["table"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
