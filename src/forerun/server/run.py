@@ -97,7 +97,7 @@ def serve(args) -> int:
     if args.method == "draft":
         draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
                            max_context=args.max_context)
-    service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name or args.model,
+    service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name,
                             api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
                             skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None)
