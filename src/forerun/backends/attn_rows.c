@@ -60,9 +60,12 @@ static float dot(const float *a, const float *b, int D) {
     return s;
 }
 
-int forerun_attn_rows(const float *q, const float *k, const float *v, int64_t cap, int T, int H, int KVH, int D,
-                      const int32_t *lo, const int32_t *hi, const int32_t *xp, const int32_t *extra, float scale,
-                      float *out) {
+/* Rows of several sequences in one call: row t reads the layer cache at kp[t], vp[t] (each
+ * [KVH, caps[t], D]); everything else as forerun_attn_rows. Each (row, head) job is computed
+ * exactly as there, so a row's result does not depend on the sequences beside it. */
+int forerun_attn_rows_multi(const float *q, const int64_t *kp, const int64_t *vp, const int64_t *caps, int T, int H,
+                            int KVH, int D, const int32_t *lo, const int32_t *hi, const int32_t *xp,
+                            const int32_t *extra, float scale, float *out) {
     int smax = 0;
     for (int t = 0; t < T; t++) {
         int s = hi[t] - lo[t] + xp[t + 1] - xp[t];
@@ -83,8 +86,8 @@ int forerun_attn_rows(const float *q, const float *k, const float *v, int64_t ca
             if (w == NULL || slot == NULL) continue;
             int t = job / H, h = job % H;
             const float *qv = q + ((int64_t)t * H + h) * D;
-            const float *kh = k + (int64_t)(h / group) * cap * D;
-            const float *vh = v + (int64_t)(h / group) * cap * D;
+            const float *kh = (const float *)(intptr_t)kp[t] + (int64_t)(h / group) * caps[t] * D;
+            const float *vh = (const float *)(intptr_t)vp[t] + (int64_t)(h / group) * caps[t] * D;
             int S = 0;
             for (int j = lo[t]; j < hi[t]; j++) slot[S++] = j;
             for (int j = xp[t]; j < xp[t + 1]; j++) slot[S++] = extra[j];
@@ -119,4 +122,20 @@ int forerun_attn_rows(const float *q, const float *k, const float *v, int64_t ca
         free(slot);
     }
     return failed ? -1 : 0;
+}
+
+/* One sequence: q [T, H, D] over one layer's cache k, v [KVH, cap, D]. */
+int forerun_attn_rows(const float *q, const float *k, const float *v, int64_t cap, int T, int H, int KVH, int D,
+                      const int32_t *lo, const int32_t *hi, const int32_t *xp, const int32_t *extra, float scale,
+                      float *out) {
+    int64_t *p = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)(T > 0 ? T : 1));
+    if (p == NULL) return -1;
+    for (int t = 0; t < T; t++) {
+        p[t] = (int64_t)(intptr_t)k;
+        p[T + t] = (int64_t)(intptr_t)v;
+        p[2 * T + t] = cap;
+    }
+    int rc = forerun_attn_rows_multi(q, p, p + T, p + 2 * T, T, H, KVH, D, lo, hi, xp, extra, scale, out);
+    free(p);
+    return rc;
 }

@@ -157,6 +157,8 @@ def attn_rows_kernel():
             P, I = ctypes.c_void_p, ctypes.c_int
             lib.forerun_attn_rows.restype = I
             lib.forerun_attn_rows.argtypes = [P, P, P, ctypes.c_int64, I, I, I, I, P, P, P, P, ctypes.c_float, P]
+            lib.forerun_attn_rows_multi.restype = I
+            lib.forerun_attn_rows_multi.argtypes = [P, P, P, P, I, I, I, I, P, P, P, P, ctypes.c_float, P]
             lib.forerun_attn_threads.argtypes = [I]
         _ATTN_LIB.append(lib)
     return _ATTN_LIB[0]
@@ -189,6 +191,42 @@ class RowKeys:
         """Row t's keys and values [kv_heads, S_t, D] from one layer's cache k, v [kv_heads, cap, D]."""
         sel = self.slots(t)
         return (k[:, sel[0]: sel[1]], v[:, sel[0]: sel[1]]) if isinstance(sel, tuple) else (k[:, sel], v[:, sel])
+
+
+class SequenceRows:
+    """The rows of a batched pass over several sequences, for one ``attn_rows.c`` call per layer:
+    every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
+
+    def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys]):
+        counts = [len(k.lo) for k in keys]
+        self.lo = torch.cat([k.lo for k in keys])
+        self.hi = torch.cat([k.hi for k in keys])
+        per_row = torch.cat([k.xp[1:] - k.xp[:-1] for k in keys])
+        self.xp = torch.cat([torch.zeros(1, dtype=torch.int32), per_row.cumsum(0, dtype=torch.int32)])
+        self.extra = torch.cat([k.extra[: int(k.xp[-1])] for k in keys] + [torch.zeros(1, dtype=torch.int32)])
+        rep = torch.tensor(counts)
+        self.k_base = torch.tensor([s.k_cache.data_ptr() for s in seqs], dtype=torch.int64).repeat_interleave(rep)
+        self.v_base = torch.tensor([s.v_cache.data_ptr() for s in seqs], dtype=torch.int64).repeat_interleave(rep)
+        caps = torch.tensor([s.k_cache.shape[2] for s in seqs], dtype=torch.int64)
+        self.caps = caps.repeat_interleave(rep)
+        _, self.kv_heads, _, D = seqs[0].k_cache.shape  # [layers, kv_heads, cap, D]
+        self.layer_bytes = (caps * self.kv_heads * D * 4).repeat_interleave(rep)  # one layer of one cache, float32
+
+    def attend(self, q: torch.Tensor, idx: int, scale: float) -> torch.Tensor:
+        """q [rows, heads, D] of every sequence against layer ``idx`` of each row's own cache."""
+        T, H, D = q.shape
+        lib = attn_rows_kernel()
+        q = q.contiguous()
+        out = torch.empty(T, H, D, dtype=torch.float32)
+        kp = self.k_base + idx * self.layer_bytes
+        vp = self.v_base + idx * self.layer_bytes
+        lib.forerun_attn_threads(torch.get_num_threads())
+        rc = lib.forerun_attn_rows_multi(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.caps.data_ptr(), T, H,
+                                         self.kv_heads, D, self.lo.data_ptr(), self.hi.data_ptr(), self.xp.data_ptr(),
+                                         self.extra.data_ptr(), scale, out.data_ptr())
+        if rc != 0:
+            raise MemoryError("attn_rows: out of memory")
+        return out.view(T, H * D)
 
 
 def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowKeys, scale: float) -> torch.Tensor:
@@ -674,6 +712,11 @@ class NativeBackend(BackendBase):
         ropes = {kind: tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*(p[3][kind] for p in parts)))
                  for kind in parts[0][3]}
         D, n_all = self.head_dim, h.shape[0]
+        # several sequences, every row batch-invariant: one attention call per layer for all of them
+        joined = None
+        if (len(parts) > 1 and not self.arch.attn_softcap and self.dtype == torch.float32 and self.device.type == "cpu"
+                and attn_rows_kernel() is not None and all(len(p[4][sl]) > 2 for p in parts for sl in p[4])):
+            joined = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts]) for sl in parts[0][4]}
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
@@ -692,8 +735,13 @@ class NativeBackend(BackendBase):
             k = k * c + _rotate_half(k) * s
             outs, r = [], 0
             for seq, pos, T, _, masks in parts:
-                outs.append(seq._attention(layer, i, q[r: r + T], k[r: r + T], v[r: r + T], pos, masks[layer.sliding]))
+                if joined is None:
+                    outs.append(seq._attention(layer, i, q[r: r + T], k[r: r + T], v[r: r + T], pos, masks[layer.sliding]))
+                else:
+                    seq._store(i, k[r: r + T], v[r: r + T], pos)
                 r += T
+            if joined is not None:
+                outs = [joined[layer.sliding].attend(q, i, self.scale)]
             x = _add(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
             if self.arch.sandwich:  # Gemma 2/3: normed outputs, then a norm before the MLP
                 h = h + self._norm(x, layer.norms[1])
@@ -792,14 +840,18 @@ class NativeBackend(BackendBase):
             self.v_cache[:, :, pos + 1 : pos + 1 + n] = self.v_cache[:, :, src]
         self._len = min(self._len, pos + 1 + len(rows))
 
+    def _store(self, idx: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+        """Keys and values k, v [T, kv_heads, D] of positions pos.. into layer ``idx`` of the cache."""
+        self.k_cache[idx, :, pos: pos + k.shape[0]] = k.transpose(0, 1)
+        self.v_cache[idx, :, pos: pos + k.shape[0]] = v.transpose(0, 1)
+
     def _attention(self, layer: _Layer, idx: int, q, k, v, pos, mask_info):
         """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys
         and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D], before the
         output projection."""
         T, D = q.shape[0], self.head_dim
         end = pos + T
-        self.k_cache[idx, :, pos:end] = k.transpose(0, 1)
-        self.v_cache[idx, :, pos:end] = v.transpose(0, 1)
+        self._store(idx, k, v, pos)
         start, mask = mask_info[:2]
         if self.arch.attn_softcap:
             return self._capped_attention(q, idx, start, end, mask_info)
