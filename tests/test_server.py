@@ -236,7 +236,8 @@ def test_json_only_and_loopback_host_names_only(gemma, live, monkeypatch):
     Host names another site (DNS rebinding from a web page) is refused (421); empty API keys are
     refused, and the key may come from the environment."""
     from forerun.errors import ForerunError
-    from forerun.server.run import is_loopback, resolve_api_key
+    from forerun.server.app import is_loopback
+    from forerun.server.run import resolve_api_key
 
     body = {"model": "tiny", "prompt": "w5", "max_tokens": 1}
     code, resp = live.request("POST", "/v1/completions", body=body, headers={"Content-Type": "text/plain"})

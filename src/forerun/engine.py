@@ -18,7 +18,7 @@ from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
-from forerun.verify import accept_argmax, accept_chain, verify  # noqa: F401  (accept_*: engine's public names)
+from forerun.verify import verify
 
 
 @dataclass

@@ -16,13 +16,10 @@ Handled types: Q4_0, Q4_1, Q4_K (4-bit layout); Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 (8-
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-log = logging.getLogger("forerun")
 
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
@@ -205,7 +202,7 @@ def from_gguf(gguf, names: list[str], weight: torch.Tensor) -> BlockWeight | Non
     start = 0
     for i, p in enumerate(parts):
         rows = p.codes.shape[0]
-        order = match_rows(p.dequantize().astype(np.float32), w[start: start + rows])
+        order = match_rows(p.dequantize(), w[start: start + rows])
         if order is None:
             return None
         if not np.array_equal(order, np.arange(rows)):

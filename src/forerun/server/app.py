@@ -365,6 +365,12 @@ class TextAssembler:
 
 # -- the app ---------------------------------------------------------------------------------
 
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address (``--host``, or a Host header without its port) is the
+    loopback interface."""
+    return host in ("localhost", "127.0.0.1", "::1", "[::1]") or host.startswith("127.")
+
+
 def _loopback_host(header: bytes) -> bool:
     """Whether a Host header names the loopback interface (with or without a port)."""
     host = header.decode("latin-1").strip().lower()
@@ -372,7 +378,7 @@ def _loopback_host(header: bytes) -> bool:
         host = host[: host.find("]") + 1]
     elif host.count(":") == 1:
         host = host.rsplit(":", 1)[0]
-    return host in ("localhost", "127.0.0.1", "[::1]", "::1") or host.startswith("127.")
+    return is_loopback(host)
 
 
 class _Guard:
@@ -387,22 +393,9 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         rejected = self.service.metrics.rejected
-        if self.service.loopback_hosts and not _loopback_host(dict(scope.get("headers") or ()).get(b"host", b"")):
-            rejected.labels(status="421").inc()
-            await ApiError(421, "this server answers only requests addressed to localhost or 127.0.0.1",
-                           code="misdirected_request").response()(scope, receive, send)
-            return
-        if self.service.api_key is not None and scope.get("path") != "/health":
-            auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.service.api_key.encode()):
-                rejected.labels(status="401").inc()
-                await ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                               "authentication_error", code="invalid_api_key").response()(scope, receive, send)
-                return
         started = False
 
-        async def counted(message):
+        async def counted(message):  # every answer goes out here: those of 400 or more are counted
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -410,13 +403,26 @@ class _Guard:
                     rejected.labels(status=str(message["status"])).inc()
             await send(message)
 
+        headers = dict(scope.get("headers") or ())
+        refusal = None
+        if self.service.loopback_hosts and not _loopback_host(headers.get(b"host", b"")):
+            refusal = ApiError(421, "this server answers only requests addressed to localhost or 127.0.0.1",
+                               code="misdirected_request")
+        elif self.service.api_key is not None and scope.get("path") != "/health":
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.service.api_key.encode()):
+                refusal = ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
+                                   "authentication_error", code="invalid_api_key")
+        if refusal is not None:
+            await refusal.response()(scope, receive, counted)
+            return
         try:
             await self.app(scope, receive, counted)
         except Exception as e:  # noqa: BLE001 - last resort: a JSON 500, the server keeps running
             if started:  # too late to answer: the connection is dropped
                 raise
-            rejected.labels(status="500").inc()
-            await ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()(scope, receive, send)
+            await ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()(scope, receive, counted)
 
 
 def create_app(service: Service, engine_thread: bool = True) -> FastAPI:

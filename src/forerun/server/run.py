@@ -12,18 +12,14 @@ from forerun.errors import ForerunError
 log = logging.getLogger("forerun")
 
 
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a --host binds to the loopback interface only."""
-    return host in LOOPBACK_NAMES or host.startswith("127.")
-
-
 def resolve_api_key(arg: str | None) -> str | None:
     """--api-key, else $FORERUN_API_KEY, else None (no key); an empty key is refused, not taken
     as "no key"."""
-    key = arg if arg is not None else os.environ.get("FORERUN_API_KEY")
+    return _check_api_key(arg if arg is not None else os.environ.get("FORERUN_API_KEY"))
+
+
+def _check_api_key(key: str | None) -> str | None:
+    """An empty key is refused, not taken as "no key"."""
     if key is not None and not key.strip():
         raise ForerunError("the API key is empty (--api-key or $FORERUN_API_KEY): give a key, or set neither "
                            "to serve without one")
@@ -42,7 +38,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
             raise ForerunError(f"{label} must be >= {lo}, got {v}")
     if request_timeout <= 0:
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
-    resolve_api_key(api_key)
+    _check_api_key(api_key)
     # every method of generate, verified as chains; each slot forks this drafter
     drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
@@ -80,7 +76,7 @@ def serve(args) -> int:
 
     from forerun.models import load_model
     from forerun.drafters import parse_skip_layers
-    from forerun.server.app import create_app
+    from forerun.server.app import create_app, is_loopback
 
     check_method(args.method, bool(args.draft))
     api_key = resolve_api_key(args.api_key)
