@@ -29,6 +29,7 @@ from forerun.drafters.base import Draft, empty_draft
 from forerun.engine import clip_draft, commit_tokens
 from forerun.verify import accept, pass_outputs
 from forerun.errors import ForerunError
+from forerun.prefix_cache import PrefixCache, prefill
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 
@@ -193,9 +194,12 @@ class BatchEngine:
     HOUSEKEEPING_STEPS = 50
 
     def __init__(self, target, eos_token_ids=(), *, drafter=None, max_batch: int = 8, max_waiting: int = 64,
-                 k_max: int = 8, speculate: bool = True):
+                 k_max: int = 8, speculate: bool = True, prefix_cache_bytes: int = 0):
         """``drafter``: a prototype; every slot gets its own ``drafter.fork()``. None (or
-        ``speculate=False``): plain batched decoding."""
+        ``speculate=False``): plain batched decoding. ``prefix_cache_bytes``: memory for prompt
+        prefixes shared between requests (``forerun.prefix_cache``; 0: none), on backends that can
+        copy their cache (``kv_segments``); there every prompt is prefilled in the cache's chunks,
+        with or without it, so that output never depends on what was cached."""
         if max_batch < 1:
             raise ForerunError(f"max_batch must be >= 1, got {max_batch}")
         self.target = target
@@ -204,6 +208,9 @@ class BatchEngine:
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.batched = target.capabilities.batched
+        if prefix_cache_bytes < 0:
+            raise ForerunError(f"the prefix cache size must be >= 0, got {prefix_cache_bytes}")
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if target.capabilities.kv_segments and prefix_cache_bytes else None
         self.policy = LoadAwareK(k_max=k_max, sequential=not self.batched)
         self.waiting: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
@@ -372,10 +379,8 @@ class BatchEngine:
         be.reset()
         if drafter is not None:
             drafter.begin(req.tokens, req.params, req.generator)
-        if len(req.tokens) > 1:
-            passed = be.forward(torch.tensor(req.tokens[:-1], dtype=torch.long), 0, last_only=True, **self._fwd)
-            if self.layers:
-                drafter.take_features(0, passed.layers)
+        # the last prompt token is fed with the first verify pass
+        prefill(be, req.tokens[:-1], self.layers, drafter.take_features if self.layers else None, self.prefix_cache)
         req.stats.prefill_s = time.perf_counter() - t0
 
     def _pass(self, backends, feeds, positions, greedy=None) -> tuple[list, list[tuple[int, float]]]:

@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is stopped (default 600)")
     s.add_argument("--k-max", type=int, default=8, help="longest draft per sequence; the load-aware policy picks 0..k-max")
+    s.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="memory for prompt prefixes shared between requests, reused exactly (torch backend; "
+                        "default 512, 0: off)")
     s.add_argument("--max-context", type=int, default=4096,
                    help="positions per sequence (prompt + output; default 4096): each of the --max-batch slots "
                         "holds a KV cache this long, allocated when the slot is first used")

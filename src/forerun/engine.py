@@ -16,6 +16,7 @@ import torch
 from forerun.draft_length import MAX_K, AdaptiveK, make_policy
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
+from forerun.prefix_cache import prefill
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 from forerun.verify import verify
@@ -82,15 +83,11 @@ class Engine:
         target = self.target
         # Trained heads read the target's hidden states at some layers, sent after every pass.
         layers = tuple(self.drafter.feature_layers) if self.drafter is not None else ()
-        fwd = {"layers": layers} if layers else {}
         target.reset()
         tokens = list(prompt)
         if self.drafter is not None:
             self.drafter.begin(tokens, params, generator)
-        if len(tokens) > 1:
-            passed = target.forward(torch.tensor(tokens[:-1], dtype=torch.long), 0, last_only=True, **fwd)
-            if layers:
-                self.drafter.take_features(0, passed.layers)
+        prefill(target, tokens[:-1], layers, self.drafter.take_features if layers else None)
         stats.prefill_s = time.perf_counter() - t_start
 
         # Drafts that cost nothing to propose at full length are cut per trust bucket afterwards.

@@ -43,6 +43,7 @@ class Capabilities:
     token_trees: bool = False  # forward(tree=) and keep_rows(): token-tree verification
     batched: bool = False  # forward_batch(): several sequences in one pass
     layer_skip: bool = False  # forward(skip_layers=): self-speculation
+    kv_segments: bool = False  # kv_segment(start, end) / load_kv_segment(pos, seg): prompt prefixes reused exactly
 
 
 class Backend(Protocol):

@@ -24,6 +24,9 @@ log = logging.getLogger("forerun")
 # computed row by row alike where the backend is batch-invariant (see NativeBackend.batch_invariant);
 # longer ones (prompts, shared by every method) take the library kernels.
 INVARIANT_ROWS = 64
+# The body kernel of a batched pass on a batch-invariant backend: ``rows`` whatever the pass's size
+# (several sequences' chains add up past INVARIANT_ROWS, and each row must still be computed alone).
+ROWS_ANY = "rows-any"
 
 
 class _Linear:
@@ -73,11 +76,14 @@ class _Linear:
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.shape[0]
-        if self.blocks is not None and rows <= INVARIANT_ROWS and how in (None, "rows"):
+        small = rows <= INVARIANT_ROWS or how == ROWS_ANY
+        if how == ROWS_ANY:
+            how = "rows"
+        if self.blocks is not None and small and how in (None, "rows"):
             return self.blocks(x)  # the same sums as ``rows``, from the GGUF blocks
-        if self.half is not None and rows <= INVARIANT_ROWS:
+        if self.half is not None and small:
             return f16w_rows(self.half, x)
-        if how == "rows" and rows <= INVARIANT_ROWS:  # the body's choice (NativeBackend.body_kernel)
+        if how == "rows" and small:  # the body's choice (NativeBackend.body_kernel)
             return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
@@ -405,7 +411,8 @@ class NativeBackend(BackendBase):
         """Exact argmax passes (chains, trees, with layer outputs), token trees, batched passes,
         layer skipping; greedy trees run the LM head lazily on the CPU only (see ``lazy_tree_head``)."""
         return Capabilities(exact_argmax=True, argmax_features=True, argmax_tree=True,
-                            lazy_tree_head=self.lazy_tree_head, token_trees=True, batched=True, layer_skip=True)
+                            lazy_tree_head=self.lazy_tree_head, token_trees=True, batched=True, layer_skip=True,
+                            kv_segments=True)
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None):
@@ -519,6 +526,24 @@ class NativeBackend(BackendBase):
 
     def reset(self) -> None:
         self._len = 0
+
+    def kv_segment(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the cached keys and values of positions start..end-1 (see ``load_kv_segment``)."""
+        if not 0 <= start <= end <= self._len:
+            raise ValueError(f"kv_segment({start}, {end}) but {self._len} positions are cached")
+        return self.k_cache[:, :, start:end].clone(), self.v_cache[:, :, start:end].clone()
+
+    def load_kv_segment(self, pos: int, segment: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put a ``kv_segment`` back at positions pos..: the cache then holds exactly what the
+        forward pass that made it left there (a prompt's prefix shared by an earlier request)."""
+        k, v = segment
+        n = k.shape[2]
+        if pos > self._len or pos + n > self.max_context:
+            raise ValueError(f"load_kv_segment at {pos} of {n} positions with {self._len} cached")
+        self._ensure_capacity(pos + n)
+        self.k_cache[:, :, pos: pos + n] = k
+        self.v_cache[:, :, pos: pos + n] = v
+        self._len = pos + n
 
     def fork(self) -> "NativeBackend":
         self.exact_head()  # decided once, so that every twin takes greedy tokens the same way
@@ -707,6 +732,8 @@ class NativeBackend(BackendBase):
         Returns the last hidden states and the asked-for layers' outputs (or None)."""
         want = {l: None for l in layers}
         how = self.body_kernel
+        if len(parts) > 1 and self.batch_invariant:
+            how = ROWS_ANY
         # rotary tables of every row of the pass, per attention type: rows rotate all at once
         # (elementwise, so each row's values do not depend on the others)
         ropes = {kind: tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*(p[3][kind] for p in parts)))

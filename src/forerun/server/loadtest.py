@@ -373,6 +373,12 @@ def run_loadtest(args, log=print) -> dict:
                 if b:
                     same = [k for k in lv["texts"] if k in b["texts"]]
                     lv["greedy_equal_to_none"] = f"{sum(lv['texts'][k] == b['texts'][k] for k in same)}/{len(same)}"
+    if args.temperature == 0:  # greedy output may not depend on the load: each level against the first
+        for r in report["methods"].values():
+            first = r["levels"][0] if r["levels"] else None
+            for lv in r["levels"][1:]:
+                same = [k for k in lv["texts"] if k in first["texts"]]
+                lv["greedy_equal_to_first_level"] = f"{sum(lv['texts'][k] == first['texts'][k] for k in same)}/{len(same)}"
     if len(report["methods"]) > 1:
         report["table"] = comparison_table(report)
         log(report["table"])

@@ -36,6 +36,13 @@ class Metrics:
         self.generation_tokens = Counter("forerun:generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("forerun:request_success", "Finished requests by finish reason", ["finished_reason"], registry=r)
         self.rejected = Counter("forerun:request_rejected", "Requests answered with an error, by HTTP status", ["status"], registry=r)
+        cache = engine.prefix_cache
+        if cache is not None:
+            hits = Gauge("forerun:prefix_cache_hit_tokens", "Prompt positions taken from the prefix cache, since start",
+                         registry=r)
+            hits.set_function(lambda: cache.hit_positions)
+            used = Gauge("forerun:prefix_cache_bytes", "Bytes held by the prefix cache", registry=r)
+            used.set_function(lambda: cache.bytes)
         self._passes = 0
         self._produced = 0
 

@@ -29,11 +29,11 @@ def _check_api_key(key: str | None) -> str | None:
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
                   k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20,
-                  loopback_hosts: bool = False):
+                  loopback_hosts: bool = False, prefix_cache_mb: int = 512):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
-                         ("--k-max", k_max, 1)):
+                         ("--k-max", k_max, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
         if v < lo:
             raise ForerunError(f"{label} must be >= {lo}, got {v}")
     if request_timeout <= 0:
@@ -42,7 +42,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
     # every method of generate, verified as chains; each slot forks this drafter
     drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
-                         max_waiting=max_waiting, k_max=k_max)
+                         max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
     if calibrate and drafter is not None:
         costs = engine.calibrate()
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
@@ -96,7 +96,8 @@ def serve(args) -> int:
     service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name,
                             api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
-                            skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None)
+                            skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None,
+                            prefix_cache_mb=args.prefix_cache_mb)
     if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)

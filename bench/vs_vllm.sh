@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# forerun's server against vLLM's CPU build, each server alone on the machine, one report.
+#
+# Usage: bench/vs_vllm.sh MODEL OUT_DIR [CONCURRENCY]
+#   MODEL: smollm2 | bundled. Needs `bench/vllm_cpu.sh setup` once and forerun's environment active.
+#   Serves, one after another: vLLM plain, vLLM with n-gram speculation, forerun without and with
+#   speculation; runs `forerun loadtest` (Spec-Bench prompts, greedy, 64 tokens) against each;
+#   merges the four reports into OUT_DIR/vs-vllm.json (+ .png) with one table (bench/merge_loadtests.py).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+model=${1:?model: smollm2 or bundled}
+out=${2:?output folder}
+levels=${3:-1,4,16}
+prompts="${PROMPTS:-$here/../shared/data/spec_bench/question.jsonl}"
+mkdir -p "$out"
+port=8011
+
+wait_up() {  # URL PID
+    for _ in $(seq 1 600); do
+        curl -sf "$1/health" >/dev/null 2>&1 && return 0
+        kill -0 "$2" 2>/dev/null || { echo "server exited" >&2; return 1; }
+        sleep 1
+    done
+    echo "server did not start" >&2
+    return 1
+}
+
+run_one() {  # NAME, then the server command
+    local name=$1; shift
+    echo "== $name: $*" >&2
+    "$@" >"$out/$name.log" 2>&1 &
+    local pid=$!
+    wait_up "http://127.0.0.1:$port" "$pid"
+    forerun loadtest --url "$name=http://127.0.0.1:$port" --model "$model" --prompts "$prompts" \
+        --concurrency "$levels" --max-tokens 64 --out "$out/$name.json" >&2
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+run_one vllm "$here/bench/vllm_cpu.sh" serve "$model" "$port"
+run_one vllm-ngram "$here/bench/vllm_cpu.sh" serve "$model" "$port" ngram
+run_one forerun-none forerun serve --model "$model" --method none --port "$port" --max-batch 16
+run_one forerun-ngram forerun serve --model "$model" --method ngram --port "$port" --max-batch 16
+python "$here/bench/merge_loadtests.py" --out "$out/vs-vllm.json" \
+    "$out/vllm.json" "$out/vllm-ngram.json" "$out/forerun-none.json" "$out/forerun-ngram.json"

@@ -1,0 +1,112 @@
+"""Prompt prefixes shared between requests: chunk keys, eviction, and exact reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forerun.prefix_cache as pc
+from conftest import run_batch
+from forerun.batching import BatchEngine, BatchRequest
+from forerun.drafters.ngram import NgramDrafter
+from forerun.engine import Engine
+from forerun.prefix_cache import PrefixCache, chunk_bounds, chunk_keys, prefill
+
+
+@pytest.fixture
+def chunk16(monkeypatch):
+    monkeypatch.setattr(pc, "CHUNK", 16)  # the tiny model holds 256 positions: several chunks per prompt
+
+
+def test_chunk_keys_name_the_whole_prefix_and_the_chunk_length(chunk16):
+    a = list(range(4, 44))  # 40 positions: chunks of 16, 16, 8
+    assert chunk_bounds(40) == [(0, 16), (16, 32), (32, 40)]
+    ka = chunk_keys(a)
+    assert len(ka) == 3 and len(set(ka)) == 3
+    longer = chunk_keys(a + [50, 51])  # same first two chunks; the third is longer: another key
+    assert longer[:2] == ka[:2] and longer[2] != ka[2]
+    changed = chunk_keys([5] + a[1:])  # a change in the first chunk changes every key after it
+    assert all(x != y for x, y in zip(changed, ka))
+    assert chunk_keys(a[:32])[:2] == ka[:2]
+
+
+def test_least_recently_used_chunks_leave_first():
+    seg = lambda: (torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))  # 64 bytes each  # noqa: E731
+    c = PrefixCache(max_bytes=3 * 64)
+    for key in (b"a", b"b", b"c"):
+        c.put(key, seg())
+    assert c.get(b"a") is not None  # a is now the most recent
+    c.put(b"d", seg())
+    assert c.get(b"b") is None and c.get(b"a") is not None and c.get(b"d") is not None
+    assert c.bytes == 3 * 64 and len(c.entries) == 3
+    c.put(b"huge", (torch.zeros(1000), torch.zeros(1000)))  # larger than the whole budget: not kept
+    assert c.get(b"huge") is None and c.bytes == 3 * 64
+    assert c.hits == 3 and c.hit_positions == 12
+    with pytest.raises(ValueError):
+        PrefixCache(-1)
+
+
+def test_prefill_from_the_cache_equals_prefill_computed(gemma, chunk16):
+    """A prompt whose first chunks an earlier prompt computed: its cache holds the same bits as a
+    prefill computed from scratch (and so does an exact repeat)."""
+    be = gemma.backend
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(4, 96, (40,), generator=g).tolist()
+    first = shared + torch.randint(4, 96, (30,), generator=g).tolist()
+    second = shared + torch.randint(4, 96, (57,), generator=g).tolist()
+    cache = PrefixCache(64 << 20)
+    a = be.fork()
+    prefill(a, first, cache=cache)
+    assert cache.hits == 0 and len(cache.entries) == 5
+    for prompt, hits in ((second, 2), (first, 5)):  # two shared chunks (32 positions); then every chunk
+        before = cache.hits
+        b, ref = be.fork(), be.fork()
+        prefill(b, prompt, cache=cache)
+        prefill(ref, prompt)
+        assert cache.hits - before == hits
+        n = len(prompt)
+        assert b.length == ref.length == n
+        assert torch.equal(b.k_cache[:, :, :n], ref.k_cache[:, :, :n])
+        assert torch.equal(b.v_cache[:, :, :n], ref.v_cache[:, :, :n])
+
+
+def test_served_with_the_cache_equals_plain_decoding(gemma, chunk16):
+    """Long prompts sharing prefixes, served twice in a batch with the cache: every output equals
+    plain decoding of its prompt alone, and the second round takes its prompts from the cache."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(4, 96, (35,), generator=g).tolist()
+    prompts = [[2] + system + torch.randint(4, 96, (8 + 9 * i,), generator=g).tolist() for i in range(4)]
+    plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=12).token_ids for p in prompts]
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=3,
+                      prefix_cache_bytes=64 << 20)
+    first = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts])
+    hits = eng.prefix_cache.hits
+    assert hits >= 2 * 3  # the shared system prompt's two full chunks, for the 2nd..4th prompt
+    again = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts])
+    assert first == again == plain
+    assert eng.prefix_cache.hits - hits == sum(len(chunk_bounds(len(p) - 1)) for p in prompts)
+
+
+def test_a_batched_pass_past_the_invariant_rows_is_still_row_by_row(gemma):
+    """Sixteen sequences of five rows (80 rows, more than one pass computes row by row on its own):
+    every sequence's layer outputs equal, bit for bit, its pass alone."""
+    from forerun.backends.native import INVARIANT_ROWS
+
+    be = gemma.backend
+    if not be.batch_invariant:
+        pytest.skip("the backend is not batch-invariant here (no C compiler)")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, 96, (10 + i,), generator=g) for i in range(16)]
+    feeds = [torch.randint(4, 96, (5,), generator=g) for _ in range(16)]
+    assert sum(f.numel() for f in feeds) > INVARIANT_ROWS
+    seqs = []
+    for p in prompts:
+        s = be.fork()
+        s.forward(p, 0)
+        seqs.append(s)
+    layers = list(range(be.num_layers))
+    out = be.forward_batch(seqs, feeds, [len(p) for p in prompts], layers=layers)
+    for o, p, f in zip(out, prompts, feeds):
+        alone = be.fork()
+        alone.forward(p, 0)
+        assert torch.equal(o.layers, alone.forward(f, len(p), layers=layers).layers)
