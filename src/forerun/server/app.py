@@ -24,6 +24,7 @@ from forerun.batching import BatchEngine, BatchRequest, EngineStopped, QueueFull
 from forerun.chat import chat_ids
 from forerun.sampling import SamplingParams
 from forerun.server.metrics import Metrics
+from forerun.server.openapi import openapi_schema
 
 
 class ApiError(Exception):
@@ -460,6 +461,10 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return openapi_schema(service.name, service.engine.target.vocab_size, service.max_tokens)
 
     @app.get("/v1/models")
     async def models():
