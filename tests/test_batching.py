@@ -297,3 +297,14 @@ def test_failures_end_only_their_own_request(gemma, monkeypatch):
     toks, finish = run(eng, [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts])
     assert finish == {0: "error", 1: "length", 2: "length"} and [toks[1], toks[2]] == ref[1:]
     assert eng.dead is None
+
+
+def test_prepared_slots_serve_every_request(gemma):
+    """A server makes its slots at start; requests then take them and make none of their own."""
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=3)
+    eng.prepare_slots()
+    assert eng._n_slots == 3 and len(eng._free) == 3
+    eng.prepare_slots()  # idempotent
+    assert eng._n_slots == 3
+    outs = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=6) for p in _prompts(5)])
+    assert all(outs) and eng._n_slots == 3 and len(eng._free) == 3

@@ -328,9 +328,16 @@ class BatchEngine:
         del scratch
         return dict(self.policy.costs)
 
+    def prepare_slots(self) -> None:
+        """Make every slot now (its cache allocated in full), as a server does at start: no request
+        pays for zeroing a new slot's cache, and memory is what it will be under full load."""
+        while self._n_slots < self.max_batch:
+            self._free.append(self._new_slot())
+
     def _slot(self) -> _Slot:
-        if self._free:
-            return self._free.pop()
+        return self._free.pop() if self._free else self._new_slot()
+
+    def _new_slot(self) -> _Slot:
         self._n_slots += 1
         backend = self.target.fork()
         backend.reserve(backend.max_context)  # the whole context up front: memory does not creep up with long prompts

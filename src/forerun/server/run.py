@@ -43,6 +43,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
     drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
                          max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
+    engine.prepare_slots()
     if calibrate and drafter is not None:
         costs = engine.calibrate()
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
