@@ -273,6 +273,8 @@ def test_loadtest_end_to_end(capsys, tiny_folder, tmp_path):
     assert ng["vs_none"] > 0
     a, b = ng["greedy_equal_to_none"].split("/")
     assert a == b and int(b) > 0
+    a, b = ng["greedy_equal_to_first_level"].split("/")  # concurrency 3 against concurrency 1
+    assert a == b
     assert "texts" in json.loads(out.read_text())["methods"]["none"]["levels"][0]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # throughput and latency against concurrency
 

@@ -60,6 +60,19 @@ static float dot(const float *a, const float *b, int D) {
     return s;
 }
 
+/* The keys and values k, v [T, KVH, D] of a pass's rows into their sequences' layer caches: row t
+ * goes to position pos[t] of the cache at kp[t], vp[t] ([KVH, caps[t], D]). Plain copies, one
+ * call per layer for every sequence of a batched pass. */
+void forerun_store_rows(const float *k, const float *v, const int64_t *kp, const int64_t *vp, const int64_t *caps,
+                        const int32_t *pos, int T, int KVH, int D) {
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < KVH; h++) {
+            int64_t at = ((int64_t)h * caps[t] + pos[t]) * D;
+            memcpy((float *)(intptr_t)kp[t] + at, k + ((int64_t)t * KVH + h) * D, sizeof(float) * (size_t)D);
+            memcpy((float *)(intptr_t)vp[t] + at, v + ((int64_t)t * KVH + h) * D, sizeof(float) * (size_t)D);
+        }
+}
+
 /* Rows of several sequences in one call: row t reads the layer cache at kp[t], vp[t] (each
  * [KVH, caps[t], D]); everything else as forerun_attn_rows. Each (row, head) job is computed
  * exactly as there, so a row's result does not depend on the sequences beside it. */

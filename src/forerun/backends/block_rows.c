@@ -130,8 +130,14 @@ static inline __m256 q8_load8(const int8_t *codes, const float *scale, const flo
 
 /* Passes of more than TR rows rebuild a tile's TV weight rows once into a float32 buffer (L1 for
  * layers up to D = 2048 or so) and run f32_rows.c's tile over it for every group of TR3 rows:
- * the rebuild is paid once per weight instead of once per group. Same products, same order. */
+ * the rebuild is paid once per weight instead of once per group. Same products, same order.
+ * With AVX-512's 32 vector registers a group is 4 rows (16 accumulators; 16 rows, a full batch,
+ * then fill four groups exactly), with AVX2's 16 it is 3 (12 accumulators, no spills). */
+#ifdef __AVX512VL__
+#define TR3 4
+#else
 #define TR3 3
+#endif
 static inline __attribute__((always_inline)) void f32_tile(const float *wbuf, const float *x, float *out, int64_t V,
                                                           int D, int64_t v0, int tv, int r0, int tr) {
     __m256 acc[TV][TR3];
@@ -150,11 +156,12 @@ static inline __attribute__((always_inline)) void f32_tile(const float *wbuf, co
         for (int b = 0; b < tr; b++) out[(int64_t)(r0 + b) * V + v0 + a] = hsum8(acc[a][b]);
 }
 
-/* Blocks of 64 weight rows split between threads (small matrices split evenly); within a block,
- * a few activation rows go straight through the register tiles, more go through the buffer. */
+/* Blocks of 32 weight rows split between threads (a 576-row layer: 18 blocks, even on 2 threads);
+ * within a block, a few activation rows go straight through the register tiles, more go through
+ * the buffer. */
 #define ROWS(NAME, TILEFN, LOAD8)                                                                          \
     static int NAME(const weights_t *W, const float *x, int n, float *out, int64_t V, int D) {            \
-        int64_t vb = 64;                                                                                   \
+        int64_t vb = 32;                                                                                   \
         int64_t blocks = (V + vb - 1) / vb;                                                                \
         int failed = 0;                                                                                    \
         _Pragma("omp parallel reduction(|: failed)")                                                       \

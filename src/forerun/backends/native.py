@@ -166,6 +166,8 @@ def attn_rows_kernel():
             lib.forerun_attn_rows_multi.restype = I
             lib.forerun_attn_rows_multi.argtypes = [P, P, P, P, I, I, I, I, P, P, P, P, ctypes.c_float, P]
             lib.forerun_attn_threads.argtypes = [I]
+            lib.forerun_store_rows.restype = None
+            lib.forerun_store_rows.argtypes = [P, P, P, P, P, P, I, I, I]
         _ATTN_LIB.append(lib)
     return _ATTN_LIB[0]
 
@@ -203,8 +205,10 @@ class SequenceRows:
     """The rows of a batched pass over several sequences, for one ``attn_rows.c`` call per layer:
     every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
 
-    def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys]):
+    def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys], positions: Sequence[int]):
+        """``positions``: where each sequence's rows start in its cache."""
         counts = [len(k.lo) for k in keys]
+        self.pos = torch.cat([torch.arange(p, p + n, dtype=torch.int32) for p, n in zip(positions, counts)])
         self.lo = torch.cat([k.lo for k in keys])
         self.hi = torch.cat([k.hi for k in keys])
         per_row = torch.cat([k.xp[1:] - k.xp[:-1] for k in keys])
@@ -217,6 +221,14 @@ class SequenceRows:
         self.caps = caps.repeat_interleave(rep)
         _, self.kv_heads, _, D = seqs[0].k_cache.shape  # [layers, kv_heads, cap, D]
         self.layer_bytes = (caps * self.kv_heads * D * 4).repeat_interleave(rep)  # one layer of one cache, float32
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> None:
+        """Keys and values k, v [rows, kv_heads, D] of every row into layer ``idx`` of its own cache."""
+        k, v = k.contiguous(), v.contiguous()
+        kp = self.k_base + idx * self.layer_bytes  # held here: the kernel reads these addresses
+        vp = self.v_base + idx * self.layer_bytes
+        attn_rows_kernel().forerun_store_rows(k.data_ptr(), v.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.caps.data_ptr(),
+                                              self.pos.data_ptr(), k.shape[0], self.kv_heads, k.shape[2])
 
     def attend(self, q: torch.Tensor, idx: int, scale: float) -> torch.Tensor:
         """q [rows, heads, D] of every sequence against layer ``idx`` of each row's own cache."""
@@ -743,7 +755,8 @@ class NativeBackend(BackendBase):
         joined = None
         if (len(parts) > 1 and not self.arch.attn_softcap and self.dtype == torch.float32 and self.device.type == "cpu"
                 and attn_rows_kernel() is not None and all(len(p[4][sl]) > 2 for p in parts for sl in p[4])):
-            joined = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts]) for sl in parts[0][4]}
+            joined = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts], [p[1] for p in parts])
+                      for sl in parts[0][4]}
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
@@ -760,15 +773,15 @@ class NativeBackend(BackendBase):
             c, s = cos[:, None, :], sin[:, None, :]
             q = q * c + _rotate_half(q) * s
             k = k * c + _rotate_half(k) * s
-            outs, r = [], 0
-            for seq, pos, T, _, masks in parts:
-                if joined is None:
+            if joined is None:
+                outs, r = [], 0
+                for seq, pos, T, _, masks in parts:
                     outs.append(seq._attention(layer, i, q[r: r + T], k[r: r + T], v[r: r + T], pos, masks[layer.sliding]))
-                else:
-                    seq._store(i, k[r: r + T], v[r: r + T], pos)
-                r += T
-            if joined is not None:
-                outs = [joined[layer.sliding].attend(q, i, self.scale)]
+                    r += T
+            else:
+                rows = joined[layer.sliding]
+                rows.store(k, v, i)
+                outs = [rows.attend(q, i, self.scale)]
             x = _add(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
             if self.arch.sandwich:  # Gemma 2/3: normed outputs, then a norm before the MLP
                 h = h + self._norm(x, layer.norms[1])
