@@ -168,7 +168,6 @@ def test_sampling_in_a_batch_keeps_the_target_distribution(gemma):
     eng = BatchEngine(gemma.backend, (), drafter=NgramDrafter(), max_batch=8)
     eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free and always worth it: every step drafts
     eng.policy.margin = -1.0
-    eng.policy.gated = False
     n = 3000
     reqs = [BatchRequest(prompt=prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=i))
             for i in range(n)]
@@ -325,50 +324,3 @@ def test_prepared_slots_serve_every_request(gemma):
     assert eng._n_slots == 3
     outs = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=6) for p in _prompts(5)])
     assert all(outs) and eng._n_slots == 3 and len(eng._free) == 3
-
-
-def test_speculation_gate_follows_measured_step_rates():
-    """Drafting stays on only while steps that draft deliver the tokens per second of steps that do
-    not, per batch size; the other side is still sampled every explore_every steps."""
-    pol = LoadAwareK(explore_every=8)
-    first = [pol.speculate(4) for _ in range(4)]
-    assert first == [True] * 4  # nothing measured: the cost model decides
-    pol.observe_step(4, True, 8, 0.1)  # 80 tokens/s drafting
-    assert [pol.speculate(4) for _ in range(4)] == [False, True, False, True]  # plain unmeasured: both sides
-    pol.observe_step(4, False, 4, 0.04)  # 100 tokens/s plain
-    k0 = pol._gate_calls[4] + 1
-    calls = [pol.speculate(4) for _ in range(16)]
-    assert calls == [(k0 + i) % 8 == 0 for i in range(16)]  # drafting only to keep measuring it
-    for _ in range(40):
-        pol.observe_step(4, True, 15, 0.1)  # drafting now 150 tokens/s: back on
-    calls = [pol.speculate(4) for _ in range(16)]
-    assert sum(calls) == 14
-    assert pol.speculate(16)  # another batch size is measured on its own
-    pol.gated = False
-    pol.observe_step(4, True, 1, 10.0)
-    assert all(pol.speculate(4) for _ in range(20))
-
-
-def test_a_drafter_that_slows_steps_down_is_switched_off(gemma):
-    """A drafter whose proposals cost more than they bring (a sleeping n-gram drafter) ends up off
-    in most steps, measured on whole steps; greedy output stays that of plain decoding."""
-    import time as _time
-
-    class Slow(NgramDrafter):
-        def propose(self, tokens, k):
-            _time.sleep(0.02)
-            return super().propose(tokens, k)
-
-        def fork(self):
-            return Slow()
-
-    prompts = _prompts(4)
-    plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=60).token_ids for p in prompts]
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=Slow(), max_batch=4)
-    eng.calibrate(reps=1)
-    steps = []
-    eng.on_step = lambda rows, secs, rep: steps.append(sum(k for _, k, _ in rep) > 0)
-    assert run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=60) for p in prompts]) == plain
-    spec, plain_rate = eng.policy.realized[4]
-    assert spec < plain_rate
-    assert sum(steps[-30:]) <= 8, steps  # mostly plain steps once both sides are measured

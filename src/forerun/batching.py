@@ -89,13 +89,8 @@ class LoadAwareK:
     """
 
     def __init__(self, k_max: int = 8, decay: float = 0.95, margin: float = 0.03, sequential: bool = False,
-                 probe_every: int = 32, explore_every: int = 32):
+                 probe_every: int = 32):
         self.k_max = k_max
-        self.explore_every = explore_every
-        self.gated = True  # False: the cost model alone decides (tests that need every step to draft)
-        # sequences in a step -> [tokens/s of steps that drafted, of steps that did not] (EMAs; None: unmeasured)
-        self.realized: dict[int, list] = {}
-        self._gate_calls: dict[int, int] = {}
         self.sequential = sequential
         self.probe_every = probe_every
         self.idle: dict[object, int] = {}  # bucket -> choices in a row with drafts on offer and none kept
@@ -144,32 +139,6 @@ class LoadAwareK:
         slope = max(0.0, (self.costs[b] - self.costs[a]) / (b - a))
         ref = b if hi is None else a
         return max(1e-6, self.costs[ref] + slope * (rows - ref))
-
-    def observe_step(self, n: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole step's outcome (drafting, the pass, accepting) for ``n`` sequences: its tokens per
-        second feed the gate (``speculate``)."""
-        if seconds <= 0:
-            return
-        r = self.realized.setdefault(n, [None, None])
-        i = 0 if drafted else 1
-        rate = tokens / seconds
-        r[i] = rate if r[i] is None else 0.9 * r[i] + 0.1 * rate
-
-    def speculate(self, n: int) -> bool:
-        """Whether a step of ``n`` sequences may draft at all: measured, not predicted. Steps that
-        drafted and steps that did not are timed whole (so drafting, verification and everything
-        the cost model misses are counted), per batch size; drafting stays on only while its steps
-        deliver at least the tokens per second of plain ones. Every ``explore_every``-th step takes
-        the other side, so that both rates stay measured as the load and the text change. Before
-        both are measured, the cost model decides alone."""
-        if not self.gated:
-            return True
-        spec, plain = self.realized.get(n, (None, None))
-        k = self._gate_calls[n] = self._gate_calls.get(n, 0) + 1
-        if spec is None or plain is None:
-            return spec is None or k % 2 == 0  # measure both sides first
-        better = spec >= plain
-        return (not better) if k % self.explore_every == 0 else better
 
     # -- choice ----------------------------------------------------------------------------
     def choose(self, available: list[int], buckets: list, charge_drafting: bool) -> list[int]:
@@ -462,7 +431,7 @@ class BatchEngine:
                 return empty_draft()
 
         cheap = self.drafter is None or self.drafter.cheap_proposals
-        if self.drafter is None or not self.policy.speculate(len(reqs)):
+        if self.drafter is None:
             drafts = [empty_draft() for _ in reqs]
         elif cheap:
             for r, room in zip(reqs, rooms):
@@ -498,18 +467,13 @@ class BatchEngine:
 
         # 3. Accept, 4. roll back, per sequence.
         report = []
-        produced = 0
         for r, d, out_i in zip(reqs, drafts, passed):
             try:
-                before = r.produced
                 n_acc = self._commit(r, d, out_i, limit, t0, t1, t2, rows, len(reqs))
-                produced += r.produced - before
             except Exception as e:  # noqa: BLE001 - this request only
                 self._fail(r, e)
                 continue
             report.append((r, len(d), n_acc))
-        if self.drafter is not None:
-            self.policy.observe_step(len(reqs), any(len(d) for d in drafts), produced, time.perf_counter() - t0)
         if self.on_step is not None:
             try:
                 self.on_step(rows, t2 - t1, report)
