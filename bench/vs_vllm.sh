@@ -6,6 +6,7 @@
 #   Serves, one after another: vLLM plain, vLLM with n-gram speculation, forerun without and with
 #   speculation; runs `forerun loadtest` (Spec-Bench prompts, greedy, 64 tokens) against each;
 #   merges the four reports into OUT_DIR/vs-vllm.json (+ .png) with one table (bench/merge_loadtests.py).
+#   SERVERS="forerun-none forerun-ngram" reruns only those; the others' reports already in OUT_DIR are merged.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 model=${1:?model: smollm2 or bundled}
@@ -36,9 +37,16 @@ run_one() {  # NAME, then the server command
     kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
-run_one vllm "$here/bench/vllm_cpu.sh" serve "$model" "$port"
-run_one vllm-ngram "$here/bench/vllm_cpu.sh" serve "$model" "$port" ngram
-run_one forerun-none forerun serve --model "$model" --method none --port "$port" --max-batch 16
-run_one forerun-ngram forerun serve --model "$model" --method ngram --port "$port" --max-batch 16
+servers=${SERVERS:-vllm vllm-ngram forerun-none forerun-ngram}
+for name in $servers; do
+    case $name in
+    vllm) run_one vllm "$here/bench/vllm_cpu.sh" serve "$model" "$port" ;;
+    vllm-ngram) run_one vllm-ngram "$here/bench/vllm_cpu.sh" serve "$model" "$port" ngram ;;
+    forerun-none) run_one forerun-none forerun serve --model "$model" --method none --port "$port" --max-batch 16 ;;
+    forerun-ngram) run_one forerun-ngram forerun serve --model "$model" --method ngram --port "$port" --max-batch 16 ;;
+    *) echo "unknown server $name" >&2; exit 2 ;;
+    esac
+    rm -f "$out/$name.png"
+done
 python "$here/bench/merge_loadtests.py" --out "$out/vs-vllm.json" \
     "$out/vllm.json" "$out/vllm-ngram.json" "$out/forerun-none.json" "$out/forerun-ngram.json"
