@@ -255,6 +255,12 @@ def _summarise(records, names, ref_of=None):
         m["acceptance_per_position"] = [a / d for a, d in zip(app, dpp) if d]
         if any("steps_by_choice" in r for r in rs):
             m["steps_by_choice"] = {c: sum(r.get("steps_by_choice", {}).get(c, 0) for r in rs) for c in ("tree", "chain", "none")}
+        if len(rs) >= 3:  # in prompt order: a drafter that learns across the run shows it here
+            third = len(rs) // 3
+            m["tau_first_third"] = agg(rs[:third])["mean_accepted_len"]
+            m["tau_last_third"] = agg(rs[-third:])["mean_accepted_len"]
+            m["tokens_per_s_first_third"] = agg(rs[:third])["tokens_per_s"]
+            m["tokens_per_s_last_third"] = agg(rs[-third:])["tokens_per_s"]
         m["by_category"] = {}
         for cat in sorted({r["category"] for r in rs}):
             m["by_category"][cat] = agg([r for r in rs if r["category"] == cat])
@@ -337,6 +343,19 @@ def write_markdown(results: dict, path: Path) -> None:
                      f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
                      f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
+    if any("tau_first_third" in m for m in methods.values()):
+        lines += ["", "Over the run, in prompt order (drafters that learn across prompts: suffix, +adapt):", "",
+                  "| method | tau, first third | tau, last third | tokens/s, first third | tokens/s, last third |",
+                  "|---|---|---|---|---|"]
+        for name, m in methods.items():
+            if "tau_first_third" in m:
+                lines.append(f"| {name} | {f(m['tau_first_third'])} | {f(m['tau_last_third'])} | "
+                             f"{f(m['tokens_per_s_first_third'])} | {f(m['tokens_per_s_last_third'])} |")
+    for name, m in methods.items():
+        if "adaptation" in m:
+            a = m["adaptation"]
+            lines += ["", f"{name}: {a['updates']} weight updates ({a['update_s']:.1f} s in all, inside the timed "
+                          f"generations), {a['reverts']} reverts to the shipped weights."]
     for name, m in methods.items():
         if "steps_by_choice" in m:
             sc = m["steps_by_choice"]
@@ -375,7 +394,7 @@ def write_markdown(results: dict, path: Path) -> None:
     pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
     if pred:
         lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
-        tree_rows = [n for n in pred if _tree_suffix(n.partition(":")[0])]
+        tree_rows = [n for n in pred if _tree_suffix(_base(n))]
         for n, p in pred.items():
             m = methods[n]
             app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
@@ -390,6 +409,11 @@ def write_markdown(results: dict, path: Path) -> None:
 
 
 _TREE_SUFFIXES = {"-tree": None, "-tree+lookup": "always", "-tree+auto": "auto"}  # -> make_drafter's tree_lookup
+
+
+def _base(method: str) -> str:
+    """The method name of a bench method without its draft length and +adapt: eagle:auto+adapt -> eagle."""
+    return method.removesuffix("+adapt").partition(":")[0]
 
 
 def _tree_suffix(base: str) -> str | None:
@@ -425,21 +449,24 @@ def run_bench(args) -> dict:
     from tqdm import tqdm
 
     from forerun.draft_length import AdaptiveK
-    from forerun.drafters import HEAD_METHODS, METHODS, make_drafter, parse_skip_layers
+    from forerun.drafters import HEAD_METHODS, METHODS, TREE_METHODS, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
 
     from forerun.engine import check_k
 
-    # A method may carry its own draft length: "ngram:6", "layerskip:auto"; else --k applies.
+    # A method may carry its own draft length: "ngram:6", "layerskip:auto"; else --k applies. A head
+    # method may end in "+adapt": its head keeps learning over the run (online adaptation).
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     method_k = {}
     for m in methods:
-        base, _, k = m.partition(":")
-        if _method_kind(base) not in METHODS or (base != _method_kind(base) and _method_kind(base) not in HEAD_METHODS):
+        base, _, k = m.removesuffix("+adapt").partition(":")
+        if m.endswith("+adapt") and _method_kind(base) not in HEAD_METHODS:
+            raise ForerunError(f"{m}: +adapt trains eagle and medusa heads only")
+        if _method_kind(base) not in METHODS or (base != _method_kind(base) and _method_kind(base) not in TREE_METHODS):
             raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
-                               "eagle-tree, eagle-tree+lookup or eagle-tree+auto)")
+                               "eagle-tree, eagle-tree+lookup or eagle-tree+auto; suffix as suffix-tree)")
         method_k[m] = check_k(k) if k else args.k
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     for p in peers:
@@ -455,7 +482,7 @@ def run_bench(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    needs_draft = any(m.partition(":")[0] == "draft" for m in methods)
+    needs_draft = any(_base(m) == "draft" for m in methods)
     if needs_draft and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     threads = getattr(args, "threads", None)
@@ -464,7 +491,7 @@ def run_bench(args) -> dict:
     # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32);
     # "eagle-tree+lookup": those trees plus the prompt-lookup branch; "eagle-tree+auto": that tree or
     # the lookup chain alone, chosen per step.
-    tree_methods = {m for m in methods if _tree_suffix(m.partition(":")[0])}
+    tree_methods = {m for m in methods if _tree_suffix(_base(m))}
     tree = tree_shape(args.tree_nodes, args.tree_depth)  # validated whether or not a tree method asks for it
     if getattr(args, "tree_lookup", False):
         raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
@@ -474,7 +501,7 @@ def run_bench(args) -> dict:
     # layers or hidden states); plain decoding then runs on every backend used, as each one's reference.
     from forerun.models import load_for_methods, method_backend
 
-    kinds = {m: _method_kind(m.partition(":")[0]) for m in methods}
+    kinds = {m: _method_kind(_base(m)) for m in methods}
     if args.backend == "auto":
         backend_of = {m: method_backend(kinds[m], args.model, args.device) for m in methods}
     else:
@@ -502,10 +529,10 @@ def run_bench(args) -> dict:
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
     def build(m):
-        base = m.partition(":")[0]
+        base = _base(m)
         return make_drafter(kinds[m], targets[backend_of[m]], draft_model=draft, skip_layers=skip,
                             head_path=heads.get(kinds[m]), tree=tree if m in tree_methods else None,
-                            tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)))
+                            tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)), adapt=m.endswith("+adapt"))
 
     drafters = {m: build(m) for m in methods}
     engines = {m: Engine(targets[backend_of[m]].backend, d, targets[backend_of[m]].eos_token_ids)
@@ -539,6 +566,8 @@ def run_bench(args) -> dict:
                 t.backend.forward(torch.tensor(([2] + warm) * n)[:n], 0)
     for m, e in engines.items():
         e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
+        if hasattr(drafters[m], "forget_history"):  # drafters that learn across prompts start the run afresh
+            drafters[m].forget_history()
     for p in peers:
         _peer_generate(p, hf_model, llama_peer, warm, 8, target.eos_token_ids)
 
@@ -589,6 +618,9 @@ def run_bench(args) -> dict:
             records.append(rec)
             bar.update(1)
         results["methods"] = _summarise(records, names, ref_of)
+        for name, d in drafters.items():
+            if getattr(d, "adapter", None) is not None:
+                results["methods"][name]["adaptation"] = d.adapter.report()
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
     bar.close()
 

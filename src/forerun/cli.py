@@ -54,12 +54,40 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=0,
-                   help="eagle/medusa: verify a token tree of this many draft nodes per step (0 = a chain, the default)")
+                   help="eagle/medusa/suffix: verify a token tree of this many draft nodes per step (0 = a chain, the "
+                        "default)")
     p.add_argument("--tree-depth", type=int, default=None, help="tree depth (default: 6 for eagle, the head count for medusa)")
     p.add_argument("--tree-lookup", nargs="?", const="always", choices=("always", "auto"), default=None,
                    help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "
                         "tokens); 'auto': each step verify either that tree or the lookup chain alone (or no draft), "
                         "whichever measured acceptance and cost say is faster")
+
+
+def _adapt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapt", action="store_true",
+                   help="eagle/medusa: the head keeps learning from the tokens the target verifies while it drafts "
+                        "(output unchanged; reverts to the shipped weights if acceptance falls)")
+    p.add_argument("--adapt-save", default=None, metavar="PATH",
+                   help="with --adapt: write the adapted head to this folder (safetensors) at the end")
+
+
+def _check_adapt(args) -> None:
+    if args.adapt_save and not args.adapt:
+        raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
+    if args.adapt and args.method not in ("eagle", "medusa"):
+        raise ForerunError(f"--adapt trains eagle and medusa heads, not {args.method}")
+    if args.adapt_save:
+        from pathlib import Path
+
+        out = Path(args.adapt_save)
+        if out.exists() and not out.is_dir():
+            raise ForerunError(f"--adapt-save {out} exists and is not a folder")
+
+
+def _save_adapted(drafter, path) -> None:
+    if path and drafter is not None and getattr(drafter, "adapter", None) is not None:
+        drafter.adapter.save(path)
+        print(f"forerun: adapted head saved to {path} ({drafter.adapter.report()})", file=sys.stderr)
 
 
 def _tree(args):
@@ -77,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
     _model_args(g)
-    g.add_argument("--method", default="ngram", help="none | ngram | draft | layerskip | eagle | medusa (default ngram)")
+    g.add_argument("--method", default="ngram",
+                   help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram)")
     g.add_argument("--k", default=4, type=_k_arg, help="draft length 1..32 or auto (default 4)")
     _tree_args(g)
+    _adapt_args(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -168,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (batched speculation)")
     _model_args(s)
     s.add_argument("--method", default="ngram",
-                   help="none | ngram | draft | layerskip | eagle | medusa (default ngram; chains, no token trees)")
+                   help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram; chains, no token "
+                        "trees; suffix drafts from every earlier output of the server too)")
+    _adapt_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -236,6 +268,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ForerunError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_method(args.method, bool(args.draft))
+    _check_adapt(args)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
@@ -247,12 +280,13 @@ def cmd_generate(args) -> int:
         draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
     head = args.draft if args.method in ("eagle", "medusa") else None
     drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip, head_path=head,
-                           tree=_tree(args), tree_lookup=args.tree_lookup)
+                           tree=_tree(args), tree_lookup=args.tree_lookup, adapt=args.adapt)
     tok = target.tokenizer
     chat = uses_chat(tok, args.chat)
     ids = prompt_ids(tok, args.prompt, args.chat)
     engine = Engine(target.backend, drafter, target.eos_token_ids)
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
+    _save_adapted(drafter, args.adapt_save)
     text = tok.decode(res.token_ids, skip_special_tokens=True)
     if args.json:
         s = res.stats

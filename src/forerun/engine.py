@@ -105,7 +105,7 @@ class Engine:
             t0 = time.perf_counter()
             draft = self.drafter.propose(tokens, want) if want > 0 else empty_draft()
             draft = clip_draft(draft, want)
-            if per_bucket and draft.bucket is not None:
+            if per_bucket and draft.bucket is not None and draft.parents is None:  # a tree's size is the drafter's
                 draft = clip_draft(draft, policy.choose(draft.bucket, len(draft)))
             t1 = time.perf_counter()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from forerun.drafters.base import Draft, Drafter
 from forerun.errors import ForerunError
 
-METHODS = ("none", "ngram", "draft", "layerskip", "eagle", "medusa")
+METHODS = ("none", "ngram", "suffix", "draft", "layerskip", "eagle", "medusa")
+TREE_METHODS = ("eagle", "medusa", "suffix")  # methods that can draft token trees (--tree-nodes)
 HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
 
 
@@ -42,7 +43,7 @@ def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
     return load_head(path, fingerprint=fingerprint, kind=kind).to(be.device)
 
 
-def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False):
+def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False, adapt=None):
     from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
 
     be = target.backend
@@ -55,9 +56,16 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
     if tree is not None and not be.capabilities.token_trees:
         raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
     head = load_trained_head(method, target, head_path)
+    adapter = None
+    if adapt:
+        from forerun.drafters.adapt import OnlineAdapter
+
+        adapter = OnlineAdapter(head, be.embed, **(adapt if isinstance(adapt, dict) else {}))
+        adapter.on_update = head.refresh_packed
     if be.device.type == "cpu":
         head.pack_for_inference(getattr(be, "body_kernel", "onednn"))
-    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup, adaptive=adaptive)
+    return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup, adaptive=adaptive,
+                                                                  adapter=adapter)
 
 
 def check_vocab(target, draft) -> None:
@@ -89,16 +97,22 @@ def check_method(method: str, has_draft: bool) -> None:
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
-                 head_path=None, tree=None, tree_lookup: bool | str | None = None):
+                 head_path=None, tree=None, tree_lookup: bool | str | None = None, adapt=None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
     to verify token trees instead of chains (eagle/medusa only); ``tree_lookup``: every tree also
     carries the prompt-lookup continuation (n-grams of ngram_max down to ngram_min tokens): True or
-    "always", or "auto" to choose per step between that tree and the lookup chain alone."""
+    "always", or "auto" to choose per step between that tree and the lookup chain alone; ``adapt``: the
+    head keeps learning from the verified tokens while it drafts (True, or ``OnlineAdapter`` options;
+    eagle/medusa only)."""
+    if adapt and method not in HEAD_METHODS:
+        raise ForerunError(f"online adaptation (--adapt) trains eagle and medusa heads, not {method}")
     if tree_lookup not in (None, False, True, "always", "auto"):
         raise ForerunError(f"--tree-lookup must be 'always' or 'auto', got {tree_lookup!r}")
-    if tree is not None and method not in HEAD_METHODS:
-        raise ForerunError(f"token trees (--tree-nodes) work with eagle and medusa, not {method}")
+    if tree is not None and method not in TREE_METHODS:
+        raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(TREE_METHODS)}, not {method}")
+    if tree_lookup and method == "suffix":
+        raise ForerunError("--tree-lookup adds a lookup branch to a head's tree; suffix trees already draft from lookups")
     if tree_lookup and tree is None:
         raise ForerunError("--tree-lookup adds a branch to a token tree: give --tree-nodes too")
     check_method(method, draft_model is not None)
@@ -108,9 +122,15 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         from forerun.drafters.ngram import NgramDrafter
 
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
+    if method == "suffix":
+        from forerun.drafters.suffix import SuffixDrafter
+
+        if tree is not None and not target.backend.capabilities.token_trees:
+            raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp suffix drafts chains")
+        return SuffixDrafter(tree_nodes=tree[0] if tree else None, max_depth=tree[1] if tree else None)
     if method in HEAD_METHODS:
         return load_head_drafter(method, target, head_path, tree, (ngram_max, ngram_min) if tree_lookup else None,
-                                 adaptive=tree_lookup == "auto")
+                                 adaptive=tree_lookup == "auto", adapt=adapt)
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter
 
@@ -128,7 +148,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "TREE_METHODS", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
 
 
 def tree_shape(nodes: int, depth: int | None):

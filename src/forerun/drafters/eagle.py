@@ -37,8 +37,12 @@ class FeatureDrafter(Drafter):
 
     default_depth = 6
 
-    def __init__(self, head, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False):
+    def __init__(self, head, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False, adapter=None):
         self.head = head
+        # online adaptation (``forerun.drafters.adapt``): shared by every fork, one request log each
+        self.adapter = adapter
+        self.log = None
+        self._drafted = 0
         self.tree_nodes, self.tree_depth = (None, None) if not tree else (tree[0], tree[1] or self.default_depth)
         if lookup is not None and not tree:
             raise ValueError("a lookup branch needs a token tree")
@@ -66,10 +70,19 @@ class FeatureDrafter(Drafter):
         self.feat_pos = 0  # target position of the first row of self.feats
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
         self._round = self._chain = None
+        if self.adapter is not None:
+            if self.log is not None:
+                self.adapter.retire(self.log)
+            self.log = self.adapter.new_log(len(prompt))
 
     def fork(self) -> "FeatureDrafter":
         return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None,
-                          lookup=self.lookup, adaptive=self.adaptive)
+                          lookup=self.lookup, adaptive=self.adaptive, adapter=self.adapter)
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        draft = self._propose(tokens, k)
+        self._drafted = len(draft)
+        return draft
 
     def _lookup_only(self, tokens: list[int], k: int) -> Draft | None:
         """Adaptive rounds: the lookup chain alone (cut to the K that pays; maybe empty) when the
@@ -114,6 +127,8 @@ class FeatureDrafter(Drafter):
         return tree
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
+        if self.adapter is not None and self.log is not None:
+            self.adapter.observe(self.log, tokens, self._drafted, num_accepted)
         c, self._chain = self._chain, None
         if c is not None and c["chain"]:
             # How far the chain alone would have gone: the committed tokens are the target's own.
@@ -130,6 +145,8 @@ class FeatureDrafter(Drafter):
 
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
         """Features of target positions pos..pos+rows-1 (committed positions only)."""
+        if self.log is not None:
+            self.log.features(pos, feats)
         if self.feats is not None and pos <= self.feat_pos + len(self.feats):
             self.feats = torch.cat([self.feats[: pos - self.feat_pos], feats])
         else:
@@ -145,8 +162,9 @@ class EagleDrafter(FeatureDrafter):
     top_k = 8  # tree: children tried per expanded node
     branch = 8  # tree: nodes expanded per depth
 
-    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False):
-        super().__init__(head, embed, tree, lookup, adaptive)
+    def __init__(self, head: EagleHead, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False,
+                 adapter=None):
+        super().__init__(head, embed, tree, lookup, adaptive, adapter)
         self.scale = head.cfg.embed_scale
 
     def begin(self, prompt, params, generator):
@@ -157,7 +175,7 @@ class EagleDrafter(FeatureDrafter):
         return self.embed[ids].float() * self.scale
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def _propose(self, tokens: list[int], k: int) -> Draft:
         head = self.head
         if self.policy is not None and (chain := self._lookup_only(tokens, k)) is not None:
             return chain  # the head catches up on the features later
@@ -278,15 +296,16 @@ def static_tree(nodes: int, depth: int, rank_weights=(0.6, 0.15, 0.07, 0.04, 0.0
 class MedusaDrafter(FeatureDrafter):
     name = "medusa"
 
-    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False):
-        super().__init__(head, embed, tree, lookup, adaptive)
+    def __init__(self, head: MedusaHeads, embed: torch.Tensor, tree=None, lookup=None, adaptive: bool = False,
+                 adapter=None):
+        super().__init__(head, embed, tree, lookup, adaptive, adapter)
         self.max_k = head.cfg.medusa_heads
         if self.tree_nodes:
             self.tree_depth = min(self.tree_depth, self.max_k)
             self.paths = static_tree(self.tree_nodes, self.tree_depth)
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def _propose(self, tokens: list[int], k: int) -> Draft:
         # Head j reads the features of the newest verified position (which predicted the last
         # committed token) and guesses j tokens further.
         if self.policy is not None and (chain := self._lookup_only(tokens, k)) is not None:

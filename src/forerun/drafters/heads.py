@@ -148,6 +148,18 @@ class DraftHead(nn.Module):
         self._kernel = kernel
         return self
 
+    def refresh_packed(self) -> None:
+        """After the weights changed (online adaptation): repack every layer but the output layer
+        (it does not learn; its tuned kernel choice stays)."""
+        packed = getattr(self, "_packed", None)
+        if not packed:
+            return
+        from forerun.backends.native import _Linear
+
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and m is not self.lm_head:
+                packed[id(m)] = _Linear(m.weight.detach(), pack=True, half=True)
+
     def _lin(self, mod: nn.Linear, x):
         kern = getattr(self, "_packed", {}).get(id(mod))
         if kern is None or x.requires_grad:
