@@ -12,7 +12,7 @@ from forerun.sampling import SamplingParams
 from forerun.training.evaluate import replay_generation
 from forerun.training.trainer import TrainConfig, Trainer
 
-from test_engine import PROMPTS, _exact_two_token_dist
+from test_engine import PROMPTS, _exact_two_token_dist, sampled_tv
 from test_heads import _sequences
 
 FAST = {"lr": 1e-2, "every": 1, "guard_rounds": 8, "window": 24, "batch": 3}
@@ -138,18 +138,8 @@ def test_sampling_distribution_while_adapting(gemma, untrained):
     prompt = [2, 7, 8, 7, 8, 7]
     joint = _exact_two_token_dist(gemma, prompt, params)
     d = make_drafter("eagle", gemma, head_path=untrained["eagle"], adapt=dict(FAST, every=40, guard_rounds=4))
-    eng = Engine(gemma.backend, d, eos_token_ids=())
-    N = 3000
-    counts = torch.zeros_like(joint)
-    gen = torch.Generator().manual_seed(2)
-    drafted = 0
-    for _ in range(N):
-        seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-        res = eng.generate(prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=seed), k=2)
-        counts[res.token_ids[0], res.token_ids[1]] += 1
-        drafted += res.stats.drafted
-    assert drafted > N // 2 and d.adapter.updates > 20
-    tv = 0.5 * (counts / N - joint).abs().sum().item()
+    tv, drafted = sampled_tv(Engine(gemma.backend, d, eos_token_ids=()), prompt, joint, seed=2)
+    assert drafted > 3000 // 2 and d.adapter.updates > 20
     assert tv < 0.09, tv
 
 

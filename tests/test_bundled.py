@@ -28,9 +28,12 @@ def test_greedy_equality_every_drafter(bundled, category):
     ids = bundled.tokenizer(text).input_ids
     ref = Engine(bundled.backend, None, bundled.eos_token_ids).generate(ids, max_new_tokens=24)
     cases = [("ngram", 4, None), ("ngram", "auto", None), ("layerskip", 3, None),  # eagle/medusa: the shipped heads
-             ("eagle", 4, None), ("eagle", 6, (16, 6)), ("medusa", 4, None), ("medusa", 4, (12, 4))]
+             ("eagle", 4, None), ("eagle", 6, (16, 6)), ("medusa", 4, None), ("medusa", 4, (12, 4)),
+             ("suffix", "auto", None), ("suffix", 4, (8, None)), ("eagle+adapt", 4, None)]
     for method, k, tree in cases:
-        eng = Engine(bundled.backend, make_drafter(method, bundled, tree=tree), bundled.eos_token_ids)
+        adapt = {"every": 2, "guard_rounds": 4} if method.endswith("+adapt") else None
+        method = method.removesuffix("+adapt")
+        eng = Engine(bundled.backend, make_drafter(method, bundled, tree=tree, adapt=adapt), bundled.eos_token_ids)
         res = eng.generate(ids, max_new_tokens=24, k=k)
         assert res.token_ids == ref.token_ids, (method, k, tree)
         if method == "eagle" and category == "math_reasoning":  # in the heads' training distribution

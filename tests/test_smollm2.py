@@ -62,7 +62,7 @@ def test_plain_decoding_equals_transformers_generate(smollm2):
     assert ours == theirs[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "layerskip"])
 def test_speculation_is_lossless_on_torch(smollm2, method):
     drafter = make_drafter(method, smollm2, skip_layers=list(range(10, 20)) if method == "layerskip" else None)
     assert _lossless(smollm2, drafter) > 0
@@ -70,6 +70,16 @@ def test_speculation_is_lossless_on_torch(smollm2, method):
 
 def test_speculation_is_lossless_on_llamacpp(smollm2_cpp):
     _lossless(smollm2_cpp, make_drafter("ngram", smollm2_cpp), k="auto")
+    suffix = make_drafter("suffix", smollm2_cpp)
+    _lossless(smollm2_cpp, suffix, k="auto")
+    assert _lossless(smollm2_cpp, suffix, k=4) > 0  # the second pass drafts from the first one's outputs too
+
+
+def test_suffix_trees_and_adaptation_are_lossless(smollm2):
+    assert _lossless(smollm2, make_drafter("suffix", smollm2, tree=(8, None)), k=4) > 0
+    eagle = make_drafter("eagle", smollm2, adapt={"every": 2, "guard_rounds": 4})
+    _lossless(smollm2, eagle, k=4)
+    assert eagle.adapter.updates > 0
 
 
 def test_cli_generate_chats_by_default(capsys):

@@ -476,6 +476,7 @@ def run_bench(args) -> dict:
         raise ForerunError("--max-new-tokens must be >= 1")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference for speedups and greedy equality
+        method_k["none"] = args.k
     skip = parse_skip_layers(args.skip_layers)  # before the slow load: a typo fails at once
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = load_prompts(args.prompts, cats, args.limit_per_category)

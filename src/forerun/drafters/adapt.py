@@ -26,7 +26,7 @@ from collections import deque
 
 import torch
 
-DEFAULTS = dict(lr=3e-4, every=8, window=48, batch=4, buffer_positions=8192, steps_ahead=2, guard_rounds=64,
+DEFAULTS = dict(lr=3e-4, every=8, window=32, batch=2, buffer_positions=8192, steps_ahead=2, guard_rounds=64,
                 tolerance=0.15)
 
 

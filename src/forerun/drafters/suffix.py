@@ -24,7 +24,8 @@ where it ends (in insertion order). To draft after a context ``c``:
 
 Two indexes are read: the request's own context (prompt and output so far) and a shared one of
 earlier outputs (and the outputs of requests running beside it), bounded by ``max_history``
-tokens, oldest outputs dropped first. Match length is the trust bucket for adaptive K.
+tokens, oldest outputs dropped first. Match length, and whether the match lies in the
+request's own context, is the trust bucket for adaptive K.
 """
 
 from __future__ import annotations
@@ -272,13 +273,20 @@ class SuffixDrafter(Drafter):
         m = max(o[0] for o in occ)
         return m, [o[1:] for o in occ if o[0] == m]
 
+    def bucket(self, m: int, best: list) -> int:
+        """Trust bucket for adaptive K: the match length (up to 4), and whether the match is in
+        this request's own context (1-4) or only in earlier outputs (5-8): a short match in
+        someone else's output is a far weaker predictor."""
+        own = any(idx is self.local for idx, _, _ in best)
+        return min(m, 4) + (0 if own else 4)
+
     def propose(self, tokens: list[int], k: int) -> Draft:
         m, best = self.match(tokens) if k > 0 else (0, [])
         if m == 0:
             return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
         limit = min(k, math.ceil(self.spec_factor * m), self.max_depth or k)
         root = continuation_tree([idx.continuation(sid, pos, limit) for idx, sid, pos in best])
-        bucket = min(m, 8)
+        bucket = self.bucket(m, best)
         if self.tree_nodes:
             toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
             return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
