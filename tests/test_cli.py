@@ -45,6 +45,10 @@ def assert_clean_error(rc, err, *needles):
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
         (["generate", "hi", "--model", "./no/such/folder"], "not found"),
         (["generate", "hi", "--dtype", "int3", "--model", "./no/such/folder"], ""),
+        (["generate", "hi", "--method", "ngram", "--adapt"], "--adapt trains eagle and medusa"),
+        (["generate", "hi", "--method", "eagle", "--adapt-save", "out"], "give --adapt too"),
+        (["bench", "--prompts", "none.jsonl", "--methods", "ngram:auto+adapt"], "+adapt trains eagle and medusa"),
+        (["bench", "--prompts", "none.jsonl", "--methods", "ngram-tree"], "unknown method"),
     ],
 )
 def test_bad_inputs_before_loading(capsys, argv, needle):
@@ -65,6 +69,13 @@ def test_corrupt_gguf(capsys, tmp_path):
     unreadable.mkdir()
     rc, _, err = run(capsys, "generate", "hi", "--model", str(unreadable))
     assert_clean_error(rc, err, "not a file")
+
+
+def test_generate_suffix(capsys, tiny_folder):
+    rc, out, err = run(capsys, "generate", "w5 w6 w7 w5 w6", "--model", str(tiny_folder), "--method", "suffix",
+                       "--k", "auto", "--max-new-tokens", "12", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["method"] == "suffix"
 
 
 def test_generate_json(capsys, tiny_folder):

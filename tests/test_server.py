@@ -154,6 +154,12 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "top_k": 1.5}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "seed": "x"}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "n": 2}, None, 400),
+    # found by the long schemathesis run: falsy non-objects and numbers that compare equal to booleans
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stream_options": False}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stream_options": {"include_usage": 0.0}}, None, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "stream_options": {"include_usage": 1}}, None, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 3,
+                              "max_tokens": ["x"]}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stream": "yes"}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, None, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": 3}, None, 400),

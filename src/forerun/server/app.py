@@ -255,14 +255,19 @@ def validate(body, service: Service, chat: bool) -> Job:
         raise _bad(f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens (room for one new token "
                    "is needed)", "messages" if chat else "prompt", code="context_length_exceeded")
 
+    # chat: max_completion_tokens wins over max_tokens, but both are checked when given
+    for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        v = body.get(key)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise _bad(f"'{key}' must be an integer >= 1", key)
+        if v > service.max_tokens:
+            raise _bad(f"'{key}' is {v}; this server allows at most {service.max_tokens}", key)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is None:
         max_tokens = min(service.max_tokens, 16) if not chat else service.max_tokens
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise _bad(f"'{key}' must be an integer >= 1", key)
-    elif max_tokens > service.max_tokens:
-        raise _bad(f"'{key}' is {max_tokens}; this server allows at most {service.max_tokens}", key)
 
     temperature = body.get("temperature", 1.0)
     if temperature is None:
@@ -293,9 +298,11 @@ def validate(body, service: Service, chat: bool) -> Job:
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
-    opts = body.get("stream_options") or {}
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
     usage = opts.get("include_usage") if isinstance(opts, dict) else None
-    if not isinstance(opts, dict) or usage not in (None, True, False):
+    # not ``usage in (True, False)``: 0, 1 and 0.0 compare equal to the booleans
+    if not isinstance(opts, dict) or not (usage is None or isinstance(usage, bool)):
         raise _bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
     params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                             seed=None if seed is None else seed % (2**63))
