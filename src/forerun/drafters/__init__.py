@@ -100,7 +100,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
                  head_path=None, tree=None, tree_lookup: bool | str | None = None, adapt=None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
-    to verify token trees instead of chains (eagle/medusa only); ``tree_lookup``: every tree also
+    to verify token trees instead of chains (eagle, medusa, suffix); ``tree_lookup``: every tree also
     carries the prompt-lookup continuation (n-grams of ngram_max down to ngram_min tokens): True or
     "always", or "auto" to choose per step between that tree and the lookup chain alone; ``adapt``: the
     head keeps learning from the verified tokens while it drafts (True, or ``OnlineAdapter`` options;

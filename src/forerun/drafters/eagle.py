@@ -129,6 +129,7 @@ class FeatureDrafter(Drafter):
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         if self.adapter is not None and self.log is not None:
             self.adapter.observe(self.log, tokens, self._drafted, num_accepted)
+        self._drafted = 0  # a round that proposes nothing (K = 0) does not call propose
         c, self._chain = self._chain, None
         if c is not None and c["chain"]:
             # How far the chain alone would have gone: the committed tokens are the target's own.
