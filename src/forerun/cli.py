@@ -74,7 +74,9 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
 def _check_adapt(args) -> None:
     if args.adapt_save and not args.adapt:
         raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
-    if args.adapt and args.method not in ("eagle", "medusa"):
+    from forerun.drafters import HEAD_METHODS
+
+    if args.adapt and args.method not in HEAD_METHODS:
         raise ForerunError(f"--adapt trains eagle and medusa heads, not {args.method}")
     if args.adapt_save:
         from pathlib import Path

@@ -51,9 +51,7 @@ class OnlineAdapter:
         t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=head.draft_to_target.device)
         t2d[head.draft_to_target] = torch.arange(cfg.draft_vocab, device=t2d.device)
         self.t2d = t2d
-        self.names = [n for n, p in head.named_parameters() if not n.startswith("lm_head.")]
-        params = dict(head.named_parameters())
-        self.live = [params[n] for n in self.names]
+        self.live = [p for n, p in head.named_parameters() if not n.startswith("lm_head.")]
         self.master = [p.detach().clone().float().requires_grad_(True) for p in self.live]
         self.lr = lr
         self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=0.0)
@@ -117,36 +115,29 @@ class OnlineAdapter:
             self.step(log)
 
     def _fell(self) -> bool:
-        if not self.updates or len(self.baseline) < self.guard_rounds or len(self.recent) < self.guard_rounds:
+        # updates only start once the baseline is complete
+        if not self.updates or len(self.recent) < self.guard_rounds:
             return False
         if self.since_revert < self.guard_rounds:
             return False
         base = sum(self.baseline) / len(self.baseline)
         return sum(self.recent) / len(self.recent) < (1 - self.tolerance) * base
 
-    def step(self, log: "RequestLog | None" = None) -> bool:
+    def step(self, log: "RequestLog") -> bool:
         """One optimizer step on the newest window of ``log`` and the replay buffer; False if no data yet."""
-        wins = self._windows(log if log is not None else RequestLog(0))
+        wins = self._windows(log)
         if not wins:
             return False
-        with torch.inference_mode(False):
+        with torch.inference_mode(False):  # the engine may run inside inference mode
             return self._step(wins)
 
     def _step(self, wins) -> bool:
+        from forerun.training.trainer import Example
+
         t0 = time.perf_counter()
-        T = max(len(w[0]) for w in wins)
-        B, F = len(wins), wins[0][1].shape[1]
-        dev = self.head.draft_to_target.device
-        ids = torch.zeros(B, T, dtype=torch.long)
-        feats = torch.zeros(B, T, F)
-        real = torch.zeros(B, T, dtype=torch.bool)
-        learn = torch.zeros(B, T, dtype=torch.bool)
-        for b, (i, f, start) in enumerate(wins):
-            n = len(i)
-            ids[b, :n], feats[b, :n], real[b, :n] = i, f.float(), True
-            learn[b, max(start, 1):n] = True
-        ids, feats, real, learn = (t.to(dev) for t in (ids, feats, real, learn))
-        with torch.inference_mode(False), torch.enable_grad():
+        examples = [Example(ids, start, feats) for ids, feats, start in wins]
+        ids, feats, real, learn = self.trainer._batch(examples, list(range(len(examples))))
+        with torch.enable_grad():
             loss, _ = self.trainer.loss(self.head, ids, feats, real, learn, self.t2d)
             if not torch.is_tensor(loss):
                 return False
@@ -226,8 +217,5 @@ class RequestLog:
         return (torch.tensor(self.ids[self.base + s: self.base + n]), self._feats()[s:n], max(0, start - s))
 
     def entry(self):
-        n = self.span()
-        start = max(0, self.learn_from - self.base)
-        if n <= start:
-            return None
-        return torch.tensor(self.ids[self.base: self.base + n]), self._feats()[:n], start
+        """The whole log as one replay-buffer entry (None: nothing to learn)."""
+        return self.newest(self.span())

@@ -141,12 +141,15 @@ class DraftHead(nn.Module):
         head loaded from its float16 file) reads them as float16 for drafting passes (half the
         bytes; the same float32 products, see ``f16w_rows``). Inference only: packed weights do
         not train."""
-        from forerun.backends.native import _Linear
-
-        self._packed = {id(m): _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=half)
-                        for m in self.modules() if isinstance(m, nn.Linear)}
+        self._half = half
+        self._packed = {id(m): self._pack_layer(m) for m in self.modules() if isinstance(m, nn.Linear)}
         self._kernel = kernel
         return self
+
+    def _pack_layer(self, m: nn.Linear):
+        from forerun.backends.native import _Linear
+
+        return _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=self._half)
 
     def refresh_packed(self) -> None:
         """After the weights changed (online adaptation): repack every layer but the output layer
@@ -154,11 +157,9 @@ class DraftHead(nn.Module):
         packed = getattr(self, "_packed", None)
         if not packed:
             return
-        from forerun.backends.native import _Linear
-
         for m in self.modules():
             if isinstance(m, nn.Linear) and m is not self.lm_head:
-                packed[id(m)] = _Linear(m.weight.detach(), pack=True, half=True)
+                packed[id(m)] = self._pack_layer(m)
 
     def _lin(self, mod: nn.Linear, x):
         kern = getattr(self, "_packed", {}).get(id(mod))

@@ -102,9 +102,9 @@ class TokenIndex:
             self.stale = 0
 
     def occurrences(self, ctx: list[int], max_match: int, max_occurrences: int | None,
-                    exclude: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(match length, recency, sid, position) for each occurrence of ``ctx[-1]`` that has a
-        following token (recency 0: the most recently inserted). ``exclude``: a sequence id to skip."""
+                    exclude: int | None = None) -> list[tuple[int, int, int]]:
+        """(match length, sid, position) for each occurrence of ``ctx[-1]`` that has a following
+        token, the most recently inserted first. ``exclude``: a sequence id to skip."""
         if not ctx:
             return []
         out = []
@@ -122,7 +122,7 @@ class TokenIndex:
         seqs = self.seqs
         n_ctx = len(ctx)
         limit = min(max_match, n_ctx)
-        for rank, code in enumerate(reversed(codes)):
+        for code in reversed(codes):
             if cap is not None and len(out) >= cap:
                 break
             sid, pos = code >> 32, code & 0xFFFFFFFF
@@ -132,7 +132,7 @@ class TokenIndex:
             n = min(known, limit)
             while n < limit and n <= pos and seq[pos - n] == ctx[n_ctx - 1 - n]:
                 n += 1
-            out.append((n, rank, sid, pos))
+            out.append((n, sid, pos))
         return out
 
     def continuation(self, sid: int, pos: int, n: int) -> list[int]:
@@ -168,8 +168,8 @@ def _best_child(node: _Node):
     return min(node.children.items(), key=lambda kv: (-kv[1].count, kv[1].recency))
 
 
-def chain_from(root: _Node, max_len: int, min_prob: float) -> tuple[list[int], list[float]]:
-    out, conf = [], []
+def chain_from(root: _Node, max_len: int, min_prob: float) -> list[int]:
+    out = []
     node = root
     while len(out) < max_len and node.children:
         tok, child = _best_child(node)
@@ -177,14 +177,13 @@ def chain_from(root: _Node, max_len: int, min_prob: float) -> tuple[list[int], l
         if p < min_prob:
             break
         out.append(tok)
-        conf.append(p)
         node = child
-    return out, conf
+    return out
 
 
 def tree_from(root: _Node, max_nodes: int, max_depth: int, min_prob: float):
     """Best nodes by path score: (tokens, parents, confidences), parents before children."""
-    heap = []  # (-score, depth, recency, tie, token, node, parent index)
+    heap = []  # (-score, depth, recency, tie, token, node, parent index in picked, confidence)
     tie = 0
 
     def push(node, parent_idx, score, depth):
@@ -198,7 +197,7 @@ def tree_from(root: _Node, max_nodes: int, max_depth: int, min_prob: float):
                 tie += 1
 
     push(root, -1, 1.0, 1)
-    picked = []  # (depth, order, token, parent index in picked, conf)
+    picked = []  # (token, parent index in picked, confidence)
     while heap and len(picked) < max_nodes:
         neg, depth, _, _, tok, node, parent, p = heapq.heappop(heap)
         picked.append((tok, parent, p))
@@ -263,10 +262,10 @@ class SuffixDrafter(Drafter):
     def match(self, tokens: list[int]) -> tuple[int, list]:
         """The longest match length m (0: none) and its occurrences as (index, sid, position): the
         request's own context first, then history, most recent first within each."""
-        occ = [(n, self.local, sid, pos) for n, _, sid, pos in
+        occ = [(n, self.local, sid, pos) for n, sid, pos in
                self.local.occurrences(tokens, self.max_match, self.max_occurrences)]
         hist = self.history.index
-        occ += [(n, hist, sid, pos) for n, _, sid, pos in
+        occ += [(n, hist, sid, pos) for n, sid, pos in
                 hist.occurrences(tokens, self.max_match, self.max_occurrences, exclude=self.out_sid)]
         if not occ:
             return 0, []
@@ -291,5 +290,4 @@ class SuffixDrafter(Drafter):
             toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
             return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
                          conf=conf, bucket=bucket)
-        toks, _ = chain_from(root, limit, self.min_prob)
-        return Draft(tokens=torch.tensor(toks, dtype=torch.long), bucket=bucket)
+        return Draft(tokens=torch.tensor(chain_from(root, limit, self.min_prob), dtype=torch.long), bucket=bucket)
