@@ -2,6 +2,7 @@
 Llama architecture, 49,152-token vocabulary, a chat template)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,34 @@ def test_shipped_eagle_head_is_lossless_on_torch(smollm2, tree, lookup):
 
 def test_shipped_eagle_head_is_lossless_on_llamacpp(smollm2_cpp):
     assert _lossless(smollm2_cpp, make_drafter("eagle", smollm2_cpp), PROMPTS[:2], max_new_tokens=32, k=3) > 0
+
+
+def test_export_draft_writes_the_shipped_head_for_vllm(tmp_path, capsys):
+    """`forerun export-draft` on SmolLM2 (Llama architecture): a speculators checkpoint holding the
+    shipped head's weights, pointing at the folder vLLM loads; the SGLang layout is refused with
+    the reason (the shipped head normalises its feature layers); Gemma 3 is refused."""
+    from safetensors.torch import load_file
+
+    from forerun.cli import main
+    from forerun.drafters import load_trained_head
+    from forerun.models import load_model
+    from forerun.training.export import check_speculators_config
+
+    rc = main(["export-draft", "--model", "smollm2", "--format", "speculators", "--k", "3", "--out",
+               str(tmp_path / "spec")])
+    info = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    check_speculators_config(config)
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == info["verifier"] and json.loads((Path(verifier) / "config.json").read_text())["model_type"] == "llama"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [3, 16, 30]  # outputs of layers 2, 15, 29
+    head = load_trained_head("eagle", load_model("smollm2", backend="torch"))
+    t = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    assert torch.equal(t["fc.weight"].float(), head.fuse.weight) and torch.equal(t["lm_head.weight"].float(),
+                                                                                  head.lm_head.weight)
+    assert torch.equal(t["d2t"] + torch.arange(len(t["d2t"])), head.draft_to_target)
+    rc = main(["export-draft", "--model", "smollm2", "--format", "eagle3", "--out", str(tmp_path / "e3")])
+    assert rc == 2 and "--shape eagle3" in capsys.readouterr().err and not (tmp_path / "e3").exists()
+    rc = main(["export-draft", "--model", "bundled", "--format", "speculators", "--out", str(tmp_path / "g")])
+    assert rc == 2 and "gemma3_text model" in capsys.readouterr().err

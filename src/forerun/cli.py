@@ -1,4 +1,5 @@
-"""Command line: ``forerun generate | bench | serve | loadtest | train-draft | calibrate-layerskip``."""
+"""Command line: ``forerun generate | bench | serve | loadtest | train-draft | eval-draft | export-draft |
+calibrate-layerskip``."""
 
 from __future__ import annotations
 
@@ -172,10 +173,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep-vocab", action="store_true",
                    help="with --init: keep that head's draft vocabulary (every output row) instead of choosing one "
                         "from this run's data; for continuing on new data alone (--draft-vocab is then ignored)")
+    t.add_argument("--shape", default="forerun", choices=["forerun", "eagle3"],
+                   help="eagle: forerun (default: a norm per feature layer, the last layer among them) or eagle3: "
+                        "EAGLE-3's own shape and feature layers, which `forerun export-draft` can hand to SGLang as "
+                        "well as vLLM")
     t.add_argument("--out", required=True, help="folder for the head (config.json + model.safetensors)")
     t.add_argument("--work", default=None, help="folder for answers, features and checkpoints (default: OUT-work); "
                    "a rerun resumes from what is there")
     t.add_argument("--threads", type=int, default=None)
+
+    x = sub.add_parser("export-draft", help="write a trained eagle head as a checkpoint vLLM (speculators) or SGLang "
+                       "(eagle3) loads")
+    x.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the target the head was trained for: smollm2 (default), HF hub id, local folder or .gguf")
+    x.add_argument("--draft", default=None, help="the eagle head folder (default: the one shipped for the target)")
+    x.add_argument("--format", required=True, choices=["speculators", "eagle3"],
+                   help="speculators: vLLM's format; eagle3: the original EAGLE-3 layout SGLang loads (heads trained "
+                        "with --shape eagle3)")
+    x.add_argument("--out", required=True, help="folder to write (config.json + model.safetensors)")
+    x.add_argument("--verifier", default=None,
+                   help="the target as the engine should load it (default: the hub id or folder given as --model; "
+                        "for a .gguf model, the HF folder forerun dequantized it into)")
+    x.add_argument("--k", type=int, default=4, help="speculators: the draft length recorded (default 4)")
+    x.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights' type (auto: float16 where it holds every weight exactly, else float32)")
+    x.add_argument("--threads", type=int, default=None)
 
     e = sub.add_parser("eval-draft", help="teacher-forced agreement of a trained head with the target, per category")
     e.add_argument("--kind", required=True, choices=["eagle", "medusa"])
@@ -376,6 +398,41 @@ def _replay_plan(args) -> dict:
     return plan
 
 
+def cmd_export_draft(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from forerun.drafters import load_trained_head
+    from forerun.models import _converted_dir, load_model, resolve_source
+    from forerun.training.export import export_head, refusal
+
+    if args.k < 1:
+        raise ForerunError(f"--k must be >= 1, got {args.k}")
+    if args.threads is not None and args.threads < 1:
+        raise ForerunError(f"--threads must be >= 1, got {args.threads}")
+    kind, loc = resolve_source(args.model)  # a bad model name fails before anything loads
+    target = load_model(args.model, backend="torch", threads=args.threads)
+    if not hasattr(target.backend, "embed"):
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError(f"export-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
+    head = load_trained_head("eagle", target, args.draft)
+    config = target.hf_model.config.to_dict()
+    why = refusal(head, args.format, config)
+    if why:
+        raise ForerunError(f"cannot export this head as {args.format}: {why}")
+    verifier = args.verifier
+    if verifier is None:
+        verifier = str(_converted_dir(Path(loc))) if kind == "gguf" else (
+            str(Path(loc).resolve()) if kind == "folder" else loc)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    out = export_head(head, args.out, fmt=args.format, target=config, verifier=verifier, k=args.k, dtype=dtype)
+    print(json.dumps({"out": str(out), "format": args.format, "verifier": verifier,
+                      "feature_layers": list(head.cfg.feature_layers), "draft_vocab": head.cfg.draft_vocab}))
+    return 0
+
+
 def cmd_eval_draft(args) -> int:
     from pathlib import Path
 
@@ -429,6 +486,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="forerun: %(message)s")
     try:
         cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft, "calibrate-layerskip": cmd_calibrate,
+                "export-draft": cmd_export_draft,
                 "serve": cmd_serve, "loadtest": cmd_loadtest,
                 "eval-draft": cmd_eval_draft}
         return cmds[args.cmd](args)

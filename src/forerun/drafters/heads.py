@@ -47,6 +47,9 @@ class HeadConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-6
     embed_scale: float = 1.0  # the target scales token embeddings by this (Gemma: sqrt(hidden))
+    # eagle: an RMSNorm on each feature layer before the fusing layer. False is EAGLE-3's own shape (the
+    # fusing layer reads the raw features), which every engine loads; see forerun.training.export.
+    feature_norms: bool = True
     training: dict = field(default_factory=dict)  # recipe and validation results, for the record
     format_version: int = FORMAT_VERSION
 
@@ -54,6 +57,13 @@ class HeadConfig:
 def default_feature_layers(num_layers: int) -> list[int]:
     """Low, middle and high: the outputs of layers 2, N/2 and N-1 (the last)."""
     return sorted({min(2, num_layers - 1), num_layers // 2, num_layers - 1})
+
+
+def eagle3_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's own choice, the one vLLM and SGLang default to: the outputs of layers 1, N/2 - 1 and
+    N - 4 (the inputs of layers 2, N/2 and N - 3). Never the last layer, whose output SGLang
+    cannot hand to a drafter."""
+    return sorted({max(0, min(i, num_layers - 2)) for i in (1, num_layers // 2 - 1, num_layers - 4)})
 
 
 def target_fingerprint(embed: torch.Tensor, num_layers: int) -> dict:
@@ -194,7 +204,7 @@ class EagleHead(DraftHead):
     def __init__(self, cfg: HeadConfig, draft_to_target: torch.Tensor):
         super().__init__(cfg, draft_to_target)
         H, n = cfg.hidden_size, len(cfg.feature_layers)
-        self.feat_norms = nn.ModuleList(RMSNorm(H, cfg.eps) for _ in range(n))
+        self.feat_norms = nn.ModuleList(RMSNorm(H, cfg.eps) for _ in range(n)) if cfg.feature_norms else None
         self.fuse = nn.Linear(n * H, H, bias=False)
         self.norm_emb = RMSNorm(H, cfg.eps)
         self.norm_hid = RMSNorm(H, cfg.eps)
@@ -216,9 +226,13 @@ class EagleHead(DraftHead):
             self.fuse.weight[:, (n - 1) * H :] = torch.eye(H)
 
     def top_norm(self) -> RMSNorm:
-        return self.feat_norms[-1]
+        # Without feature norms the raw top-layer features pass the fusing layer unscaled, so the
+        # target's final norm belongs where the target has it: before the output layer.
+        return self.feat_norms[-1] if self.feat_norms is not None else self.norm_out
 
     def fuse_features(self, feats):  # [..., n_layers * hidden] -> [..., hidden]
+        if self.feat_norms is None:
+            return self._lin(self.fuse, feats.float())
         H = self.cfg.hidden_size
         parts = [norm(feats[..., i * H : (i + 1) * H].float()) for i, norm in enumerate(self.feat_norms)]
         return self._lin(self.fuse, torch.cat(parts, -1))

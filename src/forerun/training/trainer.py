@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forerun.drafters.heads import DraftHead, HeadConfig, build_head, default_feature_layers, target_fingerprint
+from forerun.drafters.heads import (DraftHead, HeadConfig, build_head, default_feature_layers, eagle3_feature_layers,
+                                    target_fingerprint)
 from forerun.errors import ForerunError
 from forerun.training.data import Sequence
 
@@ -39,6 +40,12 @@ class TrainConfig:
     n_heads: int = 8
     head_dim: int = 80
     intermediate: int = 1536
+    # eagle: "forerun" (per-layer feature norms, the last layer among the features) or "eagle3": EAGLE-3's
+    # own shape and feature layers, exportable to vLLM and SGLang (forerun export-draft)
+    shape: str = "forerun"
+
+
+SHAPES = ("forerun", "eagle3")
 
 
 @dataclass
@@ -174,10 +181,21 @@ class Trainer:
         self.lm_head = lm_head
         self.final_norm = final_norm
         self.num_layers = num_layers
+        if tc.shape not in SHAPES:
+            raise ForerunError(f"unknown head shape {tc.shape!r} (choose {', '.join(SHAPES)})")
         if tc.kind == "medusa":
+            if tc.shape != "forerun":
+                raise ForerunError(f"--shape {tc.shape} is a shape of eagle heads, not medusa")
             self.feature_layers = [num_layers - 1]
+        elif feature_layers:
+            self.feature_layers = list(feature_layers)
         else:
-            self.feature_layers = feature_layers or default_feature_layers(num_layers)
+            pick = eagle3_feature_layers if tc.shape == "eagle3" else default_feature_layers
+            self.feature_layers = pick(num_layers)
+        # Soft labels are computed from the last layer's features: read it too where the head does not.
+        self.extract_layers = list(self.feature_layers)
+        if tc.soft_labels > 0 and self.feature_layers[-1] != num_layers - 1:
+            self.extract_layers.append(num_layers - 1)
 
     # -- model ------------------------------------------------------------------------------
     def new_head(self, d2t: torch.Tensor) -> DraftHead:
@@ -186,7 +204,7 @@ class Trainer:
                          draft_vocab=len(d2t), feature_layers=list(self.feature_layers),
                          target=target_fingerprint(self.embed, self.num_layers), n_heads=tc.n_heads,
                          head_dim=tc.head_dim, intermediate=tc.intermediate, medusa_heads=tc.steps_ahead,
-                         embed_scale=float(self.embed_scale))
+                         embed_scale=float(self.embed_scale), feature_norms=tc.shape != "eagle3")
         torch.manual_seed(tc.seed)
         head = build_head(cfg, d2t).to(self.device)
         head.init_from_target(self.lm_head, self.final_norm)
@@ -198,7 +216,7 @@ class Trainer:
         keep the target's LM head rows). Returns how many output rows were copied."""
         a, b = head.cfg, init.cfg
         shape = ("kind", "hidden_size", "vocab_size", "feature_layers", "n_heads", "head_dim", "intermediate",
-                 "medusa_heads", "target")
+                 "medusa_heads", "target", "feature_norms")
         diff = [f for f in shape if getattr(a, f) != getattr(b, f) and not (a.kind == "eagle" and f == "medusa_heads")]
         if diff:
             raise ForerunError("--init head differs from the head to train in " + ", ".join(diff))
@@ -251,6 +269,7 @@ class Trainer:
     def depth_hidden(self, head: DraftHead, ids, feats, real):
         """Output states per depth (eagle) or per head (medusa): list of [B, T, H]; the j-th
         (1-based) predicts position i + j + 1 through ``head.logits``."""
+        feats = feats[..., : len(self.feature_layers) * self.embed.shape[1]]  # without a label-only last layer
         if self.tc.kind == "eagle":
             fused = head.fuse_features(feats)
             return head.ttt_forward(lambda j: self._shift_emb(ids, real, j), fused, self.tc.steps_ahead, real)
@@ -261,7 +280,7 @@ class Trainer:
         """The target's next-token log-probabilities over the draft vocabulary at every position
         ([B, T, V_draft]), from the top-layer features in ``feats``: its final norm and LM head rows,
         exactly as it computes them (renormalised over the draft vocabulary)."""
-        if self.feature_layers[-1] != self.num_layers - 1 or self.final_norm is None:
+        if self.extract_layers[-1] != self.num_layers - 1 or self.final_norm is None:
             raise ForerunError("soft labels need the target's last layer among the feature layers")
         from forerun.backends.native import _rms_norm
 
