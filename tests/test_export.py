@@ -207,12 +207,14 @@ def test_speculators_config_has_what_vllm_reads(heads, llama8, tmp_path):
     bad["transformer_layer_config"]["model_type"] = "gemma3"
     with pytest.raises(ForerunError, match="Llama or Qwen3"):
         check_speculators_config(bad)
-    # the original EAGLE-3 layout: SGLang's ids are layer outputs, as forerun's
+    # the original EAGLE-3 layout names no layers: vLLM and SGLang number explicit ids differently, and
+    # their common default (inputs of layers 2, N/2, N - 3) is what an --shape eagle3 head reads
     e3 = export_head(load_head(heads["eagle3"][0]), tmp_path / "e", fmt="eagle3", target=_target_config(llama8),
                      verifier="org/tiny")
     c3 = json.loads((e3 / "config.json").read_text())
     assert c3["architectures"] == ["LlamaForCausalLMEagle3"] and c3["num_hidden_layers"] == 1
-    assert c3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert "eagle_config" not in c3 and "eagle_aux_hidden_state_layer_ids" not in c3
+    assert [i + 1 for i in eagle3_feature_layers(LAYERS)] == [2, LAYERS // 2, LAYERS - 3]
     assert c3["tie_word_embeddings"] is False and "fc_norm" not in c3
 
 
@@ -238,6 +240,11 @@ def test_refusals_say_why(heads, llama8, tmp_path):
     cfg = _target_config(llama8)
     assert refusal(head, "speculators", cfg) is None
     assert "--shape eagle3" in refusal(head, "eagle3", cfg)
+    from dataclasses import replace as _r
+
+    moved = build_head(_r(load_head(heads["eagle3"][0]).cfg, feature_layers=[1, 2, 4]), head.draft_to_target)
+    assert "EAGLE-3's own layers [1, 3, 4]" in refusal(moved, "eagle3", cfg)
+    assert refusal(moved, "speculators", cfg) is None
     assert "unknown format" in refusal(head, "onnx", cfg)
     assert "gemma3_text" in refusal(head, "speculators", {**cfg, "model_type": "gemma3_text"})
     assert "hidden_size" in refusal(head, "speculators", {**cfg, "hidden_size": 128})

@@ -9,12 +9,15 @@ names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``):
   for the decoder layer and a ``speculators_config`` naming the verifier and the draft length.
   vLLM also reads forerun's per-layer feature norms (``fc_norm``) and the last layer's output.
 * ``eagle3``: the original EAGLE-3 checkpoint layout (``LlamaForCausalLMEagle3``), the one SGLang
-  loads. SGLang has no feature norms and cannot hand a drafter the last layer's output: only
-  heads trained with ``forerun train-draft --shape eagle3`` fit it.
+  loads (vLLM too). SGLang has no feature norms and cannot hand a drafter the last layer's output:
+  only heads trained with ``forerun train-draft --shape eagle3`` fit it.
 
 Layer numbering differs between the engines. forerun names a feature by the layer whose output it
 is (0-based); vLLM's ``eagle_aux_hidden_state_layer_ids`` count the embedding as 0 (id j = output
-of layer j - 1); SGLang's ``eagle_config`` ids are layer outputs, as forerun's.
+of layer j - 1), while SGLang reads the same field as layer outputs. Only the engines' common
+default (the inputs of layers 2, N/2 and N - 3) means the same in both, so the ``eagle3`` layout
+holds heads on exactly those layers and names none; the ``speculators`` config names its layers in
+vLLM's numbering.
 
 ``d2t`` holds, per draft token, the offset to add to get the target token id (not the id itself);
 ``t2d`` marks the target tokens the draft vocabulary holds.
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.drafters.heads import DraftHead
+from forerun.drafters.heads import DraftHead, eagle3_feature_layers
 from forerun.errors import ForerunError
 
 FORMATS = ("speculators", "eagle3")
@@ -70,6 +73,10 @@ def refusal(head: DraftHead, fmt: str, target: dict) -> str | None:
         if max(cfg.feature_layers) >= n - 1:
             return ("the head reads the last layer's output, which SGLang cannot hand to a drafter: export it as "
                     "speculators (vLLM), or train one with --shape eagle3")
+        if list(cfg.feature_layers) != eagle3_feature_layers(n):
+            return (f"the head reads the outputs of layers {cfg.feature_layers}; the EAGLE-3 layout holds heads on "
+                    f"EAGLE-3's own layers {eagle3_feature_layers(n)} only (vLLM and SGLang number other layers "
+                    "differently): export it as speculators (vLLM), or train one with --shape eagle3")
     return None
 
 
@@ -115,10 +122,9 @@ def export_config(head: DraftHead, fmt: str, target: dict, verifier: str, k: int
     cfg = head.cfg
     layer = layer_config(head, target, dtype)
     if fmt == "eagle3":
+        # no layer ids: both engines then read their common default, the layers the head was trained on
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.draft_vocab,
-                "target_hidden_size": cfg.hidden_size,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
-                                 "use_aux_hidden_state": True}}
+                "target_hidden_size": cfg.hidden_size}
     return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
             "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab,
             "target_hidden_size": cfg.hidden_size, "norm_before_residual": False, "norm_before_fc": False,
