@@ -193,3 +193,13 @@ def test_export_draft_writes_the_shipped_head_for_vllm(tmp_path, capsys):
     assert rc == 2 and "--shape eagle3" in capsys.readouterr().err and not (tmp_path / "e3").exists()
     rc = main(["export-draft", "--model", "bundled", "--format", "speculators", "--out", str(tmp_path / "g")])
     assert rc == 2 and "gemma3_text model" in capsys.readouterr().err
+    from forerun.drafters import shipped_head
+    from forerun.drafters.heads import target_fingerprint
+
+    be = load_model("bundled", backend="torch").backend
+    medusa = shipped_head("medusa", target_fingerprint(be.embed, be.num_layers))
+    rc = main(["export-draft", "--draft", str(medusa), "--format", "speculators", "--out", str(tmp_path / "m")])
+    assert rc == 2 and "holds a medusa head" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    rc = main(["export-draft", "--format", "speculators", "--out", str(tmp_path / "file")])
+    assert rc == 2 and "is a file" in capsys.readouterr().err

@@ -411,6 +411,16 @@ def cmd_export_draft(args) -> int:
         raise ForerunError(f"--k must be >= 1, got {args.k}")
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ForerunError(f"--out {args.out} is a file, not a folder")
+    if args.draft and (Path(args.draft) / "config.json").is_file():
+        try:
+            head_kind = json.loads((Path(args.draft) / "config.json").read_text()).get("kind")
+        except (json.JSONDecodeError, AttributeError):
+            head_kind = None  # load_trained_head says what is wrong with it
+        if head_kind not in (None, "eagle"):
+            raise ForerunError(f"{args.draft} holds a {head_kind} head: only eagle heads have an EAGLE-3 counterpart "
+                               "that vLLM and SGLang load")
     kind, loc = resolve_source(args.model)  # a bad model name fails before anything loads
     target = load_model(args.model, backend="torch", threads=args.threads)
     if not hasattr(target.backend, "embed"):
