@@ -17,10 +17,10 @@ from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.training.export import (SPECULATORS_REQUIRED, check_speculators_config, export_head, export_tensors,
                                      refusal)
-from forerun.training.trainer import TrainConfig, Trainer, extract_features
+from forerun.training.trainer import TrainConfig, Trainer
 
 from test_engine import PROMPTS
-from test_heads import _sequences
+from test_heads import _train
 
 LAYERS = 8  # enough for EAGLE-3's three feature layers (outputs of 1, 3 and 4)
 
@@ -30,22 +30,12 @@ def llama8():
     return wrap(tiny_llama(3, layers=LAYERS))
 
 
-def _train(lm, shape, tmp_path, epochs=6):
-    be = lm.backend
-    tc = TrainConfig(kind="eagle", draft_vocab=80, epochs=epochs, batch_tokens=256, n_heads=2, head_dim=16,
-                     intermediate=64, lr=1e-2, val_fraction=0.2, steps_ahead=3, shape=shape,
-                     soft_labels=0.3 if shape == "eagle3" else 0.0)
-    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
-    ex = extract_features(be, _sequences(), tr.extract_layers, None, log=lambda s: None)
-    head, report = tr.train(ex, tmp_path, log=lambda s: None)
-    return head, report
-
-
 @pytest.fixture(scope="module")
 def heads(llama8, tmp_path_factory):
     out = {}
     for shape in ("forerun", "eagle3"):
-        head, report = _train(llama8, shape, tmp_path_factory.mktemp(shape))
+        head, report = _train(llama8, "eagle", tmp_path_factory.mktemp(shape), epochs=6, shape=shape,
+                              soft_labels=0.3 if shape == "eagle3" else 0.0)
         path = tmp_path_factory.mktemp(shape + "-head")
         head.save(path)
         out[shape] = (path, report)

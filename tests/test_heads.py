@@ -43,14 +43,14 @@ def _target_samples(lm, prompt, params, n=64, new=6):
         temperature=params.temperature, top_k=params.top_k, seed=i)).token_ids, len(prompt)) for i in range(n)]
 
 
-def _train(lm, kind, tmp_path, epochs=None, stop_after=None, seqs=None):
+def _train(lm, kind, tmp_path, epochs=None, stop_after=None, seqs=None, **config):
     be = lm.backend
     # Both heads start as "the target's own next-token head" with zeroed residual branches: a small
     # problem needs a high learning rate to move them in a few steps.
     tc = TrainConfig(kind=kind, draft_vocab=80, epochs=epochs or 10, batch_tokens=256, n_heads=2,
-                     head_dim=16, intermediate=64, lr=1e-2, val_fraction=0.2, steps_ahead=3)
+                     head_dim=16, intermediate=64, lr=1e-2, val_fraction=0.2, steps_ahead=3, **config)
     tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
-    ex = extract_features(be, seqs or _sequences(), tr.feature_layers, None, log=lambda s: None)
+    ex = extract_features(be, seqs or _sequences(), tr.extract_layers, None, log=lambda s: None)
     head, report = tr.train(ex, tmp_path, log=lambda s: None, stop_after=stop_after)
     return head, report
 
