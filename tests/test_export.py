@@ -53,8 +53,10 @@ def test_eagle3_shape_trains_without_feature_norms(heads, llama8):
     assert not any(k.startswith("feat_norms") for k in head.state_dict())
     hist = heads["eagle3"][1]["history"]
     assert sum(hist[-1]["val_agreement"]) > sum(hist[0]["val_agreement"]) + 0.05, hist
-    # the default shape keeps its norms and the last layer
+    # the default shape keeps its norms and the last layer, and its file says nothing of the new field
     assert load_head(heads["forerun"][0]).cfg.feature_layers[-1] == LAYERS - 1
+    assert "feature_norms" not in json.loads((heads["forerun"][0] / "config.json").read_text())
+    assert json.loads((heads["eagle3"][0] / "config.json").read_text())["feature_norms"] is False
 
 
 @pytest.mark.parametrize("shape", ["forerun", "eagle3"])

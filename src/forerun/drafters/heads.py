@@ -190,7 +190,10 @@ class DraftHead(nn.Module):
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
                    for k, v in self.state_dict().items()}
         save_file(tensors, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+        cfg = asdict(self.cfg)
+        if cfg["feature_norms"]:  # the default: left out, so a forerun that predates the field reads the file
+            del cfg["feature_norms"]
+        (path / "config.json").write_text(json.dumps(cfg, indent=1))
 
     def content_hash(self) -> str:
         h = hashlib.sha256()
