@@ -115,6 +115,8 @@ def test_trained_heads_chains_trees_and_batches(arch_model, tmp_path):
     for kind in ("eagle", "medusa"):
         head, _ = _train(lm, kind, tmp_path / kind, epochs=2)
         head.save(tmp_path / f"{kind}-head")
+        if kind == "eagle":
+            _check_export(arch, lm, head, tmp_path / "export")
         ref = Engine(lm.backend, None, lm.eos_token_ids)
         for tree, lookup in ((None, False), ((6, 3), False), ((4, 2), True)):
             eng = Engine(lm.backend, make_drafter(kind, lm, head_path=tmp_path / f"{kind}-head", tree=tree,
@@ -128,3 +130,23 @@ def test_trained_heads_chains_trees_and_batches(arch_model, tmp_path):
         batch.calibrate(reps=1)
         got = run_batch(batch, [BatchRequest(prompt=p, max_new_tokens=16) for p in PROMPTS])
         assert got == [ref.generate(p, max_new_tokens=16).token_ids for p in PROMPTS], (arch, kind)
+
+
+def _check_export(arch, lm, head, out):
+    """export-draft on every architecture: vLLM's EAGLE-3 path takes Llama, Mistral and Qwen
+    targets (a speculators checkpoint with the fields vLLM reads), and refuses Gemma's."""
+    import json
+
+    from forerun.training.export import check_speculators_config, export_head, refusal
+
+    cfg = lm.hf_model.config.to_dict()
+    why = refusal(head, "speculators", cfg)
+    if arch.startswith("gemma"):
+        assert why is not None and "vLLM's EAGLE-3 drafting runs" in why, (arch, why)
+        return
+    assert why is None, (arch, why)
+    export_head(head, out, fmt="speculators", target=cfg, verifier=f"tiny-{arch}", k=3)
+    config = json.loads((out / "config.json").read_text())
+    check_speculators_config(config)
+    assert config["speculators_config"]["verifier"]["architectures"] == list(cfg.get("architectures") or [])
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.cfg.feature_layers]
