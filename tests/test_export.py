@@ -65,11 +65,9 @@ def test_both_shapes_are_lossless(heads, llama8, shape, k, tree):
     drafter = make_drafter("eagle", llama8, head_path=heads[shape][0], tree=tree)
     ref = Engine(llama8.backend, None, llama8.eos_token_ids)
     eng = Engine(llama8.backend, drafter, llama8.eos_token_ids)
-    accepted = 0
     for p in PROMPTS:
         res = eng.generate(p, max_new_tokens=20, k=k)
         assert res.token_ids == ref.generate(p, max_new_tokens=20).token_ids
-        accepted += res.stats.accepted
     assert res.stats.drafted > 0
 
 

@@ -405,7 +405,7 @@ def cmd_export_draft(args) -> int:
 
     from forerun.drafters import load_trained_head
     from forerun.models import _converted_dir, load_model, resolve_source
-    from forerun.training.export import export_head, refusal
+    from forerun.training.export import export_head
 
     if args.k < 1:
         raise ForerunError(f"--k must be >= 1, got {args.k}")
@@ -429,9 +429,6 @@ def cmd_export_draft(args) -> int:
         raise ForerunError(f"export-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
     head = load_trained_head("eagle", target, args.draft)
     config = target.hf_model.config.to_dict()
-    why = refusal(head, args.format, config)
-    if why:
-        raise ForerunError(f"cannot export this head as {args.format}: {why}")
     verifier = args.verifier
     if verifier is None:
         verifier = str(_converted_dir(Path(loc))) if kind == "gguf" else (
