@@ -195,6 +195,19 @@ def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
     assert ks[0] > 0 and ks[1] == 0
 
 
+def test_load_aware_k_reads_per_token_confidences():
+    """A draft's own per-token estimates (Draft.conf) replace its bucket's: a chain is cut where
+    its tokens turn unlikely, and a sure chain keeps its drafts beside an unsure one."""
+    pol = LoadAwareK(k_max=4)
+    pol.costs = {r: 0.010 + 0.004 * r for r in range(1, 100)}
+    pol.buckets[None] = [1.0, 19.0]  # the bucket alone would say: never draft
+    assert pol.choose([4], [None], charge_drafting=False) == [0]
+    assert pol.choose([4], [None], charge_drafting=False, confs=[[0.99, 0.98, 0.05, 0.99]]) == [2]
+    ks = pol.choose([4, 4], [None, None], charge_drafting=False, confs=[[0.99] * 4, [0.05] * 4])
+    assert ks == [4, 0]
+    assert pol.choose([4, 4], [None, None], charge_drafting=False, confs=[None, [0.99] * 4]) == [0, 4]
+
+
 def test_load_aware_k_probes_a_bucket_it_stopped_drafting_for():
     """An acceptance estimate that fell too low is measured again: after probe_every choices with
     drafts on offer and none kept, the bucket gets one draft token; good results bring drafting back."""

@@ -3,7 +3,8 @@
 import random
 
 from forerun.bench import _predicted_speedup
-from forerun.draft_length import AdaptiveK, TreeOrLookup, expected_tokens, make_policy, FixedK
+from forerun.draft_length import (AcceptanceTable, AdaptiveK, FixedK, TreeOrLookup, chain_yield, expected_tokens,
+                                  make_policy)
 from forerun.stats import GenerationStats
 from forerun.drafters.ngram import NgramDrafter, lookup_match
 
@@ -42,6 +43,58 @@ def test_adaptive_k_per_bucket():
     assert picks.count(0) == pol.probe_every - 1 and picks.count(1) == 1
     # an unseen bucket starts from acceptance 0.5: 1.5 tokens for 1.3 steps' cost beats 1.75 for 1.6
     assert pol.choose(2, 5) == 1
+
+
+def test_chain_yield_and_confidence_cut():
+    assert chain_yield([]) == [1.0]
+    assert chain_yield([0.5, 0.5]) == [1.0, 1.5, 1.75]
+    assert chain_yield([1.0, 0.0, 1.0]) == [1.0, 2.0, 2.0, 2.0]
+    pol = AdaptiveK()
+    assert pol.choose_by_confidence([0.9] * 9) == pol.k_start  # nothing measured yet
+    for k in (0, 1, 2, 4, 8):
+        _feed(pol, 4, k, 0)  # a pass costs 10 ms + 3 ms per drafted token
+    assert pol.choose_by_confidence([]) == 0
+    assert pol.choose_by_confidence([0.99] * 20) == pol.k_max  # sure tokens: as many as allowed
+    assert pol.choose_by_confidence([0.1] * 8) == 0  # 0.1 more tokens for 30% more time: no draft
+    assert pol.choose_by_confidence([0.95, 0.9, 0.1, 0.99, 0.99]) == 2  # cut where the chain turns unlikely
+    # drafting is charged per round (the chain was proposed whole), never per kept token
+    pol.observe(0, 0, 0.050, 0.010)
+    assert pol.round_draft > 0 and pol.choose_by_confidence([0.99] * 20) == pol.k_max
+
+
+def test_measured_costs_carry_over_to_the_next_request():
+    first = AdaptiveK()
+    for k in (0, 1, 4):
+        _feed(first, 3, k, k)
+    first.buckets[3] = [9.0, 1.0, 0]
+    nxt = make_policy("auto", first)
+    assert nxt.verify == first.verify and nxt.verify is not first.verify
+    assert (nxt.draft_cost, nxt.round_draft) == (first.draft_cost, first.round_draft)
+    assert nxt.buckets == {} and (nxt.acc, nxt.rej) == (2.0, 2.0)  # acceptance belongs to the request
+    assert isinstance(make_policy(4, first), FixedK)
+
+
+def test_acceptance_table():
+    t = AcceptanceTable(decay=1.0)
+    assert t.rate("a") == 0.5  # the prior: 1 of 2
+    for hit in (True, True, True, False):
+        t.observe("a", hit)
+    assert t.rate("a") == (3 + 1) / (4 + 2)
+    t.observe_run(["x", "y", "z"], [1, 2, 3], [1, 5, 3])  # the run ends at the first miss
+    assert t.counts == {"a": [3.0, 4.0], "x": [1.0, 1.0], "y": [0.0, 1.0]}
+    t.observe_run(["p", "q"], [1, 2], [1])  # beyond what was committed nothing is known
+    assert t.counts["p"] == [1.0, 1.0] and "q" not in t.counts
+    forgetful, lasting = AcceptanceTable(decay=0.5), AcceptanceTable(decay=1.0)
+    for hit in [False] * 20 + [True] * 20:
+        forgetful.observe("k", hit)
+        lasting.observe("k", hit)
+    assert lasting.rate("k") == 0.5 and forgetful.rate("k") > 0.74  # the forgetful one follows the workload
+    try:
+        AcceptanceTable(decay=0.0)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("decay 0 accepted")
 
 
 def test_ngram_reports_match_length():

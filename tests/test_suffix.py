@@ -6,7 +6,7 @@ import pytest
 
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
-from forerun.drafters.suffix import SuffixDrafter, TokenIndex
+from forerun.drafters.suffix import SuffixDrafter, TokenIndex, trust_key
 from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
@@ -14,11 +14,12 @@ from forerun.sampling import SamplingParams
 
 # -- brute-force reference -----------------------------------------------------------------------
 
-def ref_occurrences(ctx, history, max_match):
+def ref_occurrences(ctx, history, max_match, own=True):
     """Every (match length, sequence, position) of ctx[-1] with a following token: ctx itself
-    first (most recent first), then history sequences (the latest inserted first)."""
+    first (most recent first; not with ``own=False``), then history sequences (the latest
+    inserted first)."""
     out = []
-    for seq in [ctx] + list(reversed(history)):
+    for seq in ([ctx] if own else []) + list(reversed(history)):
         for p in range(len(seq) - 2, -1, -1):
             if seq[p] != ctx[-1]:
                 continue
@@ -29,8 +30,8 @@ def ref_occurrences(ctx, history, max_match):
     return out
 
 
-def ref_continuations(ctx, history, max_match, limit_of):
-    occ = ref_occurrences(ctx, history, max_match)
+def ref_continuations(ctx, history, max_match, limit_of, own=True):
+    occ = ref_occurrences(ctx, history, max_match, own)
     if not occ:
         return 0, []
     m = max(o[0] for o in occ)
@@ -38,7 +39,8 @@ def ref_continuations(ctx, history, max_match, limit_of):
     return m, [seq[p + 1: p + 1 + limit] for n, seq, p in occ if n == m]
 
 
-def ref_chain(conts, limit, min_prob):
+def ref_chain(conts, limit, min_prob, stats=None):
+    """The chain down the most counted next tokens; ``stats`` gets (confidence, count) per token."""
     path = []
     while len(path) < limit:
         through = [c for c in conts if c[:len(path)] == path]
@@ -53,6 +55,8 @@ def ref_chain(conts, limit, min_prob):
         tok, (cnt, _) = min(nxt.items(), key=lambda kv: (-kv[1][0], kv[1][1]))
         if cnt / len(through) < min_prob:
             break
+        if stats is not None:
+            stats.append((cnt / len(through), cnt))
         path.append(tok)
     return path
 
@@ -91,22 +95,73 @@ def _drafter_over(ctx, history, **kw):
     return d
 
 
+def ref_candidate(ctx, history, max_match, k, min_prob, own):
+    """(tokens, trust keys, match length) of the chain from one index's longest match."""
+    m, conts = ref_continuations(ctx, history, max_match, lambda m: k, own)
+    stats = []
+    toks = ref_chain(conts, k, min_prob, stats) if m else []
+    keys = [trust_key(m + j, own, p, cnt) for j, (p, cnt) in enumerate(stats)]
+    return toks, keys, m
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_chain_matches_brute_force(seed):
     rnd = random.Random(seed)
     vocab = rnd.choice([3, 4, 6])
     history = [[rnd.randrange(vocab) for _ in range(rnd.randrange(0, 60))] for _ in range(rnd.randrange(0, 4))]
     ctx = [rnd.randrange(vocab) for _ in range(rnd.randrange(3, 80))]
-    max_match, factor, min_prob, k = rnd.choice([2, 5, 32]), rnd.choice([0.5, 1.0, 2.0]), rnd.choice([0.0, 0.1, 0.4]), rnd.randrange(1, 12)
-    d = _drafter_over(ctx, history, max_match=max_match, spec_factor=factor, min_prob=min_prob)
-    import math
-    limit_of = lambda m: min(k, math.ceil(factor * m))  # noqa: E731
-    m, conts = ref_continuations(ctx, history, max_match, limit_of)
+    max_match, min_prob, k = rnd.choice([2, 5, 32]), rnd.choice([0.0, 0.1, 0.4]), rnd.randrange(1, 12)
+    d = _drafter_over(ctx, history, max_match=max_match, min_prob=min_prob)
+    table = d.history.acceptance
+    for key in {trust_key(m, own, c, s) for m in range(1, 18) for own in (True, False) for c in (1.0, 0.7, 0.4, 0.1)
+                for s in (1, 2, 5)}:  # some learned acceptance, different per key
+        for _ in range(rnd.randrange(0, 6)):
+            table.observe(key, rnd.random() < 0.6)
+    # this request's context (ctx[3:] is also its own output in the shared history, never read)
+    refs = [ref_candidate(ctx, [], max_match, k, min_prob, True),
+            ref_candidate(ctx, history, max_match, k, min_prob, False)]
+    cands = d.candidates(ctx, k)
+    assert [(c.tokens, c.keys, c.match) for c in cands] == [r for r in refs if r[0]]
     draft = d.propose(ctx, k)
-    own = m and any(n == m for n, seq, _ in ref_occurrences(ctx, [], max_match))
-    assert draft.bucket == (min(m, 4) + (0 if own else 4) if m else 0)
-    want = ref_chain(conts, limit_of(m), min_prob) if m else []
-    assert draft.tokens.tolist() == want
+    offered = [r for r in refs if r[0]]
+    if not offered:
+        assert len(draft) == 0 and draft.bucket == 0
+        return
+
+    def value(keys):  # expected tokens of the whole chain
+        out, reach = 0.0, 1.0
+        for key in keys:
+            reach *= table.rate(key)
+            out += reach
+        return out
+
+    best = max(value(r[1]) for r in offered)
+    chosen = next(r for r in offered if value(r[1]) == best)  # ties: this request's own context
+    assert draft.tokens.tolist() == chosen[0]
+    assert draft.conf == pytest.approx([table.rate(key) for key in chosen[1]])
+    own = chosen is offered[0] and bool(refs[0][0])
+    assert draft.bucket == min(chosen[2], 4) + (0 if own else 4)
+
+
+def test_every_chain_on_offer_learns_from_the_committed_tokens():
+    """After a round, each chain's tokens are scored against what was committed, up to its first
+    miss, whatever length the engine verified."""
+    d = SuffixDrafter()
+    d.begin([0], SamplingParams(), None)
+    d.accepted([0, 5, 6, 7, 8], 0)  # an earlier output: 5 6 7 8
+    ctx = [1, 5, 6, 9, 1, 5]
+    d.begin(ctx, SamplingParams(), None)
+    local, hist = d.candidates(ctx, 3)
+    assert (local.tokens, local.own, hist.tokens, hist.own) == ([6, 9, 1], True, [6, 7, 8], False)
+    d.propose(ctx, 3)
+    table = d.history.acceptance
+    d.accepted(ctx + [6, 7], 1)  # one draft token accepted and the target's own: 6 7
+    assert table.counts[local.keys[0]][0] == 1 and table.counts[local.keys[1]] == [0.0, 1.0]
+    assert table.counts[hist.keys[0]][0] == 1 and table.counts[hist.keys[1]][0] == 1
+    assert hist.keys[2] not in table.counts  # never reached: nothing learned about it
+    # the chain whose tokens proved better is now preferred
+    d.begin(ctx, SamplingParams(), None)
+    assert d.propose(ctx, 3).tokens.tolist() == [6, 7, 8]
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -150,7 +205,10 @@ def test_history_is_bounded_and_recent_outputs_win():
     d.accepted([0, 1, 2, 3, 1, 2, 4], 0)
     d.begin([7, 1, 2, 3, 1, 2, 5, 1, 2], SamplingParams(), None)
     # four occurrences of (1, 2), each matching 2 tokens: followed by 5 and 3 (this request) and by
-    # 4 and 3 (history): 3 wins on count
+    # 4 and 3 (history). A chain comes from one index: this request's, the most recent on a tie (5);
+    # a tree counts both, so 3 wins on count
+    assert d.propose([7, 1, 2, 3, 1, 2, 5, 1, 2], 1).tokens.tolist() == [5]
+    d.tree_nodes = 1
     assert d.propose([7, 1, 2, 3, 1, 2, 5, 1, 2], 1).tokens.tolist() == [3]
 
 
@@ -161,7 +219,8 @@ def test_learns_across_requests():
     d.begin([1, 2, 3], SamplingParams(), None)
     d.accepted([1, 2, 3] + answer, 0)
     d.begin([4, 5, 11], SamplingParams(), None)
-    assert d.propose([4, 5, 11], 7).tokens.tolist() == [12, 13]  # match of length 1: at most 2 tokens
+    draft = d.propose([4, 5, 11], 7)  # the whole rest, a confidence per token: adaptive K cuts it
+    assert draft.tokens.tolist() == answer[1:] and len(draft.conf) == len(answer) - 1
     assert d.propose([4, 5, 11, 12, 13, 14], 16).tokens.tolist() == answer[4:]
     fork = d.fork()  # a server's slots share one history
     fork.begin([9, 13], SamplingParams(), None)

@@ -141,16 +141,21 @@ class LoadAwareK:
         return max(1e-6, self.costs[ref] + slope * (rows - ref))
 
     # -- choice ----------------------------------------------------------------------------
-    def choose(self, available: list[int], buckets: list, charge_drafting: bool) -> list[int]:
-        """Draft tokens to keep per sequence, given ``available[i]`` proposed (or proposable) ones."""
+    def choose(self, available: list[int], buckets: list, charge_drafting: bool,
+               confs: list[list[float] | None] | None = None) -> list[int]:
+        """Draft tokens to keep per sequence, given ``available[i]`` proposed (or proposable) ones;
+        ``confs[i]``: the drafter's own per-token acceptance estimates (``Draft.conf``), used
+        instead of the bucket's where given."""
         n = len(available)
         if n == 0:
             return []
         cands = []
         for i, (avail, bucket) in enumerate(zip(available, buckets)):
-            a = self.acceptance(bucket)
+            conf = confs[i] if confs is not None else None
+            a, reach = self.acceptance(bucket), 1.0
             for j in range(1, min(avail, self.k_max) + 1):
-                cands.append((a**j, i))
+                reach *= conf[j - 1] if conf is not None else a
+                cands.append((reach, i))
         if not cands:
             return [0] * n
         cands.sort(key=lambda c: -c[0])
@@ -436,7 +441,8 @@ class BatchEngine:
         elif cheap:
             for r, room in zip(reqs, rooms):
                 drafts.append(propose(r, min(self.policy.k_max, room - 1)))
-            ks = self.policy.choose([len(d) for d in drafts], [d.bucket for d in drafts], charge_drafting=False)
+            ks = self.policy.choose([len(d) for d in drafts], [d.bucket for d in drafts], charge_drafting=False,
+                                    confs=[d.conf if d.parents is None else None for d in drafts])
             drafts = [clip_draft(d, k) for d, k in zip(drafts, ks)]
         else:
             ks = self.policy.choose([max(0, room - 1) for room in rooms], [None] * len(reqs), charge_drafting=True)

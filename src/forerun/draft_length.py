@@ -19,6 +19,46 @@ def update_acceptance(b: list[float], decay: float, accepted: int, drafted: int)
     b[1] = decay * b[1] + (1 if accepted < drafted else 0)
 
 
+def chain_yield(conf: list[float]) -> list[float]:
+    """Expected tokens of a verify pass over the first k tokens of a chain, for k = 0..len(conf),
+    when ``conf[j]`` is the chance the target accepts token j once every token before it was:
+    the target's own token plus, per position, the chance the run reaches past it."""
+    out, reach = [1.0], 1.0
+    for c in conf:
+        reach *= c
+        out.append(out[-1] + reach)
+    return out
+
+
+class AcceptanceTable:
+    """How often the target took a drafted token, per trust key, given that every token before it
+    in the draft was taken: decayed counts with a prior (``prior_hits`` of ``prior_seen``), so an
+    estimate follows the workload and a key seen rarely stays near the prior."""
+
+    def __init__(self, decay: float = 0.99, prior_hits: float = 1.0, prior_seen: float = 2.0):
+        if not 0.0 < decay <= 1.0 or not 0.0 <= prior_hits <= prior_seen or prior_seen <= 0:
+            raise ValueError("need 0 < decay <= 1 and 0 <= prior_hits <= prior_seen, prior_seen > 0")
+        self.decay, self.prior_hits, self.prior_seen = decay, prior_hits, prior_seen
+        self.counts: dict[object, list[float]] = {}  # key -> [hits, seen]
+
+    def rate(self, key) -> float:
+        hits, seen = self.counts.get(key, (0.0, 0.0))
+        return (hits + self.prior_hits) / (seen + self.prior_seen)
+
+    def observe(self, key, hit: bool) -> None:
+        c = self.counts.setdefault(key, [0.0, 0.0])
+        c[0] = self.decay * c[0] + (1.0 if hit else 0.0)
+        c[1] = self.decay * c[1] + 1.0
+
+    def observe_run(self, keys: list, proposed: list[int], committed: list[int]) -> None:
+        """A draft's outcome as the committed tokens show it, whatever length was verified: every
+        position up to the first disagreement (or the end of what was committed) is one sample."""
+        for key, p, c in zip(keys, proposed, committed):
+            self.observe(key, p == c)
+            if p != c:
+                break
+
+
 def measured_cost(points: dict[int, float], x: int) -> float:
     """Seconds at size ``x`` from averages measured at some sizes (at least one): the measured
     value itself, else the least-squares line through the points (flat while only one is known),
@@ -72,6 +112,7 @@ class AdaptiveK:
         self.rej = 2.0
         self.buckets: dict[int, list[float]] = {}  # bucket -> [accepted, rejections, steps chosen at zero]
         self.draft_cost = None  # seconds per drafted token
+        self.round_draft = 0.0  # seconds of drafting per round, whatever was kept (cheap proposals)
         self.verify = {}  # k -> EMA seconds of a verify pass over k + 1 tokens
         self.steps_at_zero = 0
 
@@ -84,6 +125,7 @@ class AdaptiveK:
                 update_acceptance(self.buckets.setdefault(bucket, [2.0, 2.0, 0]), self.decay, accepted, k)
             per_tok = draft_s / k
             self.draft_cost = per_tok if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_tok
+        self.round_draft = 0.8 * self.round_draft + 0.2 * draft_s
         old = self.verify.get(k)
         self.verify[k] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
         self.k = self._choose(self.acc, self.rej)
@@ -112,6 +154,25 @@ class AdaptiveK:
                 return 1
         return self.k
 
+    def choose_by_confidence(self, conf: list[float]) -> int:
+        """K for a chain whose drafter estimates, per token, the chance the target accepts it once
+        the tokens before it were (``Draft.conf``): the prefix with the most expected tokens per
+        second. The chain was proposed whole before this choice, so drafting costs a round the
+        same whatever K is kept (its measured average per round). Such a drafter learns from the
+        committed tokens even when nothing was verified, so K = 0 needs no probes."""
+        if not conf:
+            return 0
+        if not self.verify:
+            return min(self.k_start, len(conf))
+        gain = chain_yield(conf[: self.k_max])
+        d = self.round_draft
+        best_k, best = 0, 1.0 / (d + self._verify_cost(0)) if 0 in self.verify else 0.0
+        for k in range(1, len(gain)):
+            rate = gain[k] / (d + self._verify_cost(k))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
     def choose(self, bucket: int, available: int) -> int:
         """K for a draft of ``available`` tokens whose trust bucket is ``bucket``."""
         b = self.buckets.setdefault(bucket, [2.0, 2.0, 0])
@@ -125,9 +186,17 @@ class AdaptiveK:
         return k
 
 
-def make_policy(k: int | str):
+def make_policy(k: int | str, measured: AdaptiveK | None = None):
+    """The draft-length policy for ``k``; ``measured``: an earlier request's adaptive policy on the
+    same target, whose measured costs (verify passes, drafting) the new one starts from: they
+    belong to the machine and the model, while acceptance starts afresh with each request."""
     if k == "auto":
-        return AdaptiveK()
+        policy = AdaptiveK()
+        if isinstance(measured, AdaptiveK):
+            policy.verify = dict(measured.verify)
+            policy.draft_cost = measured.draft_cost
+            policy.round_draft = measured.round_draft
+        return policy
     return FixedK(int(k))
 
 

@@ -53,6 +53,7 @@ class Engine:
         self.target = target  # a Backend
         self.drafter = drafter
         self.eos = set(int(i) for i in eos_token_ids)
+        self.policy = None  # the last request's draft-length policy: the next one starts from its measured costs
 
     def stream(
         self,
@@ -72,7 +73,7 @@ class Engine:
         if len(prompt) >= limit:
             raise ForerunError(f"prompt is {len(prompt)} tokens; the context limit is {limit} (room for at least one new token is needed)")
         k = check_k(k) if self.drafter is not None else 1
-        policy = make_policy(k)
+        policy = self.policy = make_policy(k, self.policy)
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
         device = getattr(self.target, "device", torch.device("cpu"))
@@ -105,8 +106,11 @@ class Engine:
             t0 = time.perf_counter()
             draft = self.drafter.propose(tokens, want) if want > 0 else empty_draft()
             draft = clip_draft(draft, want)
-            if per_bucket and draft.bucket is not None and draft.parents is None:  # a tree's size is the drafter's
-                draft = clip_draft(draft, policy.choose(draft.bucket, len(draft)))
+            if per_bucket and draft.parents is None:  # a tree's size is the drafter's
+                if draft.conf is not None:  # the drafter's own per-token estimates
+                    draft = clip_draft(draft, policy.choose_by_confidence(draft.conf))
+                elif draft.bucket is not None:
+                    draft = clip_draft(draft, policy.choose(draft.bucket, len(draft)))
             t1 = time.perf_counter()
 
             # 2. Verify every draft position (and one more) in one target pass, and 3. accept: the
@@ -141,7 +145,8 @@ class Engine:
             stats.verified_rows += len(draft) + 1
             stats.record_step(n_draft, n_acc)
             stats.new_tokens = produced
-            policy.observe(n_draft, n_acc, t1 - t0, t2 - t1, bucket=draft.bucket if per_bucket else None)
+            policy.observe(n_draft, n_acc, t1 - t0, t2 - t1,
+                           bucket=draft.bucket if per_bucket and draft.conf is None else None)
             stats.wall_s = time.perf_counter() - t_start
             yield StepOutput(tokens=new, finish_reason=finish)
             if finish is not None:
@@ -179,7 +184,8 @@ def clip_draft(draft: Draft, k: int) -> Draft:
         return draft
     if len(draft) <= k:
         return draft
-    return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket)
+    return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket,
+                 conf=None if draft.conf is None else draft.conf[:k])
 
 
 def _first_nodes(draft: Draft, n: int) -> Draft:

@@ -15,9 +15,11 @@ class Draft:
     q: torch.Tensor | None = None  # [k, vocab] draft probs; None = deterministic (one-hot) proposals
     bucket: int | None = None  # how far to trust it (e.g. n-gram match length); adaptive K learns per bucket
     parents: torch.Tensor | None = None  # [k] a token tree (see forerun.tree); None: a chain
-    # Trees: the drafter's estimate per node that the target accepts it once its parent is
-    # reached (None: unknown). Only steers which rows a lazy greedy walk asks the LM head for
-    # together (``forerun.tree.greedy_tree_walk``); acceptance itself never reads it.
+    # The drafter's estimate per token (a tree: per node) that the target accepts it once its
+    # parent is reached (None: unknown). Trees: steers which rows a lazy greedy walk asks the LM
+    # head for together (``forerun.tree.greedy_tree_walk``). Chains of cheap drafters: adaptive K
+    # cuts the chain where it stops paying (``AdaptiveK.choose_by_confidence``). Acceptance itself
+    # never reads it.
     conf: list[float] | None = None
 
     @property

@@ -18,14 +18,21 @@ where it ends (in insertion order). To draft after a context ``c``:
    continue through it. A child's confidence is count(child) / count(parent) (for the first
    token: / number of occurrences), its score the product of confidences along its path.
 4. A chain follows the most counted child (ties: the one seen most recently) while its
-   confidence is at least ``min_prob``; a tree takes the best-scoring nodes (each at least
-   ``min_prob`` given its parent). Either stops at ``ceil(spec_factor * m)`` tokens (adaptive
-   length: a long match earns a long draft) and at the K asked for (a tree: K levels deep).
+   confidence is at least ``min_prob``. The request's own context and the earlier outputs each
+   give one such chain (from each one's own longest match); each token of a chain has a trust
+   key (the match length it extends, whether the match is in the request's own context, its
+   count-based confidence and how many occurrences support it), and an ``AcceptanceTable``
+   shared by every request learns, per key, how often the target took such a token. The chain
+   with more expected accepted tokens is proposed, with those estimates as ``Draft.conf``:
+   adaptive K cuts it where it stops paying (a long, well-supported match earns a long draft).
+   After each round both chains are scored against the committed tokens, whatever was verified.
+5. A tree takes the best-scoring nodes over the longest match of both indexes (each at least
+   ``min_prob`` given its parent), at most ``ceil(spec_factor * m)`` levels deep.
 
 Two indexes are read: the request's own context (prompt and output so far) and a shared one of
 earlier outputs (and the outputs of requests running beside it), bounded by ``max_history``
-tokens, oldest outputs dropped first. Match length, and whether the match lies in the
-request's own context, is the trust bucket for adaptive K.
+tokens, oldest outputs dropped first. ``Draft.bucket`` (for policies without per-token
+estimates): the match length (up to 4), plus 4 when the match is only in earlier outputs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections import deque
 
 import torch
 
+from forerun.draft_length import AcceptanceTable, chain_yield
 from forerun.drafters.base import Draft, Drafter
 
 _SHIFT = 21  # bigram key: (a << 21) | b; token ids below 2M
@@ -168,19 +176,6 @@ def _best_child(node: _Node):
     return min(node.children.items(), key=lambda kv: (-kv[1].count, kv[1].recency))
 
 
-def chain_from(root: _Node, max_len: int, min_prob: float) -> list[int]:
-    out = []
-    node = root
-    while len(out) < max_len and node.children:
-        tok, child = _best_child(node)
-        p = child.count / node.count
-        if p < min_prob:
-            break
-        out.append(tok)
-        node = child
-    return out
-
-
 def tree_from(root: _Node, max_nodes: int, max_depth: int, min_prob: float):
     """Best nodes by path score: (tokens, parents, confidences), parents before children."""
     heap = []  # (-score, depth, recency, tie, token, node, parent index in picked, confidence)
@@ -207,11 +202,48 @@ def tree_from(root: _Node, max_nodes: int, max_depth: int, min_prob: float):
     return [t for t, _, _ in picked], [q for _, q, _ in picked], [c for _, _, c in picked]
 
 
+KEY_MATCH_CAP = 16  # match lengths above this share a trust key
+
+
+def trust_key(match: int, own: bool, confidence: float, support: int) -> tuple:
+    """Trust key of a chain token: the match length it extends (capped), whether the match is in
+    the request's own context, its count-based confidence (4 bins) and support (1, 2-3, 4+)."""
+    conf_bin = 0 if confidence >= 0.99 else 1 if confidence >= 0.6 else 2 if confidence >= 0.3 else 3
+    return min(match, KEY_MATCH_CAP), own, conf_bin, 0 if support <= 1 else 1 if support < 4 else 2
+
+
+class Candidate:
+    """One chain on offer: its tokens, their trust keys, the match it continues."""
+
+    __slots__ = ("tokens", "keys", "match", "own")
+
+    def __init__(self, tokens: list[int], keys: list, match: int, own: bool):
+        self.tokens, self.keys, self.match, self.own = tokens, keys, match, own
+
+
+def candidate_chain(root: _Node, match: int, own: bool, max_len: int, min_prob: float) -> Candidate:
+    """The chain down the most counted children (ties: the most recent) while each is at least
+    ``min_prob`` of its parent, and each token's trust key."""
+    toks, keys = [], []
+    node = root
+    while len(toks) < max_len and node.children:
+        tok, child = _best_child(node)
+        p = child.count / node.count
+        if p < min_prob:
+            break
+        keys.append(trust_key(match + len(toks), own, p, child.count))
+        toks.append(tok)
+        node = child
+    return Candidate(toks, keys, match, own)
+
+
 class SuffixHistory:
-    """Earlier outputs shared by every drafter forked from one prototype (one per server)."""
+    """Earlier outputs, and what drafting from them has been worth, shared by every drafter forked
+    from one prototype (one per server)."""
 
     def __init__(self, max_tokens: int):
         self.index = TokenIndex(max_tokens)
+        self.acceptance = AcceptanceTable()
 
 
 class SuffixDrafter(Drafter):
@@ -236,6 +268,7 @@ class SuffixDrafter(Drafter):
         self.local_sid = None
         self.out_sid = None  # this request's output in the shared history
         self.n_seen = 0
+        self.offered: tuple[int, list[Candidate]] | None = None  # (context length, chains) of the last proposal
 
     def fork(self) -> "SuffixDrafter":
         return SuffixDrafter(self.max_match, self.min_prob, self.spec_factor, self.max_occurrences,
@@ -244,6 +277,7 @@ class SuffixDrafter(Drafter):
     def forget_history(self) -> None:
         """Drop every earlier output (e.g. after a warm-up run)."""
         self.history.index = TokenIndex(self.history.index.max_tokens)
+        self.history.acceptance = AcceptanceTable()
         self.out_sid = None
 
     def begin(self, prompt, params, generator):
@@ -252,8 +286,14 @@ class SuffixDrafter(Drafter):
         self.local_sid = self.local.new_sequence(prompt)
         self.out_sid = self.history.index.new_sequence()
         self.n_seen = len(prompt)
+        self.offered = None
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
+        if self.offered is not None:  # what each chain on offer would have earned
+            at, chains = self.offered
+            self.offered = None
+            for c in chains:
+                self.history.acceptance.observe_run(c.keys, c.tokens, tokens[at:])
         new = tokens[self.n_seen:]
         self.n_seen = len(tokens)
         self.local.extend(self.local_sid, new)
@@ -279,15 +319,45 @@ class SuffixDrafter(Drafter):
         own = any(idx is self.local for idx, _, _ in best)
         return min(m, 4) + (0 if own else 4)
 
+    def candidates(self, tokens: list[int], k: int) -> list[Candidate]:
+        """The chains on offer, at most ``k`` tokens each: from the longest match in the request's
+        own context, then from the longest in earlier outputs (none where an index has no match)."""
+        out = []
+        limit = min(k, self.max_depth or k)
+        hist = self.history.index
+        for idx, own, exclude in ((self.local, True, None), (hist, False, self.out_sid)):
+            occ = idx.occurrences(tokens, self.max_match, self.max_occurrences, exclude=exclude)
+            if not occ:
+                continue
+            m = max(o[0] for o in occ)
+            root = continuation_tree([idx.continuation(sid, pos, limit) for n, sid, pos in occ if n == m])
+            c = candidate_chain(root, m, own, limit, self.min_prob)
+            if c.tokens:
+                out.append(c)
+        return out
+
     def propose(self, tokens: list[int], k: int) -> Draft:
-        m, best = self.match(tokens) if k > 0 else (0, [])
+        if k <= 0:
+            return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
+        if self.tree_nodes:
+            return self._propose_tree(tokens, k)
+        chains = self.candidates(tokens, k)
+        self.offered = (len(tokens), chains)
+        if not chains:
+            return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
+        table = self.history.acceptance
+        confs = [[table.rate(key) for key in c.keys] for c in chains]
+        best = max(range(len(chains)), key=lambda i: chain_yield(confs[i])[-1])  # ties: the own context's
+        c = chains[best]
+        return Draft(tokens=torch.tensor(c.tokens, dtype=torch.long), conf=confs[best],
+                     bucket=min(c.match, 4) + (0 if c.own else 4))
+
+    def _propose_tree(self, tokens: list[int], k: int) -> Draft:
+        m, best = self.match(tokens)
         if m == 0:
             return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
         limit = min(k, math.ceil(self.spec_factor * m), self.max_depth or k)
         root = continuation_tree([idx.continuation(sid, pos, limit) for idx, sid, pos in best])
-        bucket = self.bucket(m, best)
-        if self.tree_nodes:
-            toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
-            return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                         conf=conf, bucket=bucket)
-        return Draft(tokens=torch.tensor(chain_from(root, limit, self.min_prob), dtype=torch.long), bucket=bucket)
+        toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
+        return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                     conf=conf, bucket=self.bucket(m, best))
