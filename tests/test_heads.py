@@ -526,3 +526,19 @@ def test_replay_commits_what_the_engine_commits(own_heads, gemma, kind, k, tree,
     assert rep["all"]["new_tokens"] == sum(len(s) - n for _, s, n in answers) and rep["all"]["target_passes"] == steps
     assert rep["all"]["new_tokens"] > steps  # drafts were accepted: the comparison above saw real acceptance
     assert rep["a"]["target_passes"] + rep["b"]["target_passes"] == steps
+
+
+def test_head_commands_refuse_a_backend_without_hidden_states():
+    """Every path to a trained head (drafting, train/eval/export-draft) refuses one message's way
+    a backend that cannot hand out hidden states, before anything runs."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import load_head_drafter, require_hidden_states
+
+    blind = SimpleNamespace(backend=SimpleNamespace(capabilities=None))
+    for what in ("train-draft", "eval-draft", "export-draft"):
+        with pytest.raises(ForerunError, match=f"^{what} reads the target's hidden states: it needs the torch backend"):
+            require_hidden_states(blind, what)
+    with pytest.raises(ForerunError, match="method eagle reads the target's hidden states.*--backend torch"):
+        load_head_drafter("eagle", blind)
+    require_hidden_states(SimpleNamespace(backend=SimpleNamespace(embed=None)), "train-draft")  # has them: no error

@@ -403,7 +403,7 @@ def cmd_export_draft(args) -> int:
 
     import torch
 
-    from forerun.drafters import load_trained_head
+    from forerun.drafters import load_trained_head, require_hidden_states
     from forerun.models import _converted_dir, load_model, resolve_source
     from forerun.training.export import export_head
 
@@ -423,10 +423,7 @@ def cmd_export_draft(args) -> int:
                                "that vLLM and SGLang load")
     kind, loc = resolve_source(args.model)  # a bad model name fails before anything loads
     target = load_model(args.model, backend="torch", threads=args.threads)
-    if not hasattr(target.backend, "embed"):
-        from forerun.backends.native import SUPPORTED_ARCHITECTURES
-
-        raise ForerunError(f"export-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
+    require_hidden_states(target, "export-draft")
     head = load_trained_head("eagle", target, args.draft)
     config = target.hf_model.config.to_dict()
     verifier = args.verifier
@@ -444,7 +441,7 @@ def cmd_eval_draft(args) -> int:
     from pathlib import Path
 
     from forerun.bench import _TREE_SUFFIXES, load_prompts
-    from forerun.drafters import load_trained_head, make_drafter
+    from forerun.drafters import load_trained_head, make_drafter, require_hidden_states
     from forerun.models import load_model
     from forerun.training.evaluate import evaluate_head, format_report
 
@@ -454,10 +451,7 @@ def cmd_eval_draft(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
     target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
-    if not hasattr(target.backend, "embed"):
-        from forerun.backends.native import SUPPORTED_ARCHITECTURES
-
-        raise ForerunError(f"eval-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
+    require_hidden_states(target, "eval-draft")
     head = load_trained_head(args.kind, target, args.head, flag="--head")
     tree = _tree(args) or (32, args.tree_depth)
     replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if suffix else None,

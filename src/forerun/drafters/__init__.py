@@ -43,16 +43,22 @@ def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
     return load_head(path, fingerprint=fingerprint, kind=kind).to(be.device)
 
 
+def require_hidden_states(target, what: str, alternative: str = "") -> None:
+    """Refuse ``what`` (a method or command) unless ``target``'s backend hands out its hidden
+    states and embeddings, as trained heads need."""
+    if not hasattr(target.backend, "embed"):
+        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+
+        raise ForerunError(f"{what} reads the target's hidden states: it needs the torch backend on a "
+                           f"{SUPPORTED_ARCHITECTURES} model{alternative}")
+
+
 def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False, adapt=None):
     from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
 
     be = target.backend
-    if not hasattr(be, "embed"):
-        from forerun.backends.native import SUPPORTED_ARCHITECTURES
-
-        raise ForerunError(f"method {method} reads the target's hidden states: it needs the torch backend on a "
-                           f"{SUPPORTED_ARCHITECTURES} model (--backend torch), or the llama.cpp backend with a Q8_0 "
-                           "LM head and a C compiler")
+    require_hidden_states(target, f"method {method}", " (--backend torch), or the llama.cpp backend with a Q8_0 "
+                          "LM head and a C compiler")
     if tree is not None and not be.capabilities.token_trees:
         raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
     head = load_trained_head(method, target, head_path)

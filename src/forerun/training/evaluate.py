@@ -29,11 +29,9 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
     be = target.backend
-    if not hasattr(be, "embed"):
-        from forerun.backends.native import SUPPORTED_ARCHITECTURES
+    from forerun.drafters import require_hidden_states
 
-        raise ForerunError("eval-draft reads the target's hidden states: it needs the torch backend on a "
-                           f"{SUPPORTED_ARCHITECTURES} model")
+    require_hidden_states(target, "eval-draft")
     if steps < 1 or top_k < 1 or max_new_tokens < 1:
         raise ForerunError("--steps, --top-k and --max-new-tokens must be >= 1")
     if head.cfg.kind == "medusa" and steps > head.cfg.medusa_heads:

@@ -27,7 +27,7 @@ def distill_seeds(args) -> list[int]:
 
 
 def train_draft(args, log=print) -> dict:
-    from forerun.drafters import load_trained_head
+    from forerun.drafters import load_trained_head, require_hidden_states
     from forerun.models import load_model
     from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
@@ -46,10 +46,7 @@ def train_draft(args, log=print) -> dict:
     # Features come from our own float32 forward of the target (the torch backend).
     target = load_model(args.model, backend="torch", threads=args.threads)
     be = target.backend
-    if not hasattr(be, "embed"):
-        from forerun.backends.native import SUPPORTED_ARCHITECTURES
-
-        raise ForerunError(f"train-draft needs a model the native backend runs ({SUPPORTED_ARCHITECTURES})")
+    require_hidden_states(target, "train-draft")
     # A head to start from is checked now, not after an hour of self-distillation.
     init = load_trained_head(args.kind, target, args.init, flag="--init") if getattr(args, "init", None) else None
     seqs, times = [], {}
