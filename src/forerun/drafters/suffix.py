@@ -312,11 +312,11 @@ class SuffixDrafter(Drafter):
         m = max(o[0] for o in occ)
         return m, [o[1:] for o in occ if o[0] == m]
 
-    def bucket(self, m: int, best: list) -> int:
-        """Trust bucket for adaptive K: the match length (up to 4), and whether the match is in
-        this request's own context (1-4) or only in earlier outputs (5-8): a short match in
-        someone else's output is a far weaker predictor."""
-        own = any(idx is self.local for idx, _, _ in best)
+    @staticmethod
+    def bucket(m: int, own: bool) -> int:
+        """Trust bucket for policies without per-token estimates: the match length (up to 4), and
+        whether the match is in this request's own context (1-4) or only in earlier outputs (5-8):
+        a short match in someone else's output is a far weaker predictor."""
         return min(m, 4) + (0 if own else 4)
 
     def candidates(self, tokens: list[int], k: int) -> list[Candidate]:
@@ -350,7 +350,7 @@ class SuffixDrafter(Drafter):
         best = max(range(len(chains)), key=lambda i: chain_yield(confs[i])[-1])  # ties: the own context's
         c = chains[best]
         return Draft(tokens=torch.tensor(c.tokens, dtype=torch.long), conf=confs[best],
-                     bucket=min(c.match, 4) + (0 if c.own else 4))
+                     bucket=self.bucket(c.match, c.own))
 
     def _propose_tree(self, tokens: list[int], k: int) -> Draft:
         m, best = self.match(tokens)
@@ -360,4 +360,4 @@ class SuffixDrafter(Drafter):
         root = continuation_tree([idx.continuation(sid, pos, limit) for idx, sid, pos in best])
         toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
         return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                     conf=conf, bucket=self.bucket(m, best))
+                     conf=conf, bucket=self.bucket(m, any(idx is self.local for idx, _, _ in best)))
