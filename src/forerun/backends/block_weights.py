@@ -189,29 +189,34 @@ class BlockWeight:
         return out
 
 
-def from_gguf(gguf, names: list[str], weight: torch.Tensor) -> BlockWeight | None:
-    """The blocks of GGUF tensors ``names`` (stacked along the rows, as ``weight`` stacks them)
-    that rebuild ``weight`` exactly, or None (a type not handled, or not the same weights)."""
+def gguf_codes(gguf, names: list[str], weight: torch.Tensor) -> list[tuple[Codes, int]] | None:
+    """The blocks of GGUF tensors ``names`` (stacked along the rows, as ``weight`` stacks them) as
+    (Codes in ``weight``'s row order, GGUF type), where they rebuild ``weight`` exactly; else None
+    (a type not handled, or not the same weights)."""
     parts = []
     for name in names:
         t = gguf.tensors.get(name)
         if t is None or t.type not in BLOCKS or len(t.shape) != 2 or t.shape[0] % BLOCKS[t.type][0]:
             return None
-        parts.append(unpack(gguf.raw_rows(name), t.type))
+        parts.append((unpack(gguf.raw_rows(name), t.type), t.type))
     w = weight.detach().to(torch.float32).contiguous().numpy()
     start = 0
-    for i, p in enumerate(parts):
+    for i, (p, typ) in enumerate(parts):
         rows = p.codes.shape[0]
         order = match_rows(p.dequantize(), w[start: start + rows])
         if order is None:
             return None
         if not np.array_equal(order, np.arange(rows)):
             p = Codes(p.codes[order], p.scale[order], None if p.offset is None else p.offset[order], p.group)
-        parts[i] = p
+        parts[i] = (p, typ)
         start += rows
-    if start != w.shape[0]:
-        return None
-    return BlockWeight(parts)
+    return parts if start == w.shape[0] else None
+
+
+def from_gguf(gguf, names: list[str], weight: torch.Tensor) -> BlockWeight | None:
+    """``gguf_codes`` as a ``BlockWeight``, or None."""
+    parts = gguf_codes(gguf, names, weight)
+    return None if parts is None else BlockWeight([p for p, _ in parts])
 
 
 _LIB: list = []

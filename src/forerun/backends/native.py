@@ -9,6 +9,7 @@ except that linear layers are prepacked for oneDNN on CPU (see ``_linear``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -54,6 +55,7 @@ class _Linear:
         self.autotune = autotune and self.packed is not None
         self.choice: dict[int, str] = {}
         self.blocks = None  # the GGUF file's blocks of these weights (``block_weights``), set by the backend
+        self.qlin = None  # the same blocks for the integer kernels (``qweights``), set by the backend
         # half: passes of up to INVARIANT_ROWS rows read a float16 copy (``f16w_rows``), where
         # float16 holds the weights exactly (a head saved in float16) and the kernel builds
         self.half = None
@@ -73,6 +75,8 @@ class _Linear:
         return F.linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor, how: str | None = None) -> torch.Tensor:  # x: [T, in]
+        if self.qlin is not None:
+            return self.qlin(x)
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.shape[0]
@@ -427,9 +431,13 @@ class NativeBackend(BackendBase):
                             kv_segments=True)
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
-                 exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None):
-        """``gguf``: the GGUF file the weights were dequantized from; its blocks then serve the
-        layers' small passes where they rebuild the weights exactly (see ``block_weights``)."""
+                 exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None,
+                 integer: bool = True):
+        """``gguf``: the GGUF file the weights were dequantized from. With ``integer`` (the default)
+        every layer then runs in ``qrows.c`` on the file's blocks with 8-bit activations, one native
+        call per layer (see ``qweights``), where every linear weight is of a handled type and the
+        kernels build; otherwise the blocks serve the layers' small passes in float32, bit for bit
+        as the dequantized weights (see ``block_weights``)."""
         cfg = hf_model.config
         arch = Arch.of(cfg)
         self.arch = arch
@@ -453,8 +461,10 @@ class NativeBackend(BackendBase):
         self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True)
         self.softcap = arch.final_softcap
         self.layers = [_Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
+        self.quant = None  # QLayer per layer: the integer path (``_qbody``)
         if gguf and pack_linear and self.device.type == "cpu" and self.dtype == torch.float32:
-            self._attach_blocks(gguf)
+            if not (integer and self._attach_integer(gguf)):
+                self._attach_blocks(gguf)
         # Rotary tables per attention type, from the transformers module (it knows every rope variant).
         rot = inner.rotary_emb
         self._inv_freq = {}
@@ -476,6 +486,42 @@ class NativeBackend(BackendBase):
     # GGUF layer names of each _Layer linear, in the order its weight stacks them
     _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                    "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+
+    def _attach_integer(self, path: str) -> bool:
+        """Repack every layer's GGUF blocks and the LM head for ``qrows.c``; False (nothing kept)
+        where a weight's type is not handled or the kernels do not build."""
+        from forerun.backends.block_weights import gguf_codes
+        from forerun.backends.qweights import ACT_CODES, QLayer, QLinear, qrows_lib
+        from forerun.gguf_file import GGUFFile
+
+        if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
+                or self.hidden_size % 32 or attn_rows_kernel() is None):
+            return False
+        try:
+            g = GGUFFile(str(path))
+        except (OSError, ValueError) as e:
+            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
+            return False
+        quant = []
+        for i, layer in enumerate(self.layers):
+            lins = {}
+            for attr, parts in self._GGUF_PARTS.items():
+                codes = gguf_codes(g, [f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
+                if codes is None or any(c.codes.shape[1] % 32 for c, _ in codes):
+                    log.info("layer %d %s: GGUF type not handled by the integer kernels; float32 path", i, attr)
+                    return False
+                lins[attr] = QLinear(codes)
+            quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        codes = gguf_codes(g, [head], self.lm_head.weight)
+        if codes is None:
+            log.info("LM head: GGUF type not handled by the integer kernels; float32 path")
+            return False
+        self.lm_head.qlin = QLinear(codes)
+        self.quant = quant
+        log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
+                 (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
+        return True
 
     def _attach_blocks(self, path: str) -> None:
         """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""
@@ -575,6 +621,8 @@ class NativeBackend(BackendBase):
         builds when the backend is to be batch-invariant (the default), else chosen on first use
         by timing whole body passes of 1 and 5 rows both ways (timed alone, a small layer's weights
         sit in cache and mislead the choice); longer passes (prompts) stay on oneDNN."""
+        if self.quant is not None:
+            return "int8"
         if self._body_choice["kernel"] is None:
             self._body_choice["kernel"] = "onednn"  # meanwhile, and wherever ``rows`` cannot run
             if (self._pack and self.device.type == "cpu" and self.dtype == torch.float32
@@ -591,7 +639,7 @@ class NativeBackend(BackendBase):
         greedy verification then cannot differ from plain decoding, not even on near ties. On by
         default on the CPU where ``f32_rows.c`` builds (float32); ``batch_invariant=False`` lets the
         body take whichever kernel times faster and attention take all rows at once."""
-        return self.body_kernel == "rows" and self._want_invariant
+        return self.body_kernel in ("rows", "int8") and self._want_invariant
 
     def _time_body_kernels(self) -> str:
         from forerun.timing import median_s
@@ -673,6 +721,8 @@ class NativeBackend(BackendBase):
         default) the first call times both on one row of ``h`` (final normed hidden states; a
         random row when None) and keeps the faster for the model's lifetime, so every pass size,
         method and forked twin decides greedy tokens the same way."""
+        if self._exact is None and self.quant is not None:
+            self._exact = False  # integer logits: each row's own, so their argmax is batch-invariant already
         if self._exact is None:
             head = None
             if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
@@ -688,7 +738,10 @@ class NativeBackend(BackendBase):
 
     @property
     def greedy_head(self) -> str:
-        """What decides greedy tokens: ``exact-q8-screened`` once the exact head is in use, else ``float32``."""
+        """What decides greedy tokens: ``integer`` on the integer path (the argmax of its logits),
+        ``exact-q8-screened`` once the exact head is in use, else ``float32``."""
+        if self.quant is not None:
+            return "integer"
         return "exact-q8-screened" if self._exact else "float32"
 
     def _exact_is_faster(self, head, h: torch.Tensor | None) -> bool:
@@ -742,6 +795,8 @@ class NativeBackend(BackendBase):
         ``parts``: per sequence (backend holding its cache, pos, T, rope, masks), in row order.
         Linear layers run on every row at once; attention runs per sequence on its own cache.
         Returns the last hidden states and the asked-for layers' outputs (or None)."""
+        if self.quant is not None:
+            return self._qbody(h, parts, skip, layers)
         want = {l: None for l in layers}
         how = self.body_kernel
         if len(parts) > 1 and self.batch_invariant:
@@ -796,6 +851,43 @@ class NativeBackend(BackendBase):
                 want[i] = h
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
+    def _qbody(self, h, parts, skip, layers):
+        """``_body`` on the integer path: one ``forerun_q_layer`` call per layer for every row of
+        every sequence (norms, products, rotary embeddings, the cache writes and attention in C)."""
+        from forerun.backends.qweights import KIND, QPassC, qrows_lib
+
+        lib = qrows_lib()
+        lib.forerun_q_threads(torch.get_num_threads())
+        kinds = {KIND[kind]: tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*(p[3][kind] for p in parts)))
+                 for kind in parts[0][3]}
+        rows = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts], [p[1] for p in parts])
+                for sl in parts[0][4]}
+        ps = QPassC()
+        ps.N, ps.hidden, ps.H, ps.KVH, ps.D = h.shape[0], self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
+        ps.layers, ps.eps, ps.scale, ps.softcap = self.num_layers, self.eps, self.scale, self.arch.attn_softcap or 0.0
+        keep = []  # tensors the pass reads through pointers
+        for k in (0, 1):
+            cos, sin = kinds.get(k) or next(iter(kinds.values()))
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
+            r = rows[bool(k)]
+            keep += [cos, sin]
+            ps.cos[k], ps.sin[k] = cos.data_ptr(), sin.data_ptr()
+            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = (r.lo.data_ptr(), r.hi.data_ptr(), r.xp.data_ptr(),
+                                                         r.extra.data_ptr())
+        r = rows[False]
+        ps.kbase, ps.vbase, ps.cap, ps.slot = r.k_base.data_ptr(), r.v_base.data_ptr(), r.caps.data_ptr(), r.pos.data_ptr()
+        h = h.to(torch.float32).contiguous().clone()
+        want = {l: None for l in layers}
+        for i, q in enumerate(self.quant):
+            if i in skip:
+                continue
+            if lib.forerun_q_layer(ctypes.byref(q.c), ctypes.byref(ps), i, h.data_ptr()) != 0:
+                raise MemoryError("qrows: out of memory in a layer")
+            if i in want:
+                want[i] = h.clone()
+        del keep
+        return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
+
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence["NativeBackend"], feeds: Sequence[torch.Tensor],
                       positions: Sequence[int], layers: Sequence[int] = (),
@@ -840,7 +932,7 @@ class NativeBackend(BackendBase):
         sliding = (k <= q) & (k > q - self.window) if self.window else (k <= q)
         if T == 1 and bool(sliding.all()):
             sliding = None
-        if T <= INVARIANT_ROWS and self.batch_invariant:  # each row: exactly the keys a one-token step sees
+        if (T <= INVARIANT_ROWS or self.quant is not None) and self.batch_invariant:  # each row: exactly the keys a one-token step sees
             return {False: (0, full, RowKeys.chain(pos, T, None)), True: (start, sliding, RowKeys.chain(pos, T, self.window))}
         return {False: (0, full), True: (start, sliding)}
 
@@ -858,7 +950,7 @@ class NativeBackend(BackendBase):
         sliding = seen
         if self.window:
             sliding = seen & (kpos[None, :] > qpos[:, None] - self.window)
-        if T <= INVARIANT_ROWS and self.batch_invariant:  # the prefix, then the row's ancestors and itself
+        if (T <= INVARIANT_ROWS or self.quant is not None) and self.batch_invariant:  # the prefix, then the row's ancestors and itself
             rows = [r.nonzero().view(-1).tolist() for r in anc]  # each row's ancestors and itself, in row order
             dep = depth.tolist()
             w = self.window

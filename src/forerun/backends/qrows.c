@@ -1,0 +1,646 @@
+/* Integer products of GGUF-quantized weights with a few activation rows, and a whole transformer
+ * layer around them, for the native backend's GGUF path.
+ *
+ * Why: a verify pass of K + 1 rows should cost about one one-token step. A one-token step of a
+ * small model reads every weight once and is bound by memory; each further row only adds
+ * arithmetic. So every weight block is read once per pass and used for all its rows, and the
+ * arithmetic is integer: activations are quantized per row and per 32 values to 8 bits (scale
+ * amax / 127, as llama.cpp's CPU path quantizes them for its block dot products), so a block's
+ * dot product is an exact integer sum of code products.
+ *
+ * Weight layout (``qweight_t``), built once at load by ``forerun.backends.qweights``: weight rows in
+ * groups of 8 (the last group padded with zero rows); per group and per 32-column block the codes
+ * of all 8 rows are interleaved 4 columns at a time, so one 32-byte vector holds 4 consecutive
+ * codes of each of the 8 rows, and one (u8 x s8) multiply-add of it against a broadcast of 4
+ * activation codes leaves 8 lanes, one per weight row: no horizontal sums, no shuffles.
+ *   kind U4: unsigned 4-bit codes, 4 vectors per block; vector i holds columns 4i..4i+3 in its low
+ *            nibbles and 4(i+4)..4(i+4)+3 in its high ones;
+ *   kind U8: unsigned codes < 128, 8 vectors per block; vector j holds columns 4j..4j+3;
+ *   kind S8: signed codes, same as U8 (llama.cpp's sign trick makes the product u8 x s8).
+ * Each weight is  w = scale * (code + zb) + offset  per group of 32 columns (sub = 1) or 16
+ * (sub = 2, Q6_K), with an integer code bias zb (-8 for Q4_0, -16 for Q5_0, -32 for Q6_K) and an
+ * offset for the types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K). Scales and offsets are stored
+ * [group][block][sub][8 rows], as float16 where that holds them exactly (f16 = 1), else float32.
+ *
+ * The sums, for output (activation row r, weight row v), whatever the pass size or the CPU:
+ *   acc = 0; for each block b in order, for each sub-group s in order:
+ *     isum = sum of code * xq over the sub-group (exact int32) + zb * sum of xq over it
+ *     acc = fma((float)isum, scale * dx, acc)            dx: row r's scale of block b
+ *     acc = fma(offset, dx * (float)sum of xq over it, acc)   (types with an offset)
+ * Integer sums are exact, every float operation is written out (the file is built with
+ * -ffp-contract=off, fma explicit), so the portable, AVX2 and AVX-512 VNNI builds of this file give
+ * the same bits, and a row's outputs do not depend on the other rows of its pass: a verify pass
+ * is batch-invariant by construction. Threads split weight-row groups, never one output's sums.
+ *
+ * The same source is compiled three times (portable, -mavx2 -mfma -mf16c, and with AVX-512 VNNI
+ * added); the Python side loads the build the CPU reports it can run (or FORERUN_KERNEL asks for).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { U4 = 0, U8 = 1, S8 = 2 };
+
+typedef struct {
+    const uint8_t *codes;
+    const void *scale;
+    const void *offset; /* NULL: none */
+    int64_t V;          /* weight rows (before padding) */
+    int32_t D;          /* columns, a multiple of 32 */
+    int32_t kind;
+    int32_t sub;        /* 1 or 2 scale groups per 32 columns */
+    int32_t f16;        /* scales and offsets stored as float16 */
+    int32_t zb;         /* integer code bias */
+    int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
+    int32_t pad_small;  /* U8 codes all below 32 (Q5 types) */
+    int32_t pad_;
+} qweight_t;
+
+/* One pass's activations, quantized: xq [N][D] int8; per row and 32-block: dx, and the sums of
+ * its codes over each half (bs) as integers and as dx * sum (xs: whole block, first half, second). */
+typedef struct {
+    int8_t *xq;
+    float *dx;
+    int32_t *bs; /* [N][nb][2] */
+    float *xs;   /* [N][nb][3] */
+    int N, D;
+} qact_t;
+
+int forerun_q_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int forerun_q_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+    return omp_get_max_threads();
+#else
+    (void)n;
+    return 1;
+#endif
+}
+
+static inline int code_bytes(int kind) { return kind == U4 ? 128 : 256; }
+
+/* float16 bits -> float, exactly (normal, subnormal, zero, inf/nan). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 1024));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- activations ---------------------------------------------------------------------------- */
+
+/* Row-wise quantization, the same code in every build (plain loops, no contraction). */
+static void quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) {
+    int nb = D / 32;
+#pragma omp parallel for schedule(static) if (N >= 16)
+    for (int r = 0; r < N; r++) {
+        const float *xr = x + (int64_t)r * ldx;
+        int8_t *q = a->xq + (int64_t)r * D;
+        for (int b = 0; b < nb; b++) {
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                float v = fabsf(xr[b * 32 + j]);
+                amax = v > amax ? v : amax;
+            }
+            float d = amax / 127.0f;
+            float id = d > 0.0f ? 127.0f / amax : 0.0f;
+            int s0 = 0, s1 = 0;
+            for (int j = 0; j < 32; j++) {
+                int c = (int)nearbyintf(xr[b * 32 + j] * id);
+                c = c > 127 ? 127 : (c < -127 ? -127 : c);
+                q[b * 32 + j] = (int8_t)c;
+                if (j < 16) s0 += c; else s1 += c;
+            }
+            int64_t i = (int64_t)r * nb + b;
+            a->dx[i] = d;
+            a->bs[2 * i] = s0;
+            a->bs[2 * i + 1] = s1;
+            a->xs[3 * i] = d * (float)(s0 + s1);
+            a->xs[3 * i + 1] = d * (float)s0;
+            a->xs[3 * i + 2] = d * (float)s1;
+        }
+    }
+}
+
+static int act_alloc(qact_t *a, int N, int D) {
+    int nb = D / 32;
+    a->N = N;
+    a->D = D;
+    a->xq = (int8_t *)malloc((size_t)N * D + 64);
+    a->dx = (float *)malloc(sizeof(float) * (size_t)N * nb + 64);
+    a->bs = (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)N * nb + 64);
+    a->xs = (float *)malloc(sizeof(float) * 3 * (size_t)N * nb + 64);
+    return a->xq && a->dx && a->bs && a->xs ? 0 : -1;
+}
+
+static void act_free(qact_t *a) {
+    free(a->xq);
+    free(a->dx);
+    free(a->bs);
+    free(a->xs);
+}
+
+/* ---- one group of 8 weight rows against all activation rows ---------------------------------- */
+
+static inline float scale_at(const qweight_t *w, int64_t i) {
+    return w->f16 ? half_to_float(((const uint16_t *)w->scale)[i]) : ((const float *)w->scale)[i];
+}
+static inline float offset_at(const qweight_t *w, int64_t i) {
+    return w->f16 ? half_to_float(((const uint16_t *)w->offset)[i]) : ((const float *)w->offset)[i];
+}
+
+/* Code of lane l (weight row), column c (0..31) of a block's interleaved codes, as an integer. */
+static inline int code_at(const uint8_t *blk, int kind, int l, int c) {
+    int j = c / 4, e = c % 4;
+    if (kind == U4) {
+        uint8_t b = blk[(j & 3) * 32 + l * 4 + e];
+        return j < 4 ? (b & 15) : (b >> 4);
+    }
+    if (kind == U8) return blk[j * 32 + l * 4 + e];
+    return (int8_t)blk[j * 32 + l * 4 + e];
+}
+
+/* The reference: plain C, every build has it (FORERUN_KERNEL=portable runs it). */
+static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
+    int nb = w->D / 32, sub = w->sub;
+    const uint8_t *cg = w->codes + g * nb * code_bytes(w->kind);
+    int64_t sbase = g * nb * sub * 8;
+    int lanes = (int)(w->V - g * 8 < 8 ? w->V - g * 8 : 8);
+    for (int r = 0; r < a->N; r++) {
+        const int8_t *xr = a->xq + (int64_t)r * a->D;
+        for (int l = 0; l < lanes; l++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = cg + (int64_t)b * code_bytes(w->kind);
+                int64_t xi = (int64_t)r * nb + b;
+                float dx = a->dx[xi];
+                for (int s = 0; s < sub; s++) {
+                    int c0 = sub == 1 ? 0 : 16 * s, c1 = sub == 1 ? 32 : 16 * s + 16;
+                    int32_t isum = 0;
+                    for (int c = c0; c < c1; c++) isum += code_at(blk, w->kind, l, c) * xr[b * 32 + c];
+                    int32_t bsum = sub == 1 ? a->bs[2 * xi] + a->bs[2 * xi + 1] : a->bs[2 * xi + s];
+                    isum += w->zb * bsum;
+                    int64_t si = sbase + ((int64_t)b * sub + s) * 8 + l;
+                    acc = fmaf((float)isum, scale_at(w, si) * dx, acc);
+                    if (w->offset) acc = fmaf(offset_at(w, si), a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)], acc);
+                }
+            }
+            out[(int64_t)r * ldo + g * 8 + l] = acc;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_SIMD 1
+#define RT 3 /* activation rows per register tile */
+
+static inline __m256 load8_scales(const void *p, int f16, int64_t i) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+/* Rows r0 .. r0 + nr - 1 (nr <= RT, a constant where inlined) against group g. Without VNNI the
+ * u8 x s8 pair sums of vpmaddubsw are added in int16 over a half block where they cannot
+ * overflow (codes < 32: 4 x 2 x 31 x 127 < 32768), widened once per half. */
+static inline __attribute__((always_inline)) void group_tile(const qweight_t *w, const qact_t *a, int64_t g, int r0,
+                                                             const int nr, const int kind, const int sub,
+                                                             __m256 *res) {
+    int nb = w->D / 32;
+    const uint8_t *cg = w->codes + g * nb * code_bytes(kind);
+    int64_t sbase = g * nb * sub * 8;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    int narrow __attribute__((unused)) = kind == U4 || (kind == U8 && w->pad_small);
+    __m256 acc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = cg + (int64_t)b * code_bytes(kind);
+        __m256i is0[RT], is1[RT];
+        for (int r = 0; r < nr; r++) is0[r] = is1[r] = _mm256_setzero_si256();
+        if (kind == U4) {
+            for (int i = 0; i < 4; i++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * i));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (int r = 0; r < nr; r++) {
+                    const int8_t *x = a->xq + (int64_t)(r0 + r) * a->D + b * 32;
+#if VNNI
+                    is0[r] = _mm256_dpbusd_epi32(is0[r], lo, bcast4(x + 4 * i));
+                    is1[r] = _mm256_dpbusd_epi32(is1[r], hi, bcast4(x + 4 * i + 16));
+#else
+                    is0[r] = _mm256_add_epi16(is0[r], _mm256_maddubs_epi16(lo, bcast4(x + 4 * i)));
+                    is1[r] = _mm256_add_epi16(is1[r], _mm256_maddubs_epi16(hi, bcast4(x + 4 * i + 16)));
+#endif
+                }
+            }
+        } else {
+            for (int j = 0; j < 8; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
+                __m256i u = kind == S8 ? _mm256_abs_epi8(v) : v;
+                for (int r = 0; r < nr; r++) {
+                    const int8_t *x = a->xq + (int64_t)(r0 + r) * a->D + b * 32;
+                    __m256i xb = bcast4(x + 4 * j);
+                    if (kind == S8) xb = _mm256_sign_epi8(xb, v);
+#if VNNI
+                    if (j < 4) is0[r] = _mm256_dpbusd_epi32(is0[r], u, xb);
+                    else is1[r] = _mm256_dpbusd_epi32(is1[r], u, xb);
+#else
+                    __m256i p = _mm256_maddubs_epi16(u, xb);
+                    if (narrow) {
+                        if (j < 4) is0[r] = _mm256_add_epi16(is0[r], p);
+                        else is1[r] = _mm256_add_epi16(is1[r], p);
+                    } else {
+                        p = _mm256_madd_epi16(p, ones);
+                        if (j < 4) is0[r] = _mm256_add_epi32(is0[r], p);
+                        else is1[r] = _mm256_add_epi32(is1[r], p);
+                    }
+#endif
+                }
+            }
+        }
+#if !VNNI
+        if (narrow)
+            for (int r = 0; r < nr; r++) {
+                is0[r] = _mm256_madd_epi16(is0[r], ones);
+                is1[r] = _mm256_madd_epi16(is1[r], ones);
+            }
+#endif
+        (void)ones;
+        for (int s = 0; s < sub; s++) {
+            int64_t si = sbase + ((int64_t)b * sub + s) * 8;
+            __m256 sc = load8_scales(w->scale, w->f16, si);
+            __m256 of = w->offset ? load8_scales(w->offset, w->f16, si) : _mm256_setzero_ps();
+            for (int r = 0; r < nr; r++) {
+                int64_t xi = (int64_t)(r0 + r) * nb + b;
+                __m256i isum;
+                int32_t bsum;
+                if (sub == 1) {
+                    isum = _mm256_add_epi32(is0[r], is1[r]);
+                    bsum = a->bs[2 * xi] + a->bs[2 * xi + 1];
+                } else {
+                    isum = s == 0 ? is0[r] : is1[r];
+                    bsum = a->bs[2 * xi + s];
+                }
+                if (w->zb) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(w->zb * bsum));
+                __m256 f = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[xi]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[r]);
+                if (w->offset)
+                    acc[r] = _mm256_fmadd_ps(of, _mm256_set1_ps(a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = acc[r];
+}
+
+static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
+    int lanes = (int)(w->V - g * 8 < 8 ? w->V - g * 8 : 8);
+    __m256 res[RT];
+    int tiles = (a->N + RT - 1) / RT;
+    for (int t = 0, r0 = 0; t < tiles; t++) { /* balanced tiles: 5 rows as 3 + 2, not 4 + 1 */
+        int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0);
+        /* constant row counts, kinds and groups: the tile's sums stay in registers */
+#define TILE_KIND(NR)                                                                    \
+    switch (w->kind * 2 + w->sub - 1) {                                                  \
+    case U4 * 2: group_tile(w, a, g, r0, NR, U4, 1, res); break;                         \
+    case U8 * 2: group_tile(w, a, g, r0, NR, U8, 1, res); break;                         \
+    case U8 * 2 + 1: group_tile(w, a, g, r0, NR, U8, 2, res); break;                     \
+    case S8 * 2: group_tile(w, a, g, r0, NR, S8, 1, res); break;                         \
+    case S8 * 2 + 1: group_tile(w, a, g, r0, NR, S8, 2, res); break;                     \
+    default: group_tile(w, a, g, r0, NR, U4, 2, res); break;                             \
+    }
+        if (nr == 1) {
+            TILE_KIND(1)
+        } else if (nr == 2) {
+            TILE_KIND(2)
+        } else {
+            TILE_KIND(RT)
+        }
+        for (int r = 0; r < nr; r++) {
+            float *o = out + (int64_t)(r0 + r) * ldo + g * 8;
+            if (lanes == 8) {
+                _mm256_storeu_ps(o, res[r]);
+            } else {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, res[r]);
+                memcpy(o, tmp, sizeof(float) * (size_t)lanes);
+            }
+        }
+        r0 += nr;
+    }
+}
+#else
+#define HAVE_SIMD 0
+#endif
+
+static int force_portable = 0;
+
+/* 1: every product takes the plain C reference even in a SIMD build (tests compare the two). */
+void forerun_q_portable(int on) { force_portable = on; }
+
+/* out[r][col + v] (row stride ldo) for all rows of a and the weight rows of every part: the
+ * parts of a stacked weight (q, k and v; gate and up) share one loop over their row groups. */
+static void qmatmul(const qweight_t *w, int parts, const qact_t *a, float *out, int64_t ldo) {
+    int64_t start[9] = {0};
+    for (int p = 0; p < parts; p++) start[p + 1] = start[p] + (w[p].V + 7) / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t gi = 0; gi < start[parts]; gi++) {
+        int p = 0;
+        while (gi >= start[p + 1]) p++;
+        int64_t g = gi - start[p];
+        float *o = out + w[p].col;
+#if HAVE_SIMD
+        if (!force_portable) {
+            group_simd(&w[p], a, g, o, ldo);
+            continue;
+        }
+#endif
+        group_portable(&w[p], a, g, o, ldo);
+    }
+}
+
+/* out [N][ldo] = x [N][D] . w^T for the parts of one stacked weight, activations quantized here.
+ * 0, -1 bad sizes, -2 out of memory. */
+int forerun_q_linear(const qweight_t *w, int parts, const float *x, int N, float *out, int64_t ldo) {
+    if (N <= 0 || parts < 1 || parts > 8) return -1;
+    for (int p = 0; p < parts; p++)
+        if (w[p].D != w[0].D || w[p].D <= 0 || w[p].D % 32 || w[p].V <= 0 || w[p].col + w[p].V > ldo) return -1;
+    qact_t a;
+    if (act_alloc(&a, N, w->D) != 0) {
+        act_free(&a);
+        return -2;
+    }
+    quantize_rows(x, w->D, N, w->D, &a);
+    qmatmul(w, parts, &a, out, ldo);
+    act_free(&a);
+    return 0;
+}
+
+/* ---- the rest of a layer -------------------------------------------------------------------- */
+
+/* exp(x), clamped to [-87, 88]: 2^n * p(r), Cephes-style, plain float operations in a fixed order. */
+static inline float exp_c(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float shifter = 12582912.0f;
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, sizeof s);
+    return y * s;
+}
+
+static inline float tanh_c(float x) { return 1.0f - 2.0f / (exp_c(2.0f * x) + 1.0f); }
+
+static float dot_f(const float *a, const float *b, int D) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int d = 0;
+    for (; d + 8 <= D; d += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w over n values (in place allowed). */
+static void rms_norm(const float *x, const float *w, float *y, int n, float eps) {
+    float ss = dot_f(x, x, n);
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
+}
+
+/* x [D] rotated in place: x * cos + rotate_half(x) * sin. */
+static void rope(float *x, const float *c, const float *s, int D) {
+    int half = D / 2;
+    float tmp[1024];
+    for (int i = 0; i < half; i++) {
+        tmp[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+        tmp[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+    }
+    memcpy(x, tmp, sizeof(float) * (size_t)D);
+}
+
+typedef struct {
+    qweight_t w[8]; /* the parts of qkv, o, gate_up, down in that order (counts in parts) */
+    int32_t parts[4];
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *norm[4];
+    const float *q_norm, *k_norm;
+    int32_t n_q, n_kv, inter, sandwich, act, sliding;
+} qlayer_t;
+
+typedef struct {
+    int32_t N, hidden, H, KVH, D, layers;
+    float eps, scale, softcap, pad_;
+    const float *cos[2], *sin[2];       /* [N][D] per attention kind: 0 full, 1 sliding */
+    const int64_t *kbase, *vbase, *cap; /* per row: its sequence's cache [layers][KVH][cap][D] */
+    const int32_t *slot;                /* per row: the cache position its keys and values go to */
+    const int32_t *lo[2], *hi[2], *xp[2], *extra[2];
+} qpass_t;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
+
+static inline float gate_act(float g, int act) {
+    if (act == ACT_SILU) return g / (1.0f + exp_c(-g));
+    if (act == ACT_GELU_TANH) return 0.5f * g * (1.0f + tanh_c(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
+}
+
+static void add_bias(float *y, const float *bias, int N, int n) {
+    if (!bias) return;
+    for (int r = 0; r < N; r++)
+        for (int i = 0; i < n; i++) y[(int64_t)r * n + i] += bias[i];
+}
+
+/* Attention of every (row, head) over the keys that row sees (forerun's RowKeys), in slot order. */
+static int attend(const qpass_t *P, int idx, int kind, const float *q, float *out) {
+    int N = P->N, H = P->H, KVH = P->KVH, D = P->D, group = H / KVH;
+    const int32_t *lo = P->lo[kind], *hi = P->hi[kind], *xp = P->xp[kind], *extra = P->extra[kind];
+    int smax = 1;
+    for (int t = 0; t < N; t++) {
+        int s = hi[t] - lo[t] + xp[t + 1] - xp[t];
+        if (s > smax) smax = s;
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *w = (float *)malloc(sizeof(float) * (size_t)smax);
+        int32_t *slot = (int32_t *)malloc(sizeof(int32_t) * (size_t)smax);
+        if (!w || !slot) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int job = 0; job < N * H; job++) {
+            if (!w || !slot) continue;
+            int t = job / H, h = job % H;
+            const float *qv = q + ((int64_t)t * H + h) * D;
+            int64_t layer = (int64_t)idx * KVH * P->cap[t] * D;
+            const float *kh = (const float *)(intptr_t)P->kbase[t] + layer + (int64_t)(h / group) * P->cap[t] * D;
+            const float *vh = (const float *)(intptr_t)P->vbase[t] + layer + (int64_t)(h / group) * P->cap[t] * D;
+            int S = 0;
+            for (int j = lo[t]; j < hi[t]; j++) slot[S++] = j;
+            for (int j = xp[t]; j < xp[t + 1]; j++) slot[S++] = extra[j];
+            float m = -INFINITY;
+            for (int j = 0; j < S; j++) {
+                float s = dot_f(qv, kh + (int64_t)slot[j] * D, D) * P->scale;
+                if (P->softcap > 0.0f) s = tanh_c(s / P->softcap) * P->softcap;
+                w[j] = s;
+                m = s > m ? s : m;
+            }
+            float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int j = 0;
+            for (; j + 8 <= S; j += 8)
+                for (int l = 0; l < 8; l++) {
+                    w[j + l] = exp_c(w[j + l] - m);
+                    part[l] += w[j + l];
+                }
+            float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+            for (; j < S; j++) {
+                w[j] = exp_c(w[j] - m);
+                sum += w[j];
+            }
+            float *o = out + ((int64_t)t * H + h) * D;
+            for (int d = 0; d < D; d++) o[d] = 0.0f;
+            for (int jj = 0; jj < S; jj++) {
+                const float *vr = vh + (int64_t)slot[jj] * D;
+                float p = w[jj];
+                for (int d = 0; d < D; d++) o[d] += p * vr[d];
+            }
+            float inv = 1.0f / sum;
+            for (int d = 0; d < D; d++) o[d] *= inv;
+        }
+        free(w);
+        free(slot);
+    }
+    return failed ? -2 : 0;
+}
+
+/* One layer over the pass's rows: h [N][hidden] in place. 0, or -2 out of memory. */
+int forerun_q_layer(const qlayer_t *L, const qpass_t *P, int idx, float *h) {
+    int N = P->N, hid = P->hidden, D = P->D, H = P->H, KVH = P->KVH;
+    int nqkv = L->n_q + 2 * L->n_kv, inter = L->inter, kind = L->sliding ? 1 : 0;
+    int widest = hid > nqkv ? hid : nqkv;
+    widest = widest > 2 * inter ? widest : 2 * inter;
+    int maxin = hid > inter ? hid : inter;
+    maxin = maxin > L->n_q ? maxin : L->n_q;
+    float *x = (float *)malloc(sizeof(float) * (size_t)N * maxin);
+    float *y = (float *)malloc(sizeof(float) * (size_t)N * widest);
+    float *att = (float *)malloc(sizeof(float) * (size_t)N * H * D);
+    qact_t a;
+    int rc = act_alloc(&a, N, maxin);
+    if (!x || !y || !att || rc) {
+        rc = -2;
+        goto done;
+    }
+    /* attention block */
+    for (int r = 0; r < N; r++) rms_norm(h + (int64_t)r * hid, L->norm[0], x + (int64_t)r * hid, hid, P->eps);
+    a.D = hid;
+    quantize_rows(x, hid, N, hid, &a);
+    qmatmul(L->w, L->parts[0], &a, y, nqkv);
+    add_bias(y, L->qkv_bias, N, nqkv);
+    float *q = att; /* q [N][H][D] gathered here, then attention writes its own output into x */
+    for (int r = 0; r < N; r++) {
+        float *yr = y + (int64_t)r * nqkv;
+        const float *c = P->cos[kind] + (int64_t)r * D, *s = P->sin[kind] + (int64_t)r * D;
+        for (int hh = 0; hh < H; hh++) {
+            float *qh = q + ((int64_t)r * H + hh) * D;
+            memcpy(qh, yr + (int64_t)hh * D, sizeof(float) * (size_t)D);
+            if (L->q_norm) rms_norm(qh, L->q_norm, qh, D, P->eps);
+            rope(qh, c, s, D);
+        }
+        int64_t layer = (int64_t)idx * KVH * P->cap[r] * D;
+        for (int kh = 0; kh < KVH; kh++) {
+            float *kr = yr + L->n_q + (int64_t)kh * D, *vr = yr + L->n_q + L->n_kv + (int64_t)kh * D;
+            if (L->k_norm) rms_norm(kr, L->k_norm, kr, D, P->eps);
+            rope(kr, c, s, D);
+            int64_t at = layer + ((int64_t)kh * P->cap[r] + P->slot[r]) * D;
+            memcpy((float *)(intptr_t)P->kbase[r] + at, kr, sizeof(float) * (size_t)D);
+            memcpy((float *)(intptr_t)P->vbase[r] + at, vr, sizeof(float) * (size_t)D);
+        }
+    }
+    rc = attend(P, idx, kind, q, x);
+    if (rc) goto done;
+    a.D = L->n_q;
+    quantize_rows(x, L->n_q, N, L->n_q, &a);
+    qmatmul(L->w + L->parts[0], L->parts[1], &a, y, hid);
+    add_bias(y, L->o_bias, N, hid);
+    for (int r = 0; r < N; r++) {
+        float *hr = h + (int64_t)r * hid, *yr = y + (int64_t)r * hid;
+        if (L->sandwich) rms_norm(yr, L->norm[1], yr, hid, P->eps);
+        for (int i = 0; i < hid; i++) hr[i] = hr[i] + yr[i];
+        rms_norm(hr, L->norm[L->sandwich ? 2 : 1], x + (int64_t)r * hid, hid, P->eps);
+    }
+    /* MLP */
+    a.D = hid;
+    quantize_rows(x, hid, N, hid, &a);
+    qmatmul(L->w + L->parts[0] + L->parts[1], L->parts[2], &a, y, 2 * inter);
+    add_bias(y, L->gate_up_bias, N, 2 * inter);
+    for (int r = 0; r < N; r++) {
+        float *yr = y + (int64_t)r * 2 * inter, *xr = x + (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) xr[i] = gate_act(yr[i], L->act) * yr[inter + i];
+    }
+    a.D = inter;
+    quantize_rows(x, inter, N, inter, &a);
+    qmatmul(L->w + L->parts[0] + L->parts[1] + L->parts[2], L->parts[3], &a, y, hid);
+    add_bias(y, L->down_bias, N, hid);
+    for (int r = 0; r < N; r++) {
+        float *hr = h + (int64_t)r * hid, *yr = y + (int64_t)r * hid;
+        if (L->sandwich) rms_norm(yr, L->norm[3], yr, hid, P->eps);
+        for (int i = 0; i < hid; i++) hr[i] = hr[i] + yr[i];
+    }
+done:
+    free(x);
+    free(y);
+    free(att);
+    act_free(&a);
+    return rc;
+}

@@ -1,0 +1,265 @@
+"""GGUF weights repacked for ``qrows.c``'s integer kernels, and the ctypes side of that file.
+
+A GGUF model's linear layers run in ``qrows.c`` on their quantized blocks with 8-bit activations
+(see the top of that file for the layout and the exact order of the sums). This module turns
+each tensor's blocks (``block_weights.unpack``: codes, scales and offsets in the model's row
+order) into that layout once at load, describes it to C (``QWeightC``), picks the build of
+``qrows.c`` the CPU can run, and offers ``QLinear``: x [n, D] -> [n, V] for tests, the LM head
+and anything else outside a layer.
+
+Instruction sets: ``vnni`` (AVX-512 VNNI), ``avx2`` (AVX2, FMA, F16C) and ``portable`` (plain C).
+All three give the same bits (tested); the fastest the CPU reports is used, or the one named by
+the environment variable ``FORERUN_KERNEL`` (``portable``, ``avx2``, ``vnni``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import numpy as np
+import torch
+
+from forerun.backends.block_weights import Codes
+from forerun.gguf_file import Q4_0, Q5_0, Q6_K
+
+log = logging.getLogger("forerun")
+
+U4, U8, S8 = 0, 1, 2
+ISAS = ("vnni", "avx2", "portable")  # fastest first
+_ZB = {Q4_0: -8, Q5_0: -16, Q6_K: -32}  # codes stored unsigned, the type's signed offset added back
+
+
+class QWeightC(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("V", ctypes.c_int64), ("D", ctypes.c_int32), ("kind", ctypes.c_int32), ("sub", ctypes.c_int32),
+                ("f16", ctypes.c_int32), ("zb", ctypes.c_int32), ("col", ctypes.c_int32),
+                ("small", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
+class QPart:
+    """One GGUF tensor (``Codes`` of type ``typ``) in ``qrows.c``'s interleaved layout."""
+
+    def __init__(self, c: Codes, typ: int, col: int = 0):
+        rows, D = c.codes.shape
+        if D % 32 or c.group not in (16, 32):
+            raise ValueError(f"qrows: a weight of {D} columns in groups of {c.group} is not handled")
+        zb = _ZB.get(typ, 0)
+        stored = c.codes.astype(np.int16) - zb
+        lo, hi = int(stored.min()), int(stored.max())
+        if c.group == 32 and lo >= 0 and hi <= 15:
+            kind = U4
+        elif lo >= 0 and hi <= 127:
+            kind = U8
+        else:
+            kind, zb, stored = S8, 0, c.codes.astype(np.int16)
+            if int(stored.min()) < -128 or int(stored.max()) > 127:
+                raise ValueError("qrows: codes out of the 8-bit range")
+        G = -(-rows // 8)
+        pad = G * 8 - rows
+        nb = D // 32
+        b = np.zeros((G * 8, D), dtype=np.uint8)
+        b[:rows] = stored.astype(np.int16).astype(np.uint8) if kind != S8 else stored.astype(np.int8).view(np.uint8)
+        b = b.reshape(G, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [group, block, 4-column step j, lane, 4]
+        if kind == U4:  # steps 0-3 in the low nibbles, 4-7 in the high ones
+            b = b[:, :, :4] | (b[:, :, 4:] << 4)
+        self.codes = torch.from_numpy(np.ascontiguousarray(b).reshape(-1))
+        sub = 32 // c.group
+
+        def lay(a: np.ndarray) -> np.ndarray:  # [rows, nb * sub] -> [group][block][sub][lane]
+            a = np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) if pad else a
+            return np.ascontiguousarray(a.reshape(G, 8, nb * sub).transpose(0, 2, 1))
+
+        sc = lay(c.scale.astype(np.float32))
+        of = None if c.offset is None else lay(c.offset.astype(np.float32))
+        f16 = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (sc, of) if a is not None)
+        dt = np.float16 if f16 else np.float32
+        self.scale = torch.from_numpy(sc.astype(dt).reshape(-1))
+        self.offset = None if of is None else torch.from_numpy(of.astype(dt).reshape(-1))
+        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col = rows, D, kind, sub, int(f16), zb, col
+        self.small = int(kind == U8 and int(stored.max()) < 32)  # int16 sums over a half block cannot overflow
+
+    def struct(self) -> QWeightC:
+        return QWeightC(self.codes.data_ptr(), self.scale.data_ptr(),
+                        self.offset.data_ptr() if self.offset is not None else None,
+                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.small, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def dequantize(self) -> np.ndarray:
+        """The weights [V, D] in float64, from the packed layout (tests: the reference)."""
+        G, nb = -(-self.V // 8), self.D // 32
+        raw = self.codes.numpy()
+        if self.kind == U4:
+            b = raw.reshape(G, nb, 4, 8, 4)
+            b = np.concatenate([b & 15, b >> 4], axis=2)
+        else:
+            b = raw.reshape(G, nb, 8, 8, 4)
+        codes = b.view(np.int8) if self.kind == S8 else b
+        codes = codes.astype(np.float64).transpose(0, 3, 1, 2, 4).reshape(G * 8, self.D)[: self.V] + self.zb
+        per = 32 // self.sub
+
+        def unlay(t):
+            a = t.numpy().astype(np.float64).reshape(G, nb * self.sub, 8).transpose(0, 2, 1).reshape(G * 8, -1)
+            return np.repeat(a[: self.V], per, axis=1)
+
+        w = codes * unlay(self.scale)
+        return w + unlay(self.offset) if self.offset is not None else w
+
+
+class QLinear:
+    """A stacked weight (q, k, v; gate, up; or one tensor) as ``qrows.c`` parts: x [n, D] -> [n, V]."""
+
+    def __init__(self, parts: list[tuple[Codes, int]]):
+        col = 0
+        self.parts = []
+        for c, typ in parts:
+            p = QPart(c, typ, col)
+            self.parts.append(p)
+            col += p.V
+        self.shape = (col, self.parts[0].D)
+        self.structs = (QWeightC * len(self.parts))(*[p.struct() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, lib=None) -> torch.Tensor:
+        lib = lib or qrows_lib()
+        x = x.to(torch.float32).contiguous()
+        n, D = x.shape
+        if D != self.shape[1]:
+            raise ValueError(f"qrows: rows of {D} against a weight of {self.shape}")
+        out = torch.empty(n, self.shape[0], dtype=torch.float32)
+        lib.forerun_q_threads(torch.get_num_threads())
+        rc = lib.forerun_q_linear(self.structs, len(self.parts), x.data_ptr(), n, out.data_ptr(), self.shape[0])
+        if rc == -2:
+            raise MemoryError("qrows: out of memory")
+        if rc != 0:
+            raise ValueError(f"qrows: bad sizes {n} x {D} against {self.shape}")
+        return out
+
+
+_LIBS: dict[str, object] = {}
+
+
+def load_isa(isa: str):
+    """The build of ``qrows.c`` for ``isa``, or None where this CPU cannot run it or it cannot be built."""
+    if isa not in _LIBS:
+        from forerun.backends.ckernels import compile_isa
+
+        lib = compile_isa("qrows", isa, "GGUF models run on float32 weights (slower)", flags=("-ffp-contract=off",))
+        if lib is not None:
+            P, I = ctypes.c_void_p, ctypes.c_int
+            lib.forerun_q_isa.restype = I
+            lib.forerun_q_threads.argtypes = [I]
+            lib.forerun_q_threads.restype = I
+            lib.forerun_q_linear.argtypes = [P, I, P, I, P, ctypes.c_int64]
+            lib.forerun_q_linear.restype = I
+            lib.forerun_q_layer.argtypes = [P, P, I, P]
+            lib.forerun_q_layer.restype = I
+            lib.forerun_q_portable.argtypes = [I]
+            lib.forerun_q_portable.restype = None
+        _LIBS[isa] = lib
+    return _LIBS[isa]
+
+
+def chosen_isa() -> str | None:
+    """The instruction set the integer kernels run with here: ``FORERUN_KERNEL`` where set (and this
+    CPU runs it), else the fastest that builds; None without a C compiler."""
+    want = os.environ.get("FORERUN_KERNEL", "").strip().lower()
+    if want:
+        if want not in ISAS:
+            raise ValueError(f"FORERUN_KERNEL={want!r}: expected one of {', '.join(ISAS)}")
+        if load_isa(want) is not None:
+            return want
+        log.warning("FORERUN_KERNEL=%s: this CPU or compiler cannot run it; choosing another", want)
+    for isa in ISAS:
+        if load_isa(isa) is not None:
+            return isa
+    return None
+
+
+_CHOSEN: list = []
+
+
+def qrows_lib():
+    """The loaded build of ``qrows.c`` chosen by ``chosen_isa`` (None without a C compiler; the
+    slow path is then said once)."""
+    if not _CHOSEN:
+        isa = chosen_isa()
+        if isa is None:
+            log.warning("no integer kernels (no C compiler): GGUF models run on float32 weights, the slow path")
+        elif isa == "portable":
+            log.warning("integer kernels: portable C only (no AVX2 here), the slow path")
+        _CHOSEN.append((isa, load_isa(isa) if isa else None))
+    return _CHOSEN[0][1]
+
+
+def qrows_isa() -> str | None:
+    qrows_lib()
+    return _CHOSEN[0][0]
+
+
+# -- whole layers ------------------------------------------------------------------------------
+
+ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
+KIND = {"full_attention": 0, "sliding_attention": 1}
+
+
+class QLayerC(ctypes.Structure):
+    _fields_ = [("w", QWeightC * 8), ("parts", ctypes.c_int32 * 4),
+                ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p), ("gate_up_bias", ctypes.c_void_p),
+                ("down_bias", ctypes.c_void_p), ("norm", ctypes.c_void_p * 4), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("n_q", ctypes.c_int32), ("n_kv", ctypes.c_int32),
+                ("inter", ctypes.c_int32), ("sandwich", ctypes.c_int32), ("act", ctypes.c_int32),
+                ("sliding", ctypes.c_int32)]
+
+
+class QPassC(ctypes.Structure):
+    _fields_ = [("N", ctypes.c_int32), ("hidden", ctypes.c_int32), ("H", ctypes.c_int32), ("KVH", ctypes.c_int32),
+                ("D", ctypes.c_int32), ("layers", ctypes.c_int32), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("pad_", ctypes.c_float),
+                ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("kbase", ctypes.c_void_p),
+                ("vbase", ctypes.c_void_p), ("cap", ctypes.c_void_p), ("slot", ctypes.c_void_p),
+                ("lo", ctypes.c_void_p * 2), ("hi", ctypes.c_void_p * 2), ("xp", ctypes.c_void_p * 2),
+                ("extra", ctypes.c_void_p * 2)]
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+class QLayer:
+    """One transformer layer for ``forerun_q_layer``: its four stacked weights as ``QLinear`` and
+    its norms and biases as contiguous float32 (kept here, so that the pointers stay valid)."""
+
+    def __init__(self, layer, linears: dict[str, QLinear], act: str, sandwich: bool):
+        keep = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()  # noqa: E731
+        self.linears = linears
+        self.tensors = {"qkv_bias": keep(layer.qkv_bias), "o_bias": keep(layer.o_bias),
+                        "gate_up_bias": keep(layer.gate_up_bias), "down_bias": keep(layer.down_bias),
+                        "q_norm": keep(layer.q_norm), "k_norm": keep(layer.k_norm)}
+        self.norms = [keep(n) for n in layer.norms]
+        parts = [p for name in ("qkv", "o", "gate_up", "down") for p in linears[name].parts]
+        if len(parts) > 8:
+            raise ValueError("qrows: more than 8 weight parts in a layer")
+        c = QLayerC()
+        for i, p in enumerate(parts):
+            c.w[i] = p.struct()
+        for i, name in enumerate(("qkv", "o", "gate_up", "down")):
+            c.parts[i] = len(linears[name].parts)
+        for name, t in self.tensors.items():
+            setattr(c, name, _ptr(t))
+        for i, n in enumerate(self.norms):
+            c.norm[i] = _ptr(n)
+        c.n_q, c.n_kv, c.inter = layer.n_q, layer.n_kv, layer.inter
+        c.sandwich, c.act, c.sliding = int(sandwich), ACT_CODES[act], int(layer.sliding)
+        self.c = c
+
+    @property
+    def nbytes(self) -> int:
+        return sum(l.nbytes for l in self.linears.values())
