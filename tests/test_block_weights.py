@@ -76,8 +76,11 @@ def test_row_order_is_found_and_other_weights_are_refused():
 def test_real_models_run_every_layer_from_blocks_with_identical_outputs(name, request):
     from forerun.backends.native import NativeBackend
 
+    from forerun.models import bundled_gguf_path, smollm2_gguf_path
+
     lm = request.getfixturevalue(name)
-    be = lm.backend
+    path = (smollm2_gguf_path if name == "smollm2" else bundled_gguf_path)()
+    be = NativeBackend(lm.hf_model, gguf=str(path), integer=False)  # the float32 path on the blocks
     linears = [getattr(layer, a) for layer in be.layers for a in ("qkv", "o", "gate_up", "down")]
     assert all(lin.blocks is not None for lin in linears)
     floats = NativeBackend(lm.hf_model)  # the same model without its GGUF blocks

@@ -491,34 +491,43 @@ class NativeBackend(BackendBase):
         """Repack every layer's GGUF blocks and the LM head for ``qrows.c``; False (nothing kept)
         where a weight's type is not handled or the kernels do not build."""
         from forerun.backends.block_weights import gguf_codes
-        from forerun.backends.qweights import ACT_CODES, QLayer, QLinear, qrows_lib
         from forerun.gguf_file import GGUFFile
 
-        if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
-                or self.hidden_size % 32 or attn_rows_kernel() is None):
-            return False
         try:
             g = GGUFFile(str(path))
         except (OSError, ValueError) as e:
             log.info("no GGUF blocks (%s): layers run on float32 weights", e)
             return False
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w))
+
+    def attach_integer(self, codes_of) -> bool:
+        """Run every layer and the LM head on the integer kernels, with the blocks that
+        ``codes_of(gguf_names, weight)`` gives ((Codes, GGUF type) per tensor, stacked as ``weight``
+        stacks them, or None); the head is asked for as ``["output"]``. False (nothing changed)
+        where one is missing or the kernels cannot run it."""
+        from forerun.backends.qweights import ACT_CODES, QLayer, QLinear, qrows_lib
+
+        if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
+                or self.hidden_size % 32 or self.device.type != "cpu" or self.dtype != torch.float32):
+            return False
         quant = []
         for i, layer in enumerate(self.layers):
             lins = {}
             for attr, parts in self._GGUF_PARTS.items():
-                codes = gguf_codes(g, [f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
+                codes = codes_of([f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
                 if codes is None or any(c.codes.shape[1] % 32 for c, _ in codes):
-                    log.info("layer %d %s: GGUF type not handled by the integer kernels; float32 path", i, attr)
+                    log.info("layer %d %s: a weight type the integer kernels do not take; float32 path", i, attr)
                     return False
                 lins[attr] = QLinear(codes)
             quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
-        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        codes = gguf_codes(g, [head], self.lm_head.weight)
+        codes = codes_of(["output"], self.lm_head.weight)
         if codes is None:
-            log.info("LM head: GGUF type not handled by the integer kernels; float32 path")
+            log.info("LM head: a weight type the integer kernels do not take; float32 path")
             return False
         self.lm_head.qlin = QLinear(codes)
         self.quant = quant
+        self._exact = None
         log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
                  (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
         return True

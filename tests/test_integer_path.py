@@ -1,0 +1,163 @@
+"""The native backend's integer path (``qrows.c``: GGUF blocks, 8-bit activations, one native call
+per layer) on every architecture it claims, with tiny random models quantized in the test.
+
+Checked: logits near the float32 forward on the same weights; every row of a pass bit for bit a
+one-token step at that position (chains of 1-64 rows, past 64 cached positions, token trees,
+several sequences in one batched pass); greedy speculation equal to plain decoding."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_batch, wrap
+from forerun.backends.block_weights import Codes
+from forerun.backends.qweights import qrows_lib
+from forerun.drafters import make_drafter
+from forerun.engine import Engine
+from forerun.gguf_file import Q4_0, Q4_1, Q5_0, Q6_K, Q8_0
+from test_architectures import ARCHS, _build
+from test_engine import PROMPTS
+from test_qrows import quantize_reference
+
+pytestmark = pytest.mark.skipif(qrows_lib() is None, reason="the integer kernels need a C compiler")
+
+
+def quantize(w: torch.Tensor, typ: int) -> Codes:
+    """w [V, D] as GGUF-like codes of ``typ`` (round to nearest; scales as float16 where the type has them)."""
+    w = w.detach().float().numpy()
+    V, D = w.shape
+    group = 16 if typ == Q6_K else 32
+    g = w.reshape(V, D // group, group)
+    if typ == Q4_1:
+        mn, mx = g.min(-1), g.max(-1)
+        scale = np.maximum((mx - mn) / 15, 1e-4).astype(np.float16).astype(np.float32)
+        off = mn.astype(np.float16).astype(np.float32)
+        codes = np.clip(np.rint((g - off[..., None]) / scale[..., None]), 0, 15)
+        return Codes(codes.reshape(V, D).astype(np.int16), scale, off, 32)
+    top = {Q4_0: 8, Q5_0: 16, Q6_K: 32, Q8_0: 127}[typ]
+    scale = np.maximum(np.abs(g).max(-1) / top, 1e-4).astype(np.float16).astype(np.float32)
+    codes = np.clip(np.rint(g / scale[..., None]), -top, top - 1 if typ != Q8_0 else top)
+    return Codes(codes.reshape(V, D).astype(np.int16), scale, None, group)
+
+
+def codes_of(mix: str):
+    """A ``NativeBackend.attach_integer`` source: Q8_0 everywhere, or a mix of every kernel kind."""
+    kinds = {"qkv": Q4_1, "o": Q5_0, "gate_up": Q4_0, "down": Q6_K}
+
+    def get(names, weight):
+        if mix == "q8" or names == ["output"]:
+            return [(quantize(weight, Q8_0), Q8_0)]
+        attr = next(a for a, p in (("qkv", "attn_q"), ("o", "attn_output"), ("gate_up", "ffn_gate"), ("down", "ffn_down"))
+                    if p in names[0])
+        return [(quantize(weight, kinds[attr]), kinds[attr])]
+
+    return get
+
+
+def integer_model(arch: str, mix: str = "mixed", seed: int = 0):
+    model = _build(arch, seed)
+    lm = wrap(model, name=f"tiny-{arch}-int")
+    assert lm.backend.attach_integer(codes_of(mix))
+    assert lm.backend.greedy_head == "integer" and lm.backend.batch_invariant
+    return model, lm
+
+
+class _Reference:
+    """A linear layer as the integer path computes it, in float64: activations quantized per row and
+    32 values to 8 bits, times the dequantized codes (``test_qrows.quantize_reference``)."""
+
+    def __init__(self, codes: Codes):
+        self.w = torch.from_numpy(codes.dequantize().astype(np.float64))
+
+    def __call__(self, x, how=None):
+        q, d = quantize_reference(x.detach().float().numpy())
+        xq = torch.from_numpy((q * d).reshape(x.shape[0], -1).astype(np.float64))
+        return (xq @ self.w.T).float()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layers_compute_what_the_reference_computes(arch):
+    """The whole forward against the float path with every product replaced by its reference: a
+    wrong norm, rotation, attention, activation or residual gives errors far above rounding."""
+    model, lm = integer_model(arch)
+    ref = wrap(model, name="tiny-reference").backend
+    get = codes_of("mixed")
+    for i, layer in enumerate(ref.layers):
+        for attr, parts in ref._GGUF_PARTS.items():
+            lin = getattr(layer, attr)
+            setattr(layer, attr, _Reference(get([f"blk.{i}.{p}.weight" for p in parts], lin.weight)[0][0]))
+    ref.lm_head = _Reference(get(["output"], ref.lm_head.weight)[0][0])
+    ref._body_choice["kernel"], ref._want_invariant, ref._exact = "onednn", False, False
+    ids = torch.tensor([2, 7, 8, 9, 10, 7, 8, 9, 11, 12, 13, 7, 8])
+    got = lm.backend.forward(ids, 0).logits
+    want = ref.forward(ids, 0).logits
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 2e-3, err  # the same quantized operands; float32 sums in another order
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_row_of_a_pass_is_a_one_token_step(arch):
+    _, lm = integer_model(arch)
+    be = lm.backend
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 96, (150,), generator=g)
+    be.reset()
+    be.forward(ids[:70], 0, logits=False)  # a prompt pass past 64 rows
+    steps = torch.cat([be.forward(ids[i: i + 1], i).logits for i in range(70, 150)])
+    for n in (1, 2, 5, 9, 33, 64):
+        for start in (70, 150 - n):
+            be.truncate(70)
+            if start > 70:  # one pass over the rows in between: by invariance, the steps' cache
+                be.forward(ids[70: start], 70, logits=False)
+            chain = be.forward(ids[start: start + n], start).logits
+            assert torch.equal(chain, steps[start - 70: start - 70 + n]), (n, start)
+
+
+def test_tree_rows_and_batched_sequences_are_one_token_steps():
+    _, lm = integer_model("gemma3")
+    be = lm.backend
+    prompt = torch.tensor([2, 7, 8, 9, 10, 11, 12, 13, 14])
+    be.reset()
+    be.forward(prompt, 0, logits=False)
+    P = len(prompt)
+    # tree: root 20, children 21 and 22, 23 under 21
+    tree_tokens = torch.tensor([20, 21, 22, 23])
+    parents = torch.tensor([-1, -1, 0])  # node i is row i + 1; -1: the root
+    out = be.forward(tree_tokens, P, tree=parents).logits
+    for path, rows in (([20, 21, 23], [0, 1, 3]), ([20, 22], [0, 2])):
+        be.truncate(P)
+        steps = torch.cat([be.forward(torch.tensor([t]), P + i).logits for i, t in enumerate(path)])
+        assert torch.equal(out[rows], steps), path
+    # two sequences in one pass: each row as its own sequence's one-token steps give it
+    a, b = be.fork(), be.fork()
+    a.forward(prompt, 0, logits=False)
+    b.forward(prompt[:5], 0, logits=False)
+    both = be.forward_batch([a, b], [torch.tensor([30, 31, 32]), torch.tensor([40])], [P, 5])
+    a.truncate(P)
+    b.truncate(5)
+    sa = torch.cat([a.forward(torch.tensor([t]), P + i).logits for i, t in enumerate([30, 31, 32])])
+    sb = b.forward(torch.tensor([40]), 5).logits
+    assert torch.equal(both[0].logits, sa) and torch.equal(both[1].logits, sb)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_greedy_speculation_equals_plain_decoding(arch):
+    _, lm = integer_model(arch)
+    plain = Engine(lm.backend, None, lm.eos_token_ids)
+    for method, k in (("ngram", 4), ("ngram", "auto"), ("layerskip", 3)):
+        eng = Engine(lm.backend, make_drafter(method, lm), lm.eos_token_ids)
+        for p in PROMPTS:
+            want = plain.generate(p, max_new_tokens=40, k=0).token_ids
+            assert eng.generate(p, max_new_tokens=40, k=k).token_ids == want, (arch, method, p)
+
+
+def test_batched_engine_equals_plain_decoding():
+    from forerun.batching import BatchEngine, BatchRequest
+    from forerun.drafters.ngram import NgramDrafter
+
+    _, lm = integer_model("llama")
+    plain = Engine(lm.backend, None, lm.eos_token_ids)
+    want = [plain.generate(p, max_new_tokens=24, k=0).token_ids for p in PROMPTS]
+    be = BatchEngine(lm.backend, lm.eos_token_ids, drafter=NgramDrafter(), max_batch=4)
+    got = run_batch(be, [BatchRequest(prompt=list(p), max_new_tokens=24) for p in PROMPTS])
+    assert got == want
