@@ -13,7 +13,10 @@ from forerun.engine import Engine
 
 pytestmark = pytest.mark.bundled
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Answered correctly on the integer path (llama.cpp-like numerics); "the capital of France" is
+# answered in rambling French there, as by llama.cpp itself, and correctly on the float32 path.
+QUESTION = [{"role": "user", "content": "What is the capital of Germany?"}]
+ANSWER = "Berlin"
 PROMPTS = ["Write a Python function that returns the squares of a list of numbers.",
            "Summarize: The cat sat on the mat. The cat sat on the mat because the mat was warm.",
            "List three colors:"]
@@ -33,8 +36,11 @@ def _lossless(lm, drafter, prompts=PROMPTS, max_new_tokens=40, k=4) -> int:
 
 
 def test_runs_on_the_native_backend_and_matches_transformers(smollm2):
-    be = smollm2.backend
-    assert type(be).__name__ == "NativeBackend" and be.vocab_size == 49152
+    from forerun.backends.native import NativeBackend
+
+    assert type(smollm2.backend).__name__ == "NativeBackend" and smollm2.backend.quant is not None
+    be = NativeBackend(smollm2.hf_model)  # the float32 path: transformers' numbers
+    assert be.vocab_size == 49152
     ids = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 3).input_ids
     with torch.inference_mode():
         ref = smollm2.hf_model(torch.tensor([ids])).logits[0].float()
@@ -47,16 +53,18 @@ def test_runs_on_the_native_backend_and_matches_transformers(smollm2):
 def test_real_chat_template_answers(smollm2):
     ids = chat_ids(smollm2.tokenizer, QUESTION)
     text = smollm2.tokenizer.decode(ids)
-    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nWhat is the capital of France?"
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nWhat is the capital of Germany?"
                                                                       "<|im_end|>\n<|im_start|>assistant\n")
     out = Engine(smollm2.backend, None, smollm2.eos_token_ids).generate(ids, max_new_tokens=16)
-    assert "Paris" in smollm2.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert ANSWER in smollm2.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason == "stop"  # <|im_end|> ends the turn
 
 
 def test_plain_decoding_equals_transformers_generate(smollm2):
+    from forerun.backends.native import NativeBackend
+
     ids = chat_ids(smollm2.tokenizer, QUESTION)
-    ours = Engine(smollm2.backend, None, smollm2.eos_token_ids).generate(ids, max_new_tokens=24).token_ids
+    ours = Engine(NativeBackend(smollm2.hf_model), None, smollm2.eos_token_ids).generate(ids, max_new_tokens=24).token_ids
     with torch.inference_mode():
         theirs = smollm2.hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, top_p=None,
                                            top_k=None, eos_token_id=sorted(smollm2.eos_token_ids))
@@ -86,9 +94,9 @@ def test_suffix_trees_and_adaptation_are_lossless(smollm2):
 def test_cli_generate_chats_by_default(capsys):
     from forerun.cli import main
 
-    rc = main(["generate", "What is the capital of France?", "--backend", "torch", "--max-new-tokens", "16", "--json"])
+    rc = main(["generate", "What is the capital of Germany?", "--backend", "torch", "--max-new-tokens", "16", "--json"])
     obj = json.loads(capsys.readouterr().out)
-    assert rc == 0 and obj["chat"] is True and "Paris" in obj["text"]
+    assert rc == 0 and obj["chat"] is True and ANSWER in obj["text"]
     rc = main(["generate", "The capital of France is", "--no-chat", "--backend", "torch", "--max-new-tokens", "4", "--json"])
     obj = json.loads(capsys.readouterr().out)
     assert rc == 0 and obj["chat"] is False
@@ -107,7 +115,7 @@ def test_openai_client_chat_on_smollm2(smollm2):
         assert ids == ["SmolLM2-135M-Instruct.Q4_1"]
         for name in (ids[0], "smollm2"):  # the listed id, or the name it was loaded by
             r = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=16, temperature=0)
-            assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+            assert ANSWER in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
         chunks = list(client.chat.completions.create(model=ids[0], messages=QUESTION, max_tokens=16, temperature=0,
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
