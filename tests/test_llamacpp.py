@@ -22,10 +22,16 @@ def lc():
     return load_model("bundled", backend="llama.cpp", threads=2)
 
 
-def test_auto_backend_picks_llamacpp_for_gguf():
-    from forerun.models import choose_backend
+def test_auto_backend_picks_llamacpp_for_gguf(tmp_path):
+    from forerun.models import bundled_gguf_path, choose_backend, integer_ready
 
-    assert choose_backend("auto", "gguf", torch.device("cpu")) == "llama.cpp"
+    assert choose_backend("auto", "gguf", torch.device("cpu")) == "llama.cpp"  # a GGUF file not known to run natively
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf")
+    assert choose_backend("auto", "gguf", torch.device("cpu"), str(bad)) == "llama.cpp"
+    # the bundled model runs on the integer path wherever its kernels build
+    want = "torch" if integer_ready(bundled_gguf_path()) else "llama.cpp"
+    assert choose_backend("auto", "gguf", torch.device("cpu"), str(bundled_gguf_path())) == want
     assert choose_backend("auto", "folder", torch.device("cpu")) == "torch"
     with pytest.raises(ForerunError, match="needs a .gguf"):
         choose_backend("llama.cpp", "hub", torch.device("cpu"))

@@ -85,7 +85,7 @@ def test_the_weights_rebuild_exactly():
         assert np.array_equal(QPart(c, typ).dequantize().astype(np.float32), c.dequantize()), name
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("name", list(TYPES))
 def test_a_row_does_not_depend_on_the_pass(name):
     typ = TYPES[name]
     c = unpack(random_blocks(typ, 64, 256, seed=5), typ)

@@ -234,14 +234,43 @@ def _gguf_tokenizer(path: Path):
 BACKENDS = ("auto", "torch", "native", "hf", "llama.cpp")
 
 
-def choose_backend(backend: str, kind: str, dev: torch.device) -> str:
-    """auto: llama.cpp for a .gguf model on the CPU when llama-cpp-python is installed, else torch."""
+# GGUF architectures the native forward runs (``general.architecture``; Mistral files say llama)
+_NATIVE_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+
+
+def integer_ready(path: str | Path) -> bool:
+    """Whether a GGUF file runs on the torch backend's integer path here: an architecture of the
+    native forward, every weight of a block type the kernels take, and the kernels built. In one
+    run on our 2-core CPU that path decoded 1.38x (SmolLM2, Q4_1) and 1.18x (Gemma 3 270M, Q4_K_M)
+    as fast as llama.cpp's own plain decoding (docs/benchmarks.md)."""
+    from forerun.gguf_file import BLOCKS, GGUFFile
+
+    try:
+        g = GGUFFile(str(path))
+    except (OSError, ValueError):
+        return False
+    if g.metadata.get("general.architecture") not in _NATIVE_GGUF_ARCHS:
+        return False
+    for name, t in g.tensors.items():
+        linear = name.startswith("blk.") and len(t.shape) == 2 and not name.endswith("norm.weight")
+        if (linear or name in ("output.weight", "token_embd.weight")) and t.type not in BLOCKS:
+            return False
+    from forerun.backends.qweights import qrows_lib
+
+    return qrows_lib() is not None
+
+
+def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None = None) -> str:
+    """auto: for a .gguf model (at ``path``) on the CPU, torch where its integer path runs
+    (``integer_ready``), else llama.cpp when llama-cpp-python is installed; torch otherwise."""
     if backend not in BACKENDS:
         raise ForerunError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
     if backend == "auto":
         from forerun.backends.llamacpp import available
 
-        return "llama.cpp" if kind == "gguf" and dev.type == "cpu" and available() else "torch"
+        if kind == "gguf" and dev.type == "cpu" and not (path and integer_ready(path)) and available():
+            return "llama.cpp"
+        return "torch"
     if backend == "llama.cpp":
         if kind != "gguf":
             raise ForerunError("the llama.cpp backend needs a .gguf model (or bundled); use --backend torch")
@@ -254,14 +283,16 @@ TORCH_METHODS = ("layerskip", "eagle", "medusa")  # need the torch backend: laye
 
 
 def method_backend(method: str, spec: str, device: str = "auto") -> str:
-    """``--backend auto`` per method: llama.cpp's quantized kernels for the methods that run on a
-    GGUF model's own outputs (none, ngram, draft) on the CPU, torch for those that skip layers or
-    read hidden states (layerskip, eagle, medusa), and torch for anything not a GGUF file."""
+    """``--backend auto`` per method: torch wherever a GGUF model runs on its integer path
+    (``integer_ready``) and for anything not a GGUF file; otherwise llama.cpp's kernels for the
+    methods that run on a GGUF model's own outputs (none, ngram, draft) on the CPU, torch for those
+    that skip layers or read hidden states (layerskip, eagle, medusa)."""
     from forerun.backends.llamacpp import available
 
-    kind, _ = resolve_source(spec)
+    kind, loc = resolve_source(spec)
     on_cpu = resolve_device(device).type == "cpu"
-    if kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS:
+    if (kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS
+            and not integer_ready(loc)):
         return "llama.cpp"
     return "torch"
 
@@ -311,7 +342,7 @@ def load_model(
         torch.set_num_threads(threads)
     dev = resolve_device(device)
     kind, loc = resolve_source(spec)
-    backend = choose_backend(backend, kind, dev)
+    backend = choose_backend(backend, kind, dev, loc if kind == "gguf" else None)
     if backend == "llama.cpp":
         return _load_llamacpp(spec, Path(loc), max_context=max_context, threads=threads)
     if backend == "torch":
