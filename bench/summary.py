@@ -2,7 +2,7 @@
 
 Usage: python bench/summary.py RESULTS_DIR [RESULTS_DIR ...]  (prints markdown)
 
-One row per model and backend: the peer's plain decoding, our plain decoding, our fastest
+One row per model, backend and peer: the peer's plain decoding, our plain decoding, our fastest
 method, its speedup over the peer, its mean accepted length, and greedy equality with our plain
 decoding over all prompts.
 """
@@ -21,19 +21,21 @@ def rows(folder: Path) -> list[str]:
     cfg, methods = d["config"], d["methods"]
     peers = [p for p in cfg["peers"] if p in methods]
     ours = {m: methods[m] for m in cfg["methods"] if m in methods}
-    peer = max(peers, key=lambda p: methods[p]["tokens_per_s"]) if peers else None
     best = max(ours, key=lambda m: ours[m]["tokens_per_s"])
     backends = set(cfg.get("backend_by_method", {}).values()) or {cfg.get("backend")}
     prompts = cfg["prompts"]
     equal = min(ours[m]["greedy_equal"] for m in ours)
     b = ours[best]
     tau = b.get("mean_accepted_len")
-    peer_tps = methods[peer]["tokens_per_s"] if peer else None
-    return [f"| {cfg['model']} | {', '.join(sorted(backends))} | "
-            + (f"{PEER_NAMES.get(peer, peer)} {peer_tps:.1f}" if peer else "-")
-            + f" | {ours['none']['tokens_per_s']:.1f} | `{best}` {b['tokens_per_s']:.1f}"
-            + (f" | **{b['tokens_per_s'] / peer_tps:.2f}x**" if peer else " | -")
-            + f" | {f'{tau:.2f}' if tau else '-'} | {equal}/{prompts} |"]
+    out = []
+    for peer in peers or [None]:
+        peer_tps = methods[peer]["tokens_per_s"] if peer else None
+        out.append(f"| {cfg['model']} | {', '.join(sorted(backends))} | "
+                   + (f"{PEER_NAMES.get(peer, peer)} {peer_tps:.1f}" if peer else "-")
+                   + f" | {ours['none']['tokens_per_s']:.1f} | `{best}` {b['tokens_per_s']:.1f}"
+                   + (f" | **{b['tokens_per_s'] / peer_tps:.2f}x**" if peer else " | -")
+                   + f" | {f'{tau:.2f}' if tau else '-'} | {equal}/{prompts} |")
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -47,8 +47,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],
                    help="llama.cpp (GGUF models, quantized CPU kernels) or torch (our native forward for Llama, Mistral, Qwen2/3 and Gemma where "
-                        "supported, else transformers; 'native' and 'hf' force one); auto: llama.cpp for a .gguf "
-                        "model on the CPU when llama-cpp-python is installed, torch otherwise")
+                        "supported, else transformers; 'native' and 'hf' force one); auto: torch (its integer path on the "
+                        "file's blocks) for a .gguf model it runs, else llama.cpp for a .gguf model on the CPU when "
+                        "llama-cpp-python is installed, torch otherwise")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's count)")
     p.add_argument("--skip-layers", default=None, help="layerskip: comma-separated layers to skip (default: calibrated set)")
 

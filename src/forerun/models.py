@@ -247,7 +247,7 @@ def integer_ready(path: str | Path) -> bool:
 
     try:
         g = GGUFFile(str(path))
-    except (OSError, ValueError):
+    except Exception:  # unreadable or malformed: the loader that follows says what is wrong
         return False
     if g.metadata.get("general.architecture") not in _NATIVE_GGUF_ARCHS:
         return False
