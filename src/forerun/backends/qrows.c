@@ -224,7 +224,7 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_SIMD 1
-#define RT 3 /* activation rows per register tile */
+#define RT 2 /* activation rows per register tile (3 and 4 spill on AVX2's 16 registers) */
 
 static inline __m256 load8_scales(const void *p, int f16, int64_t i) {
     if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
