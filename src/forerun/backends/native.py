@@ -528,6 +528,9 @@ class NativeBackend(BackendBase):
         self.lm_head.qlin = QLinear(codes)
         self.quant = quant
         self._exact = None
+        for layer in self.layers:  # the layers' oneDNN copies (a float32 model's size) are never read again
+            for attr in self._GGUF_PARTS:
+                getattr(layer, attr).packed = None
         log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
                  (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
         return True
