@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from forerun.backends.block_weights import unpack
-from forerun.backends.qweights import ISAS, QLinear, QPart, load_isa
+from forerun.backends.qweights import ISAS, QLinear, QPart, load_isa, qrows_lib
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
+needs_kernels = pytest.mark.skipif(qrows_lib() is None, reason="the integer kernels need a C compiler")
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K,
          "Q6_K": Q6_K}
@@ -54,6 +56,7 @@ def _bound(part, x):
     return 1e-6 * mag + 1e-6  # float32 accumulation over a few dozen blocks: far inside this
 
 
+@needs_kernels
 @pytest.mark.parametrize("name", list(TYPES))
 def test_every_type_and_build_matches_the_reference(name):
     typ = TYPES[name]
@@ -85,6 +88,7 @@ def test_the_weights_rebuild_exactly():
         assert np.array_equal(QPart(c, typ).dequantize().astype(np.float32), c.dequantize()), name
 
 
+@needs_kernels
 @pytest.mark.parametrize("name", list(TYPES))
 def test_a_row_does_not_depend_on_the_pass(name):
     typ = TYPES[name]
@@ -99,6 +103,7 @@ def test_a_row_does_not_depend_on_the_pass(name):
         assert torch.equal(lin(x[i: i + 1])[0], whole[i])
 
 
+@needs_kernels
 def test_stacked_parts_of_different_types():
     a = unpack(random_blocks(Q4_K, 24, 256, seed=7), Q4_K)
     b = unpack(random_blocks(Q6_K, 11, 256, seed=8), Q6_K)
@@ -110,7 +115,50 @@ def test_stacked_parts_of_different_types():
     assert torch.equal(out[:, 24:], QLinear([(b, Q6_K)])(x))
 
 
+@needs_kernels
 def test_bad_sizes_are_refused():
     c = unpack(random_blocks(Q8_0, 8, 64, seed=1), Q8_0)
     with pytest.raises(ValueError):
         QLinear([(c, Q8_0)])(torch.zeros(2, 32))
+
+
+def _fresh(code: str, **env) -> tuple[str, str]:
+    """Run ``code`` in a new interpreter (fresh kernel choice) with ``env`` added; (stdout, stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env})
+    return r.stdout.strip(), r.stderr
+
+
+def test_without_a_compiler_the_slow_path_is_said_once(tmp_path):
+    out, err = _fresh("from forerun.backends.qweights import qrows_lib; print(qrows_lib(), qrows_lib())",
+                      CC=str(tmp_path / "no-such-cc"), FORERUN_CACHE=str(tmp_path))
+    assert out == "None None"
+    assert err.count("no C compiler found") == 1
+    assert err.count("the slow path") == 1
+
+
+@needs_kernels
+def test_a_kernel_build_can_be_forced_and_a_bad_name_is_refused(tmp_path):
+    out, _ = _fresh("from forerun.backends.qweights import qrows_isa; print(qrows_isa())", FORERUN_KERNEL="portable")
+    assert out == "portable"
+    out, err = _fresh("from forerun.backends.qweights import qrows_isa; print(qrows_isa())", FORERUN_KERNEL="sse9")
+    assert "FORERUN_KERNEL='sse9': expected one of vnni, avx2, portable" in err
+
+
+def test_cached_native_builds_are_keyed_by_cpu_and_compiler(monkeypatch):
+    from forerun.backends import ckernels
+
+    a = ckernels.kernel_path("f32_rows", "cc", ("-march=native",), (), "native")
+    monkeypatch.setattr(ckernels, "cpu_flags", lambda: frozenset({"sse2"}))
+    b = ckernels.kernel_path("f32_rows", "cc", ("-march=native",), (), "native")
+    monkeypatch.setattr(ckernels, "compiler_version", lambda cc: "cc 99")
+    c = ckernels.kernel_path("f32_rows", "cc", ("-march=native",), (), "native")
+    assert len({a, b, c}) == 3
+    # a build for a named instruction set runs wherever the CPU has it: not keyed by the CPU's flags
+    d = ckernels.kernel_path("qrows", "cc", ckernels.ISA_FLAGS["avx2"], (), "avx2")
+    monkeypatch.setattr(ckernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
+    assert ckernels.kernel_path("qrows", "cc", ckernels.ISA_FLAGS["avx2"], (), "avx2") == d

@@ -75,17 +75,25 @@ def _say_once(key: str, msg: str, *args) -> None:
         log.warning(msg, *args)
 
 
-def _build(name: str, arch: tuple, flags: tuple, without: str, tag: str):
+def kernel_path(name: str, cc: str, arch: tuple, flags: tuple, tag: str) -> Path:
+    """Where the build of ``<name>.c`` with this compiler and these flags is cached: the key holds
+    the source, the compiler and its version, the machine type and the flags, and for
+    ``-march=native`` builds the CPU's feature flags too."""
     src = Path(__file__).with_name(f"{name}.c")
-    cc = _compiler()
-    if cc is None:
-        _say_once(f"nocc:{name}", "no C compiler found for %s.c: %s", name, without)
-        return None
     native = "-march=native" in arch
     key = hashlib.sha1(b"\0".join([
         src.read_bytes(), cc.encode(), compiler_version(cc).encode(), platform.machine().encode(),
         " ".join(arch + flags).encode(), " ".join(sorted(cpu_flags())).encode() if native else b""])).hexdigest()[:12]
-    out = cache_dir() / "kernels" / f"{name}-{tag}-{key}.so"
+    return cache_dir() / "kernels" / f"{name}-{tag}-{key}.so"
+
+
+def _build(name: str, arch: tuple, flags: tuple, without: str, tag: str):
+    src = Path(__file__).with_name(f"{name}.c")
+    cc = _compiler()
+    if cc is None or shutil.which(cc) is None:
+        _say_once(f"nocc:{name}", "no C compiler found%s for %s.c: %s", f" ({cc})" if cc else "", name, without)
+        return None
+    out = kernel_path(name, cc, arch, flags, tag)
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")

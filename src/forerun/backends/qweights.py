@@ -173,7 +173,9 @@ def chosen_isa() -> str | None:
     want = os.environ.get("FORERUN_KERNEL", "").strip().lower()
     if want:
         if want not in ISAS:
-            raise ValueError(f"FORERUN_KERNEL={want!r}: expected one of {', '.join(ISAS)}")
+            from forerun.errors import ForerunError
+
+            raise ForerunError(f"FORERUN_KERNEL={want!r}: expected one of {', '.join(ISAS)}")
         if load_isa(want) is not None:
             return want
         log.warning("FORERUN_KERNEL=%s: this CPU or compiler cannot run it; choosing another", want)
