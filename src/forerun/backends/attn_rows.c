@@ -16,49 +16,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-int forerun_attn_threads(int n) {
-#ifdef _OPENMP
-    if (n > 0) omp_set_num_threads(n);
-    return omp_get_max_threads();
-#else
-    (void)n;
-    return 1;
-#endif
-}
+#include "rows_common.h"
 
-/* exp(x) for x <= 0 (a score minus the row's maximum): 2^n * p(r), Cephes-style polynomial;
- * plain float operations, so the loops that call it vectorise. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, sizeof s);
-    return y * s;
-}
-
-static float dot(const float *a, const float *b, int D) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; d < D; d++) s += a[d] * b[d];
-    return s;
-}
+int forerun_attn_threads(int n) { return rows_threads(n); }
 
 /* The keys and values k, v [T, KVH, D] of a pass's rows into their sequences' layer caches: row t
  * goes to position pos[t] of the cache at kp[t], vp[t] ([KVH, caps[t], D]). Plain copies, one
@@ -98,38 +59,10 @@ int forerun_attn_rows_multi(const float *q, const int64_t *kp, const int64_t *vp
         for (int job = 0; job < T * H; job++) {
             if (w == NULL || slot == NULL) continue;
             int t = job / H, h = job % H;
-            const float *qv = q + ((int64_t)t * H + h) * D;
             const float *kh = (const float *)(intptr_t)kp[t] + (int64_t)(h / group) * caps[t] * D;
             const float *vh = (const float *)(intptr_t)vp[t] + (int64_t)(h / group) * caps[t] * D;
-            int S = 0;
-            for (int j = lo[t]; j < hi[t]; j++) slot[S++] = j;
-            for (int j = xp[t]; j < xp[t + 1]; j++) slot[S++] = extra[j];
-            float m = -INFINITY;
-            for (int j = 0; j < S; j++) {
-                w[j] = dot(qv, kh + (int64_t)slot[j] * D, D) * scale;
-                m = w[j] > m ? w[j] : m;
-            }
-            float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int j = 0;
-            for (; j + 8 <= S; j += 8)
-                for (int l = 0; l < 8; l++) {
-                    w[j + l] = exp_nonpos(w[j + l] - m);
-                    part[l] += w[j + l];
-                }
-            float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-            for (; j < S; j++) {
-                w[j] = exp_nonpos(w[j] - m);
-                sum += w[j];
-            }
-            float *o = out + ((int64_t)t * H + h) * D;
-            for (int d = 0; d < D; d++) o[d] = 0.0f;
-            for (int jj = 0; jj < S; jj++) {
-                const float *vr = vh + (int64_t)slot[jj] * D;
-                float p = w[jj];
-                for (int d = 0; d < D; d++) o[d] += p * vr[d];
-            }
-            float inv = 1.0f / sum;
-            for (int d = 0; d < D; d++) o[d] *= inv;
+            attend_one(q + ((int64_t)t * H + h) * D, kh, vh, D, lo[t], hi[t], extra + xp[t], xp[t + 1] - xp[t], scale,
+                       0.0f, NULL, w, slot, out + ((int64_t)t * H + h) * D);
         }
         free(w);
         free(slot);

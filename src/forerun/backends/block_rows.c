@@ -25,22 +25,12 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "rows_common.h"
 
 #define TV 4 /* weight rows per tile */
 #define TR 2 /* activation rows per tile */
 
-int forerun_block_threads(int n) {
-#ifdef _OPENMP
-    if (n > 0) omp_set_num_threads(n);
-    return omp_get_max_threads();
-#else
-    (void)n;
-    return 1;
-#endif
-}
+int forerun_block_threads(int n) { return rows_threads(n); }
 
 /* The weights a tile reads: one of the two layouts. */
 typedef struct {

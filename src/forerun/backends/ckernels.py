@@ -77,12 +77,13 @@ def _say_once(key: str, msg: str, *args) -> None:
 
 def kernel_path(name: str, cc: str, arch: tuple, flags: tuple, tag: str) -> Path:
     """Where the build of ``<name>.c`` with this compiler and these flags is cached: the key holds
-    the source, the compiler and its version, the machine type and the flags, and for
+    the source and the headers beside it, the compiler and its version, the machine type and the flags, and for
     ``-march=native`` builds the CPU's feature flags too."""
     src = Path(__file__).with_name(f"{name}.c")
     native = "-march=native" in arch
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # what the sources include
     key = hashlib.sha1(b"\0".join([
-        src.read_bytes(), cc.encode(), compiler_version(cc).encode(), platform.machine().encode(),
+        src.read_bytes(), headers, cc.encode(), compiler_version(cc).encode(), platform.machine().encode(),
         " ".join(arch + flags).encode(), " ".join(sorted(cpu_flags())).encode() if native else b""])).hexdigest()[:12]
     return cache_dir() / "kernels" / f"{name}-{tag}-{key}.so"
 

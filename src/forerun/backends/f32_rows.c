@@ -20,9 +20,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "rows_common.h"
 
 #ifndef TV
 #define TV 4 /* weight rows per tile */
@@ -31,15 +29,7 @@
 #define TR 3 /* activation rows per tile */
 #endif
 
-int forerun_f32_threads(int n) {
-#ifdef _OPENMP
-    if (n > 0) omp_set_num_threads(n);
-    return omp_get_max_threads();
-#else
-    (void)n;
-    return 1;
-#endif
-}
+int forerun_f32_threads(int n) { return rows_threads(n); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline float hsum8(__m256 a) {
@@ -141,29 +131,6 @@ int forerun_f32_rows(const float *w, int64_t V, int D, const float *x, int n, fl
     return 0;
 }
 
-/* IEEE half -> float for the fallback loop (normals, subnormals, zeros, infinities, NaN). */
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) {
-                man <<= 1;
-                exp--;
-            }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 0x1f) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else {
-        bits = sign | ((exp - 15 + 127) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* As forerun_f32_rows with float16 weights w [V][D] (IEEE half, as torch.float16 stores them). */
 int forerun_f16w_rows(const uint16_t *w, int64_t V, int D, const float *x, int n, float *out) {

@@ -22,9 +22,7 @@
 #include <string.h>
 #include <math.h>
 #include <immintrin.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "rows_common.h"
 
 #define QK 32
 #define MAXR 64
@@ -34,23 +32,7 @@ static inline float fp16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return half_to_float(h);
 #endif
 }
 
@@ -399,10 +381,4 @@ int forerun_q8_rows_x8(const uint8_t *wu, const uint16_t *dh, int64_t V, int nb,
 #endif
 }
 
-void forerun_q8_threads(int n) {
-#ifdef _OPENMP
-    if (n > 0) omp_set_num_threads(n);
-#else
-    (void)n;
-#endif
-}
+void forerun_q8_threads(int n) { rows_threads(n); }

@@ -42,9 +42,8 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "rows_common.h"
 
 enum { U4 = 0, U8 = 1, S8 = 2 };
 
@@ -83,41 +82,9 @@ int forerun_q_isa(void) {
 #endif
 }
 
-int forerun_q_threads(int n) {
-#ifdef _OPENMP
-    if (n > 0) omp_set_num_threads(n);
-    return omp_get_max_threads();
-#else
-    (void)n;
-    return 1;
-#endif
-}
+int forerun_q_threads(int n) { return rows_threads(n); }
 
 static inline int code_bytes(int kind) { return kind == U4 ? 128 : 256; }
-
-/* float16 bits -> float, exactly (normal, subnormal, zero, inf/nan). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while (!(man & 1024));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 1023) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* ---- activations ---------------------------------------------------------------------------- */
 
@@ -419,36 +386,7 @@ int forerun_q_linear(const qweight_t *w, int parts, const float *x, int N, float
 
 /* ---- the rest of a layer -------------------------------------------------------------------- */
 
-/* exp(x), clamped to [-87, 88]: 2^n * p(r), Cephes-style, plain float operations in a fixed order. */
-static inline float exp_c(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float shifter = 12582912.0f;
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, sizeof s);
-    return y * s;
-}
-
 static inline float tanh_c(float x) { return 1.0f - 2.0f / (exp_c(2.0f * x) + 1.0f); }
-
-static float dot_f(const float *a, const float *b, int D) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; d < D; d++) s += a[d] * b[d];
-    return s;
-}
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over n values (in place allowed). */
 static void rms_norm(const float *x, const float *w, float *y, int n, float eps) {
@@ -522,41 +460,11 @@ static int attend(const qpass_t *P, int idx, int kind, const float *q, float *ou
         for (int job = 0; job < N * H; job++) {
             if (!w || !slot) continue;
             int t = job / H, h = job % H;
-            const float *qv = q + ((int64_t)t * H + h) * D;
             int64_t layer = (int64_t)idx * KVH * P->cap[t] * D;
             const float *kh = (const float *)(intptr_t)P->kbase[t] + layer + (int64_t)(h / group) * P->cap[t] * D;
             const float *vh = (const float *)(intptr_t)P->vbase[t] + layer + (int64_t)(h / group) * P->cap[t] * D;
-            int S = 0;
-            for (int j = lo[t]; j < hi[t]; j++) slot[S++] = j;
-            for (int j = xp[t]; j < xp[t + 1]; j++) slot[S++] = extra[j];
-            float m = -INFINITY;
-            for (int j = 0; j < S; j++) {
-                float s = dot_f(qv, kh + (int64_t)slot[j] * D, D) * P->scale;
-                if (P->softcap > 0.0f) s = tanh_c(s / P->softcap) * P->softcap;
-                w[j] = s;
-                m = s > m ? s : m;
-            }
-            float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int j = 0;
-            for (; j + 8 <= S; j += 8)
-                for (int l = 0; l < 8; l++) {
-                    w[j + l] = exp_c(w[j + l] - m);
-                    part[l] += w[j + l];
-                }
-            float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-            for (; j < S; j++) {
-                w[j] = exp_c(w[j] - m);
-                sum += w[j];
-            }
-            float *o = out + ((int64_t)t * H + h) * D;
-            for (int d = 0; d < D; d++) o[d] = 0.0f;
-            for (int jj = 0; jj < S; jj++) {
-                const float *vr = vh + (int64_t)slot[jj] * D;
-                float p = w[jj];
-                for (int d = 0; d < D; d++) o[d] += p * vr[d];
-            }
-            float inv = 1.0f / sum;
-            for (int d = 0; d < D; d++) o[d] *= inv;
+            attend_one(q + ((int64_t)t * H + h) * D, kh, vh, D, lo[t], hi[t], extra + xp[t], xp[t + 1] - xp[t], P->scale,
+                       P->softcap, tanh_c, w, slot, out + ((int64_t)t * H + h) * D);
         }
         free(w);
         free(slot);

@@ -1,0 +1,116 @@
+/* What the package's C kernels share: the OpenMP thread setting, exact float16 -> float, and
+ * attention of one (row, head) over the cache slots that row sees, in an order fixed by those
+ * slots alone (so a verify pass's row gives what a one-token step gives). Plain float operations
+ * in a written-out order: every build of every file that includes it computes the same bits. */
+#ifndef FORERUN_ROWS_COMMON_H
+#define FORERUN_ROWS_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline int rows_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+    return omp_get_max_threads();
+#else
+    (void)n;
+    return 1;
+#endif
+}
+
+/* float16 bits -> float, exactly (normal, subnormal, zero, inf/nan). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 1024)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* exp(x), x clamped to [-87, 88]: 2^n * p(r), Cephes-style polynomial, plain float operations
+ * (loops that call it vectorise). */
+static inline float exp_c(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, sizeof s);
+    return y * s;
+}
+
+static inline float dot_f(const float *a, const float *b, int D) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int d = 0;
+    for (; d + 8 <= D; d += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* One (row, head): query qv [D] over the keys kh and values vh ([cap, D] of its KV head) at slots
+ * lo .. hi - 1, then extra[0 .. n_extra - 1]; scores scaled, soft-capped where softcap > 0 (Gemma 2:
+ * cap * tanh(s / cap), with ``tanh_fn``), softmax, weighted sum into o [D]. w, slot: scratch of at
+ * least the row's slot count. */
+static inline void attend_one(const float *qv, const float *kh, const float *vh, int D, int lo, int hi,
+                              const int32_t *extra, int n_extra, float scale, float softcap,
+                              float (*tanh_fn)(float), float *w, int32_t *slot, float *o) {
+    int S = 0;
+    for (int j = lo; j < hi; j++) slot[S++] = j;
+    for (int j = 0; j < n_extra; j++) slot[S++] = extra[j];
+    float m = -INFINITY;
+    for (int j = 0; j < S; j++) {
+        float s = dot_f(qv, kh + (int64_t)slot[j] * D, D) * scale;
+        if (softcap > 0.0f) s = tanh_fn(s / softcap) * softcap;
+        w[j] = s;
+        m = s > m ? s : m;
+    }
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int j = 0;
+    for (; j + 8 <= S; j += 8)
+        for (int l = 0; l < 8; l++) {
+            w[j + l] = exp_c(w[j + l] - m);
+            part[l] += w[j + l];
+        }
+    float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    for (; j < S; j++) {
+        w[j] = exp_c(w[j] - m);
+        sum += w[j];
+    }
+    for (int d = 0; d < D; d++) o[d] = 0.0f;
+    for (int jj = 0; jj < S; jj++) {
+        const float *vr = vh + (int64_t)slot[jj] * D;
+        float p = w[jj];
+        for (int d = 0; d < D; d++) o[d] += p * vr[d];
+    }
+    float inv = 1.0f / sum;
+    for (int d = 0; d < D; d++) o[d] *= inv;
+}
+#endif
