@@ -46,7 +46,9 @@ def reference(part: QPart, x: np.ndarray) -> np.ndarray:
 
 
 def builds():
-    return [(isa, lib) for isa in ISAS if (lib := load_isa(isa)) is not None]
+    """Every build of qrows.c this CPU runs, and the VNNI code path with emulated vpdpbusd (so an
+    AVX2 machine checks that path's logic too)."""
+    return [(isa, lib) for isa in (*ISAS, "vnni-emulated") if (lib := load_isa(isa)) is not None]
 
 
 def _bound(part, x):
@@ -68,6 +70,9 @@ def test_every_type_and_build_matches_the_reference(name):
     got = {}
     avail = builds()
     assert any(isa == "portable" for isa, _ in avail)
+    from forerun.backends.ckernels import isa_runs
+
+    assert any(isa == "vnni-emulated" for isa, _ in avail) == isa_runs("avx2")
     for isa, lib in avail:
         for portable in (0, 1):  # every build also carries the plain C reference path
             lib.forerun_q_portable(portable)

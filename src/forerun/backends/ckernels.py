@@ -29,9 +29,12 @@ ISA_FLAGS = {
     "portable": (),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+    # tests only: the VNNI code path with vpdpbusd done in AVX2, on CPUs without VNNI
+    "vnni-emulated": ("-mavx2", "-mfma", "-mf16c", "-DFORERUN_EMULATE_VNNI"),
 }
 ISA_NEEDS = {"portable": (), "avx2": ("avx2", "fma", "f16c"),
-             "vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
+             "vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+             "vnni-emulated": ("avx2", "fma", "f16c")}
 
 
 @functools.lru_cache(maxsize=1)

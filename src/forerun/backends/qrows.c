@@ -204,8 +204,19 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(FORERUN_EMULATE_VNNI) && !defined(__AVX512VNNI__)
+/* Tests only: the VNNI code path on a CPU without VNNI, vpdpbusd done with AVX2 (exact). */
 #define VNNI 1
+static inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
+    __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    __m256i ue = _mm256_and_si256(u, lo8), uo = _mm256_srli_epi16(u, 8);
+    __m256i se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+}
+#define DPBUSD emulated_dpbusd
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
+#define DPBUSD _mm256_dpbusd_epi32
 #else
 #define VNNI 0
 #endif
@@ -234,8 +245,8 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
                 for (int r = 0; r < nr; r++) {
                     const int8_t *x = a->xq + (int64_t)(r0 + r) * a->D + b * 32;
 #if VNNI
-                    is0[r] = _mm256_dpbusd_epi32(is0[r], lo, bcast4(x + 4 * i));
-                    is1[r] = _mm256_dpbusd_epi32(is1[r], hi, bcast4(x + 4 * i + 16));
+                    is0[r] = DPBUSD(is0[r], lo, bcast4(x + 4 * i));
+                    is1[r] = DPBUSD(is1[r], hi, bcast4(x + 4 * i + 16));
 #else
                     is0[r] = _mm256_add_epi16(is0[r], _mm256_maddubs_epi16(lo, bcast4(x + 4 * i)));
                     is1[r] = _mm256_add_epi16(is1[r], _mm256_maddubs_epi16(hi, bcast4(x + 4 * i + 16)));
@@ -251,8 +262,8 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
                     __m256i xb = bcast4(x + 4 * j);
                     if (kind == S8) xb = _mm256_sign_epi8(xb, v);
 #if VNNI
-                    if (j < 4) is0[r] = _mm256_dpbusd_epi32(is0[r], u, xb);
-                    else is1[r] = _mm256_dpbusd_epi32(is1[r], u, xb);
+                    if (j < 4) is0[r] = DPBUSD(is0[r], u, xb);
+                    else is1[r] = DPBUSD(is1[r], u, xb);
 #else
                     __m256i p = _mm256_maddubs_epi16(u, xb);
                     if (narrow) {
