@@ -73,27 +73,6 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
                    help="with --adapt: write the adapted head to this folder (safetensors) at the end")
 
 
-def _check_adapt(args) -> None:
-    if args.adapt_save and not args.adapt:
-        raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
-    from forerun.drafters import HEAD_METHODS
-
-    if args.adapt and args.method not in HEAD_METHODS:
-        raise ForerunError(f"--adapt trains eagle and medusa heads, not {args.method}")
-    if args.adapt_save:
-        from pathlib import Path
-
-        out = Path(args.adapt_save)
-        if out.exists() and not out.is_dir():
-            raise ForerunError(f"--adapt-save {out} exists and is not a folder")
-
-
-def _save_adapted(drafter, path) -> None:
-    if path and drafter is not None and getattr(drafter, "adapter", None) is not None:
-        drafter.adapter.save(path)
-        print(f"forerun: adapted head saved to {path} ({drafter.adapter.report()})", file=sys.stderr)
-
-
 def _tree(args):
     """(nodes, depth) for a token tree, or None for a chain (see ``drafters.tree_shape``)."""
     from forerun.drafters import tree_shape
@@ -283,6 +262,7 @@ def _load(args, methods=()):
 def cmd_generate(args) -> int:
     from forerun.chat import prompt_ids, uses_chat
     from forerun.drafters import check_method, make_drafter, parse_skip_layers
+    from forerun.drafters.adapt import check_adapt_args, save_adapted
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams
@@ -293,7 +273,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ForerunError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_method(args.method, bool(args.draft))
-    _check_adapt(args)
+    check_adapt_args(args.method, args.adapt, args.adapt_save)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
@@ -311,7 +291,7 @@ def cmd_generate(args) -> int:
     ids = prompt_ids(tok, args.prompt, args.chat)
     engine = Engine(target.backend, drafter, target.eos_token_ids)
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
-    _save_adapted(drafter, args.adapt_save)
+    save_adapted(drafter, args.adapt_save)
     text = tok.decode(res.token_ids, skip_special_tokens=True)
     if args.json:
         s = res.stats

@@ -81,9 +81,9 @@ def serve(args) -> int:
     from forerun.server.app import create_app, is_loopback
 
     check_method(args.method, bool(args.draft))
-    from forerun.cli import _check_adapt, _save_adapted
+    from forerun.drafters.adapt import check_adapt_args, save_adapted
 
-    _check_adapt(args)
+    check_adapt_args(args.method, args.adapt, args.adapt_save)
     api_key = resolve_api_key(args.api_key)
     skip = parse_skip_layers(args.skip_layers)
     if not 0 <= args.port <= 65535:
@@ -124,5 +124,5 @@ def serve(args) -> int:
     finally:
         server.should_exit = True
         web.join(timeout=10)
-        _save_adapted(engine.drafter, args.adapt_save)
+        save_adapted(engine.drafter, args.adapt_save)
     return 0
