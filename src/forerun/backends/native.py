@@ -876,8 +876,8 @@ class NativeBackend(BackendBase):
                 for sl in parts[0][4]}
         ps = QPassC()
         ps.N, ps.hidden, ps.H, ps.KVH, ps.D = h.shape[0], self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
-        ps.layers, ps.eps, ps.scale, ps.softcap = self.num_layers, self.eps, self.scale, self.arch.attn_softcap or 0.0
-        keep = []  # tensors the pass reads through pointers
+        ps.eps, ps.scale, ps.softcap = self.eps, self.scale, self.arch.attn_softcap or 0.0
+        keep = []  # tensors the pass reads through pointers, alive until the layers have run
         for k in (0, 1):
             cos, sin = kinds.get(k) or next(iter(kinds.values()))
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
@@ -897,7 +897,6 @@ class NativeBackend(BackendBase):
                 raise MemoryError("qrows: out of memory in a layer")
             if i in want:
                 want[i] = h.clone()
-        del keep
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @torch.inference_mode()

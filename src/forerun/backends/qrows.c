@@ -58,7 +58,7 @@ typedef struct {
     int32_t f16;        /* scales and offsets stored as float16 */
     int32_t zb;         /* integer code bias */
     int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
-    int32_t pad_small;  /* U8 codes all below 32 (Q5 types) */
+    int32_t small;      /* U8 codes all below 32 (Q5 types): int16 sums over a half block are safe */
     int32_t pad_;
 } qweight_t;
 
@@ -71,16 +71,6 @@ typedef struct {
     float *xs;   /* [N][nb][3] */
     int N, D;
 } qact_t;
-
-int forerun_q_isa(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return 2;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 int forerun_q_threads(int n) { return rows_threads(n); }
 
@@ -231,7 +221,7 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
     const uint8_t *cg = w->codes + g * nb * code_bytes(kind);
     int64_t sbase = g * nb * sub * 8;
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    int narrow __attribute__((unused)) = kind == U4 || (kind == U8 && w->pad_small);
+    int narrow __attribute__((unused)) = kind == U4 || (kind == U8 && w->small);
     __m256 acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -427,8 +417,8 @@ typedef struct {
 } qlayer_t;
 
 typedef struct {
-    int32_t N, hidden, H, KVH, D, layers;
-    float eps, scale, softcap, pad_;
+    int32_t N, hidden, H, KVH, D;
+    float eps, scale, softcap;
     const float *cos[2], *sin[2];       /* [N][D] per attention kind: 0 full, 1 sliding */
     const int64_t *kbase, *vbase, *cap; /* per row: its sequence's cache [layers][KVH][cap][D] */
     const int32_t *slot;                /* per row: the cache position its keys and values go to */

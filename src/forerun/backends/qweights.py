@@ -154,7 +154,6 @@ def load_isa(isa: str):
         lib = compile_isa("qrows", isa, "GGUF models run on float32 weights (slower)", flags=("-ffp-contract=off",))
         if lib is not None:
             P, I = ctypes.c_void_p, ctypes.c_int
-            lib.forerun_q_isa.restype = I
             lib.forerun_q_threads.argtypes = [I]
             lib.forerun_q_threads.restype = I
             lib.forerun_q_linear.argtypes = [P, I, P, I, P, ctypes.c_int64]
@@ -223,8 +222,8 @@ class QLayerC(ctypes.Structure):
 
 class QPassC(ctypes.Structure):
     _fields_ = [("N", ctypes.c_int32), ("hidden", ctypes.c_int32), ("H", ctypes.c_int32), ("KVH", ctypes.c_int32),
-                ("D", ctypes.c_int32), ("layers", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("pad_", ctypes.c_float),
+                ("D", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float),
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("kbase", ctypes.c_void_p),
                 ("vbase", ctypes.c_void_p), ("cap", ctypes.c_void_p), ("slot", ctypes.c_void_p),
                 ("lo", ctypes.c_void_p * 2), ("hi", ctypes.c_void_p * 2), ("xp", ctypes.c_void_p * 2),
