@@ -167,3 +167,45 @@ def test_cached_native_builds_are_keyed_by_cpu_and_compiler(monkeypatch):
     d = ckernels.kernel_path("qrows", "cc", ckernels.ISA_FLAGS["avx2"], (), "avx2")
     monkeypatch.setattr(ckernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
     assert ckernels.kernel_path("qrows", "cc", ckernels.ISA_FLAGS["avx2"], (), "avx2") == d
+
+
+# (type, code range, group, has offset): codes at the ends of each type's range
+EXTREMES = {"Q4_0": (Q4_0, -8, 7, 32, False), "Q4_1": (Q4_1, 0, 15, 32, True), "Q5_0": (Q5_0, -16, 15, 32, False),
+            "Q5_1": (Q5_1, 0, 31, 32, True), "Q4_K": (Q4_K, 0, 15, 32, True), "Q5_K": (Q5_K, 0, 31, 32, True),
+            "Q6_K": (Q6_K, -32, 31, 16, False), "Q8_0": (Q8_0, -127, 127, 32, False)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", [*EXTREMES, "Q8_0-positive"])
+def test_largest_products_do_not_overflow(name):
+    """Every weight at the largest stored code against activations of one sign (every code 127):
+    the int16 partial sums of vpmaddubsw sit at their limit, so adding one more vector before
+    widening, in any build, saturates and fails here. Pass sizes 1-5 cover every row tile."""
+    from forerun.backends.block_weights import Codes
+
+    typ, lo, hi, group, off = EXTREMES[name.split("-")[0]]
+    rows, cols = 16, 128
+    rng = np.random.default_rng(11)
+    if name == "Q8_0":  # signed: weight signs random, activation signs matched (products all +127 * 127)
+        codes = np.where(rng.random((rows, cols)) < 0.5, lo, hi)
+    elif name == "Q8_0-positive":  # all codes >= 0: stored unsigned with codes up to 127
+        codes = np.full((rows, cols), hi)
+    else:  # the largest stored code (code minus the type's signed offset) is the top of the range
+        codes = np.full((rows, cols), hi)
+    scale = np.full((rows, cols // group), 0.01, np.float32)
+    c = Codes(codes.astype(np.int64), scale, np.full_like(scale, 0.002) if off else None, group)
+    lin = QLinear([(c, typ)])
+    x = np.ones((5, cols), np.float32)
+    if name == "Q8_0":
+        x = np.broadcast_to(np.sign(codes[0]).astype(np.float32), (5, cols)).copy()
+    x[1] *= 2.0  # scales differ per row, codes stay at 127
+    for isa, lib in builds():
+        for portable in (0, 1):
+            lib.forerun_q_portable(portable)
+            try:
+                for n in range(1, 6):
+                    out = lin(torch.from_numpy(x[:n]), lib=lib).numpy()
+                    want = reference(lin.parts[0], x[:n])
+                    assert np.all(np.abs(out - want) <= _bound(lin.parts[0], x[:n])), (name, isa, portable, n)
+            finally:
+                lib.forerun_q_portable(0)

@@ -58,7 +58,7 @@ typedef struct {
     int32_t f16;        /* scales and offsets stored as float16 */
     int32_t zb;         /* integer code bias */
     int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
-    int32_t small;      /* U8 codes all below 32 (Q5 types): int16 sums over a half block are safe */
+    int32_t cmax;       /* largest stored code (U4, U8): how many vpmaddubsw results int16 holds */
     int32_t pad_;
 } qweight_t;
 
@@ -181,7 +181,12 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_SIMD 1
-#define RT 2 /* activation rows per register tile (3 and 4 spill on AVX2's 16 registers) */
+#ifndef PF_AHEAD
+#define PF_AHEAD 4096
+#endif
+#ifndef RT
+#define RT 4 /* activation rows per register tile */
+#endif
 
 static inline __m256 load8_scales(const void *p, int f16, int64_t i) {
     if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
@@ -211,89 +216,95 @@ static inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #define VNNI 0
 #endif
 
-/* Rows r0 .. r0 + nr - 1 (nr <= RT, a constant where inlined) against group g. Without VNNI the
- * u8 x s8 pair sums of vpmaddubsw are added in int16 over a half block where they cannot
- * overflow (codes < 32: 4 x 2 x 31 x 127 < 32768), widened once per half. */
+/* Rows r0 .. r0 + nr - 1 (nr <= RT, a constant where inlined) against group g. Each sub-group's
+ * integer sum is finished and folded into the float accumulators before the next one starts (the
+ * order of the float operations is the reference's), so a row holds three registers: its float
+ * accumulator, its int32 sum and an int16 partial. Without VNNI the u8 x s8 pair sums of
+ * vpmaddubsw are added in int16 over SPAN vectors where that cannot overflow (pairs of codes
+ * below 16, 32, 64 and 128 against |xq| <= 127: 8, 4, 2 and 1 vectors), widened once per span. */
 static inline __attribute__((always_inline)) void group_tile(const qweight_t *w, const qact_t *a, int64_t g, int r0,
                                                              const int nr, const int kind, const int sub,
-                                                             __m256 *res) {
+                                                             const int span, __m256 *res) {
     int nb = w->D / 32;
-    const uint8_t *cg = w->codes + g * nb * code_bytes(kind);
+    const int cb = code_bytes(kind);
+    const uint8_t *cg = w->codes + g * nb * cb;
     int64_t sbase = g * nb * sub * 8;
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    int narrow __attribute__((unused)) = kind == U4 || (kind == U8 && w->small);
+    const int per = 8 / sub; /* code vectors per sub-group (U4: 4 loads, low and high nibbles) */
+    (void)ones;
+    (void)m4;
     __m256 acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = cg + (int64_t)b * code_bytes(kind);
-        __m256i is0[RT], is1[RT];
-        for (int r = 0; r < nr; r++) is0[r] = is1[r] = _mm256_setzero_si256();
-        if (kind == U4) {
-            for (int i = 0; i < 4; i++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * i));
-                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int r = 0; r < nr; r++) {
-                    const int8_t *x = a->xq + (int64_t)(r0 + r) * a->D + b * 32;
-#if VNNI
-                    is0[r] = DPBUSD(is0[r], lo, bcast4(x + 4 * i));
-                    is1[r] = DPBUSD(is1[r], hi, bcast4(x + 4 * i + 16));
-#else
-                    is0[r] = _mm256_add_epi16(is0[r], _mm256_maddubs_epi16(lo, bcast4(x + 4 * i)));
-                    is1[r] = _mm256_add_epi16(is1[r], _mm256_maddubs_epi16(hi, bcast4(x + 4 * i + 16)));
+        const uint8_t *blk = cg + (int64_t)b * cb;
+        if (PF_AHEAD)
+            for (int c = 0; c < cb; c += 64) _mm_prefetch((const char *)blk + PF_AHEAD + c, _MM_HINT_T0);
+        const int8_t *xb0 = a->xq + (int64_t)r0 * a->D + b * 32;
+        for (int s = 0; s < sub; s++) {
+            __m256i isum[RT];
+            for (int r = 0; r < nr; r++) isum[r] = _mm256_setzero_si256();
+#if !VNNI
+            __m256i part[RT];
 #endif
+            if (kind == U4 && sub == 1) { /* one load serves both nibbles; two int16 chains */
+#if !VNNI
+                __m256i part1[RT];
+#endif
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * i));
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 4
+                    for (int r = 0; r < nr; r++) {
+                        const int8_t *x = xb0 + (int64_t)r * a->D + 4 * i;
+#if VNNI
+                        isum[r] = DPBUSD(DPBUSD(isum[r], lo, bcast4(x)), hi, bcast4(x + 16));
+#else
+                        __m256i p0 = _mm256_maddubs_epi16(lo, bcast4(x)), p1 = _mm256_maddubs_epi16(hi, bcast4(x + 16));
+                        part[r] = i == 0 ? p0 : _mm256_add_epi16(part[r], p0);
+                        part1[r] = i == 0 ? p1 : _mm256_add_epi16(part1[r], p1);
+#endif
+                    }
                 }
-            }
-        } else {
-            for (int j = 0; j < 8; j++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
-                __m256i u = kind == S8 ? _mm256_abs_epi8(v) : v;
+#if !VNNI
+                for (int r = 0; r < nr; r++) isum[r] = _mm256_madd_epi16(_mm256_add_epi16(part[r], part1[r]), ones);
+#endif
+            } else
+#pragma GCC unroll 8
+            for (int j = s * per; j < (s + 1) * per; j++) {
+                /* vector j of the block: U4 vector j & 3, low nibbles for j < 4, high ones above */
+                __m256i u, v;
+                if (kind == U4) {
+                    v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (j & 3)));
+                    u = j < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                } else {
+                    v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
+                    u = kind == S8 ? _mm256_abs_epi8(v) : v;
+                }
+#pragma GCC unroll 4
                 for (int r = 0; r < nr; r++) {
-                    const int8_t *x = a->xq + (int64_t)(r0 + r) * a->D + b * 32;
-                    __m256i xb = bcast4(x + 4 * j);
+                    __m256i xb = bcast4(xb0 + (int64_t)r * a->D + 4 * j);
                     if (kind == S8) xb = _mm256_sign_epi8(xb, v);
 #if VNNI
-                    if (j < 4) is0[r] = DPBUSD(is0[r], u, xb);
-                    else is1[r] = DPBUSD(is1[r], u, xb);
+                    isum[r] = DPBUSD(isum[r], u, xb);
 #else
                     __m256i p = _mm256_maddubs_epi16(u, xb);
-                    if (narrow) {
-                        if (j < 4) is0[r] = _mm256_add_epi16(is0[r], p);
-                        else is1[r] = _mm256_add_epi16(is1[r], p);
-                    } else {
-                        p = _mm256_madd_epi16(p, ones);
-                        if (j < 4) is0[r] = _mm256_add_epi32(is0[r], p);
-                        else is1[r] = _mm256_add_epi32(is1[r], p);
-                    }
+                    part[r] = (j - s * per) % span == 0 ? p : _mm256_add_epi16(part[r], p);
+                    if ((j - s * per) % span == span - 1) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
 #endif
                 }
             }
-        }
-#if !VNNI
-        if (narrow)
-            for (int r = 0; r < nr; r++) {
-                is0[r] = _mm256_madd_epi16(is0[r], ones);
-                is1[r] = _mm256_madd_epi16(is1[r], ones);
-            }
-#endif
-        (void)ones;
-        for (int s = 0; s < sub; s++) {
             int64_t si = sbase + ((int64_t)b * sub + s) * 8;
             __m256 sc = load8_scales(w->scale, w->f16, si);
             __m256 of = w->offset ? load8_scales(w->offset, w->f16, si) : _mm256_setzero_ps();
             for (int r = 0; r < nr; r++) {
                 int64_t xi = (int64_t)(r0 + r) * nb + b;
-                __m256i isum;
-                int32_t bsum;
-                if (sub == 1) {
-                    isum = _mm256_add_epi32(is0[r], is1[r]);
-                    bsum = a->bs[2 * xi] + a->bs[2 * xi + 1];
-                } else {
-                    isum = s == 0 ? is0[r] : is1[r];
-                    bsum = a->bs[2 * xi + s];
+                if (w->zb) {
+                    int32_t bsum = sub == 1 ? a->bs[2 * xi] + a->bs[2 * xi + 1] : a->bs[2 * xi + s];
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(w->zb * bsum));
                 }
-                if (w->zb) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(w->zb * bsum));
                 __m256 f = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[xi]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), f, acc[r]);
                 if (w->offset)
                     acc[r] = _mm256_fmadd_ps(of, _mm256_set1_ps(a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)]), acc[r]);
             }
@@ -302,28 +313,42 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
     for (int r = 0; r < nr; r++) res[r] = acc[r];
 }
 
+/* int16 span of a weight (see group_tile): how many vectors of pair sums fit in int16. */
+static inline int span_of(const qweight_t *w) {
+    if (w->kind == U4) return 8 / w->sub;
+    if (w->kind == S8) return 1;
+    return w->cmax < 32 ? 4 : w->cmax < 64 ? 2 : 1;
+}
+
 static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
     int lanes = (int)(w->V - g * 8 < 8 ? w->V - g * 8 : 8);
     __m256 res[RT];
     int tiles = (a->N + RT - 1) / RT;
+    int span = span_of(w);
     for (int t = 0, r0 = 0; t < tiles; t++) { /* balanced tiles: 5 rows as 3 + 2, not 4 + 1 */
         int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0);
-        /* constant row counts, kinds and groups: the tile's sums stay in registers */
+        /* constant row counts, kinds, sub-groups and spans: the tile's sums stay in registers */
 #define TILE_KIND(NR)                                                                    \
-    switch (w->kind * 2 + w->sub - 1) {                                                  \
-    case U4 * 2: group_tile(w, a, g, r0, NR, U4, 1, res); break;                         \
-    case U8 * 2: group_tile(w, a, g, r0, NR, U8, 1, res); break;                         \
-    case U8 * 2 + 1: group_tile(w, a, g, r0, NR, U8, 2, res); break;                     \
-    case S8 * 2: group_tile(w, a, g, r0, NR, S8, 1, res); break;                         \
-    case S8 * 2 + 1: group_tile(w, a, g, r0, NR, S8, 2, res); break;                     \
-    default: group_tile(w, a, g, r0, NR, U4, 2, res); break;                             \
-    }
-        if (nr == 1) {
-            TILE_KIND(1)
-        } else if (nr == 2) {
-            TILE_KIND(2)
-        } else {
-            TILE_KIND(RT)
+    if (w->kind == U4 && w->sub == 1) group_tile(w, a, g, r0, NR, U4, 1, 8, res);        \
+    else if (w->kind == U8 && w->sub == 1 && span >= 4) group_tile(w, a, g, r0, NR, U8, 1, 4, res); \
+    else if (w->kind == U8 && w->sub == 2 && span >= 2) group_tile(w, a, g, r0, NR, U8, 2, 2, res); \
+    else if (w->kind == S8 && w->sub == 1) group_tile(w, a, g, r0, NR, S8, 1, 1, res);   \
+    else if (w->kind == U4) group_tile(w, a, g, r0, NR, U4, 2, 4, res);                  \
+    else if (w->kind == U8 && w->sub == 1) group_tile(w, a, g, r0, NR, U8, 1, 1, res);   \
+    else if (w->kind == U8) group_tile(w, a, g, r0, NR, U8, 2, 1, res);                  \
+    else group_tile(w, a, g, r0, NR, S8, 2, 1, res);
+        switch (nr) {
+        case 1: TILE_KIND(1) break;
+#if RT >= 2
+        case 2: TILE_KIND(2) break;
+#endif
+#if RT >= 3
+        case 3: TILE_KIND(3) break;
+#endif
+#if RT >= 4
+        case 4: TILE_KIND(4) break;
+#endif
+        default: break;
         }
         for (int r = 0; r < nr; r++) {
             float *o = out + (int64_t)(r0 + r) * ldo + g * 8;

@@ -35,7 +35,7 @@ class QWeightC(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("V", ctypes.c_int64), ("D", ctypes.c_int32), ("kind", ctypes.c_int32), ("sub", ctypes.c_int32),
                 ("f16", ctypes.c_int32), ("zb", ctypes.c_int32), ("col", ctypes.c_int32),
-                ("small", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+                ("cmax", ctypes.c_int32), ("pad_", ctypes.c_int32)]
 
 
 class QPart:
@@ -78,12 +78,12 @@ class QPart:
         self.scale = torch.from_numpy(sc.astype(dt).reshape(-1))
         self.offset = None if of is None else torch.from_numpy(of.astype(dt).reshape(-1))
         self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col = rows, D, kind, sub, int(f16), zb, col
-        self.small = int(kind == U8 and int(stored.max()) < 32)  # int16 sums over a half block cannot overflow
+        self.cmax = int(stored.max()) if kind != S8 else 127  # how many u8 x s8 pair sums int16 holds
 
     def struct(self) -> QWeightC:
         return QWeightC(self.codes.data_ptr(), self.scale.data_ptr(),
                         self.offset.data_ptr() if self.offset is not None else None,
-                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.small, 0)
+                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.cmax, 0)
 
     @property
     def nbytes(self) -> int:

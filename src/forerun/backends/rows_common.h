@@ -10,6 +10,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static inline int rows_threads(int n) {
 #ifdef _OPENMP
@@ -68,6 +71,13 @@ static inline float exp_c(float x) {
 static inline float dot_f(const float *a, const float *b, int D) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int d = 0;
+#if defined(__AVX2__)
+    if (D >= 8) { /* the same lanes and order as below, in one register */
+        __m256 v = _mm256_setzero_ps();
+        for (; d + 8 <= D; d += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d)));
+        _mm256_storeu_ps(acc, v);
+    }
+#endif
     for (; d + 8 <= D; d += 8)
         for (int l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
@@ -104,13 +114,29 @@ static inline void attend_one(const float *qv, const float *kh, const float *vh,
         w[j] = exp_c(w[j] - m);
         sum += w[j];
     }
+    float inv = 1.0f / sum;
+#if defined(__AVX2__)
+    if (D % 64 == 0) { /* the same sums as below, 64 columns at a time held in registers */
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            __m256 acc[8];
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+            for (int jj = 0; jj < S; jj++) {
+                const float *vr = vh + (int64_t)slot[jj] * D + d0;
+                __m256 p = _mm256_set1_ps(w[jj]);
+                for (int v = 0; v < 8; v++) acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(p, _mm256_loadu_ps(vr + 8 * v)));
+            }
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + d0 + 8 * v, _mm256_mul_ps(acc[v], vi));
+        }
+        return;
+    }
+#endif
     for (int d = 0; d < D; d++) o[d] = 0.0f;
     for (int jj = 0; jj < S; jj++) {
         const float *vr = vh + (int64_t)slot[jj] * D;
         float p = w[jj];
         for (int d = 0; d < D; d++) o[d] += p * vr[d];
     }
-    float inv = 1.0f / sum;
     for (int d = 0; d < D; d++) o[d] *= inv;
 }
 #endif
