@@ -11,7 +11,7 @@ import torch
 VOCAB = 96
 
 
-def tiny_gemma(seed: int = 0, vocab: int = VOCAB, layers: int = 4, sliding_window: int = 8):
+def tiny_gemma(seed: int = 0, vocab: int = VOCAB, layers: int = 4, sliding_window: int = 8, init: float = 0.3):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
@@ -19,7 +19,7 @@ def tiny_gemma(seed: int = 0, vocab: int = VOCAB, layers: int = 4, sliding_windo
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=sliding_window,
         max_position_embeddings=256, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"][:layers],
-        pad_token_id=0, bos_token_id=2, eos_token_id=1, initializer_range=0.3,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1, initializer_range=init,
     )
     model = Gemma3ForCausalLM(cfg).eval()
     return model

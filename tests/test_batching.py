@@ -335,5 +335,8 @@ def test_prepared_slots_serve_every_request(gemma):
     assert eng._n_slots == 3 and len(eng._free) == 3
     eng.prepare_slots()  # idempotent
     assert eng._n_slots == 3
-    outs = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=6) for p in _prompts(5)])
-    assert all(outs) and eng._n_slots == 3 and len(eng._free) == 3
+    prompts = _prompts(5)
+    outs = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=6) for p in prompts])
+    plain = [Engine(gemma.backend.fork(), None, gemma.eos_token_ids).generate(p, max_new_tokens=6).token_ids
+             for p in prompts]
+    assert outs == plain and eng._n_slots == 3 and len(eng._free) == 3

@@ -44,7 +44,7 @@ def assert_clean_error(rc, err, *needles):
         (["generate", "hi", "--method", "draft"], "draft model"),
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
         (["generate", "hi", "--model", "./no/such/folder"], "not found"),
-        (["generate", "hi", "--dtype", "int3", "--model", "./no/such/folder"], ""),
+        (["generate", "hi", "--dtype", "int3", "--model", "./no/such/folder"], "int3"),
         (["generate", "hi", "--method", "ngram", "--adapt"], "--adapt trains eagle and medusa"),
         (["generate", "hi", "--method", "eagle", "--adapt-save", "out"], "give --adapt too"),
         (["bench", "--prompts", "none.jsonl", "--methods", "ngram:auto+adapt"], "+adapt trains eagle and medusa"),

@@ -254,6 +254,13 @@ def test_batch_engine_on_llamacpp(lc):
     assert outs[:3] == plain
     assert len(outs[3]) == 8
     assert sum(r.stats.accepted for r in reqs[:3]) > 0
+    # the sampled request: seeded, so the same batch run again gives the same tokens, and its first
+    # token is one the target gives real probability at that temperature
+    again = [BatchRequest(prompt=r.prompt, max_new_tokens=r.max_new_tokens, params=r.params) for r in reqs]
+    assert run_batch(eng, again)[3] == outs[3]
+    lc.backend.reset()
+    first = logits_to_probs(lc.backend.forward(torch.tensor(prompts[0]), 0).logits[-1], SamplingParams(temperature=0.8))
+    assert float(first[outs[3][0]]) > 1e-4
 
 
 def test_layerskip_refused_on_llamacpp(lc):
@@ -289,12 +296,15 @@ def test_sampling_distribution_llamacpp(lc):
     assert tv < 0.1, tv
 
 
-def test_cli_generate_llamacpp(capsys):
+def test_cli_generate_llamacpp(capsys, lc):
     from forerun.cli import main
 
     rc = main(["generate", "List three colors:", "--backend", "llama.cpp", "--threads", "2", "--max-new-tokens", "12", "--json"])
     obj = json.loads(capsys.readouterr().out)
     assert rc == 0 and obj["new_tokens"] == 12
+    ids = lc.tokenizer("List three colors:").input_ids
+    plain = Engine(lc.backend, None, lc.eos_token_ids).generate(ids, max_new_tokens=12).token_ids
+    assert obj["token_ids"] == plain  # the CLI's default method is lossless: plain decoding's tokens
 
 
 def test_cli_bad_threads(capsys):

@@ -33,17 +33,37 @@ def test_incremental_equals_full_and_rollback():
     assert torch.allclose(again, full[25:], atol=1e-4)
 
 
-def test_hf_backend_rollback(llama):
-    be = llama.backend
+def test_hf_backend_rollback():
+    """transformers' own module behind ``HFBackend``: rolling back by one position and by several,
+    then writing other tokens, leaves no stale position in its cache."""
+    from forerun.backends.hf import HFBackend
+    from forerun.drafters import make_drafter
+    from forerun.engine import Engine
+
+    from conftest import tiny_llama
+
+    lm = wrap(tiny_llama(0), backend="hf")
+    be = lm.backend
+    assert type(be) is HFBackend
     ids = torch.randint(4, 96, (16,), generator=torch.Generator().manual_seed(2))
     be.reset()
     full = be.forward(ids, 0).logits
-    be.reset()
-    be.forward(ids[:10], 0)
-    be.forward(torch.tensor([9, 9, 9]), 10)
-    be.truncate(10)
-    assert be.length == 10
-    assert torch.allclose(be.forward(ids[10:], 10).logits, full[10:], atol=1e-4)
+    for back in (1, 3):  # write `back` wrong tokens after position 10, roll them back, continue
+        be.reset()
+        be.forward(ids[:10], 0)
+        be.forward(torch.tensor([9] * back), 10)
+        be.truncate(10)
+        assert be.length == 10
+        assert torch.allclose(be.forward(ids[10:11], 10).logits, full[10:11], atol=1e-5), back
+        be.forward(torch.tensor([9, 9]), 11)
+        be.truncate(11)
+        assert torch.allclose(be.forward(ids[11:], 11).logits, full[11:], atol=1e-5), back
+    # speculation on it: every rejected draft is rolled back; the output is plain decoding's
+    prompt = [2, 7, 8, 7, 8, 7]
+    plain = Engine(be, None, lm.eos_token_ids).generate(prompt, max_new_tokens=24).token_ids
+    res = Engine(be, make_drafter("ngram", lm), lm.eos_token_ids).generate(prompt, max_new_tokens=24, k=3)
+    assert res.token_ids == plain
+    assert res.stats.drafted > res.stats.accepted > 0  # accepted drafts and rejected ones (rollbacks)
 
 
 def test_layer_skip_and_sub_head():

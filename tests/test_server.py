@@ -22,16 +22,20 @@ from forerun.server.run import build_service  # noqa: E402
 class Live:
     """uvicorn on a free loopback port, in a thread."""
 
-    def __init__(self, service):
+    def __init__(self, service, limits=None):
         import uvicorn
 
         from forerun.server.app import create_app
+        from forerun.server.limits import Limits
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.service = service
-        cfg = uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="error", access_log=False)
+        refused = service.metrics.rejected  # as forerun serve configures uvicorn
+        kw = (limits or Limits()).uvicorn_kwargs(lambda status: refused.labels(status=str(status)).inc())
+        cfg = uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="error", access_log=False,
+                             **kw)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -44,7 +48,7 @@ class Live:
     def client(self, key="none"):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=30)
 
-    def request(self, method, path, body=None, headers=None, raw=None):
+    def request(self, method, path, body=None, headers=None, raw=None, with_headers=False):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         data = raw if raw is not None else (None if body is None else json.dumps(body))
         c.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -52,9 +56,20 @@ class Live:
         text = r.read().decode()
         c.close()
         try:
-            return r.status, json.loads(text)
+            out = r.status, json.loads(text)
         except ValueError:
-            return r.status, text
+            out = r.status, text
+        return (*out, r.headers) if with_headers else out
+
+    def rejected(self) -> dict:
+        """/metrics' forerun:request_rejected counts by status."""
+        text = self.request("GET", "/metrics")[1]
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("forerun:request_rejected_total{"):
+                status = line.split('status="')[1].split('"')[0]
+                out[status] = float(line.rsplit(" ", 1)[1])
+        return out
 
     def close(self):
         self.server.should_exit = True
@@ -104,6 +119,10 @@ def test_openai_client_completion_chat_and_streaming(live, gemma):
     c = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     assert a.choices[0].text == c.choices[0].text
     assert b.usage.completion_tokens >= 1
+    # the top_k extension reaches the sampler: top_k = 1 leaves only the argmax, whatever the seed
+    one = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=8, temperature=1.0, seed=3,
+                                    extra_body={"top_k": 1})
+    assert one.choices[0].text == _plain_text(gemma, gemma.tokenizer("w5 w6").input_ids, 8)[0]
 
 
 def test_stop_strings_cut_the_text(live, gemma):
@@ -254,11 +273,18 @@ def test_json_only_and_loopback_host_names_only(gemma, live, monkeypatch):
     srv = Live(build_service(gemma, method="none", name="tiny", calibrate=False, loopback_hosts=True))
     try:
         for host, status in (("evil.example", 421), ("evil.example:80", 421), (f"127.0.0.1:{srv.port}", 200),
-                             (f"localhost:{srv.port}", 200), ("[::1]:80", 200)):
+                             (f"localhost:{srv.port}", 200), ("[::1]:80", 200), ("LOCALHOST", 200), ("127.0.0.2", 200),
+                             # names that only look like loopback (a rebinding page can own them)
+                             (f"127.attacker.example:{srv.port}", 421), ("127.0.0.1.evil.com", 421),
+                             ("127.0.0.1.nip.io:80", 421), ("localhost.evil.com", 421), ("127.1", 421),
+                             ("[::1]evil", 421), ("[::1]:x", 421), ("127.0.0.1:80:80", 421), ("::1", 421),
+                             ("[::ffff:7f00:1]x", 421), ("", 421)):
             assert srv.request("GET", "/v1/models", headers={"Host": host})[0] == status, host
     finally:
         srv.close()
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+    assert is_loopback("::1") and is_loopback("[::1]") and is_loopback("127.255.0.9")
+    assert not any(is_loopback(h) for h in ("127.attacker.example", "127.0.0.1.evil.com", "127.", "::2", "10.0.0.1"))
 
     monkeypatch.delenv("FORERUN_API_KEY", raising=False)
     assert resolve_api_key(None) is None and resolve_api_key("k1") == "k1"
@@ -426,8 +452,9 @@ def test_auth_queue_and_timeout(gemma):
     srv = Live(service)
     try:
         assert srv.request("GET", "/health")[0] == 200  # no key needed
-        code, resp = srv.request("GET", "/v1/models")
+        code, resp, headers = srv.request("GET", "/v1/models", with_headers=True)
         assert code == 401 and resp["error"]["code"] == "invalid_api_key"
+        assert headers["WWW-Authenticate"].startswith("Bearer")
         assert srv.request("GET", "/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
         assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
         with pytest.raises(openai.AuthenticationError):
@@ -527,3 +554,170 @@ def test_loadtest_compares_named_servers_in_one_table(gemma, capsys):
     finally:
         a.close()
         b.close()
+
+
+def _raw(port, data: bytes = b"", timeout=10.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    if data:
+        s.sendall(data)
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:  # a reset instead of an answer fails the callers' checks
+            return out + b"<reset>"
+        if not chunk:
+            return out
+        out += chunk
+
+
+def _status(resp: bytes) -> int:
+    return int(resp.split(b" ", 2)[1]) if resp.startswith(b"HTTP/1.1 ") else -1
+
+
+def test_a_client_leaving_mid_body_is_counted_499_not_500(live):
+    before = live.rejected()
+    for _ in range(3):
+        s = _raw(live.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 1000\r\n\r\n" + b'{"model": "tiny", ')
+        time.sleep(0.05)
+        s.close()
+    for _ in range(100):
+        after = live.rejected()
+        if after.get("499", 0) - before.get("499", 0) >= 3:
+            break
+        time.sleep(0.05)
+    assert after.get("499", 0) - before.get("499", 0) == 3
+    assert after.get("500", 0) == before.get("500", 0)
+    assert live.request("GET", "/health")[0] == 200
+
+
+def test_token_id_prompts_say_what_is_wrong(live):
+    for prompt, word in (([5, 6.5], "6.5"), ([True, 5], "true"), ([1.0], "1.0"), ([5, False], "false")):
+        code, resp = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert code == 400, prompt
+        msg = resp["error"]["message"]
+        assert "must be integers" in msg and word in msg and "one prompt per request" not in msg, msg
+    code, resp = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": ["w5", "w6"]})
+    assert code == 400 and "one prompt per request" in resp["error"]["message"]
+
+
+def test_connection_limits(gemma):
+    """Idle connections close after the keep-alive time, from the start; a head or body that does
+    not arrive in time gets 408; a head over the limit gets 431 (read by the client, no reset);
+    connections beyond the cap get 503. Every refusal is counted in /metrics."""
+    from forerun.server.limits import Limits
+
+    service = build_service(gemma, method="none", name="tiny", calibrate=False)
+    srv = Live(service, Limits(keep_alive_s=0.6, read_timeout_s=1.0, max_connections=4, max_header_bytes=4096,
+                               linger_s=1.0))
+    try:
+        t = time.perf_counter()
+        idle = _raw(srv.port)
+        assert _read_all(idle) == b""  # closed by the server, without a request
+        assert 0.4 < time.perf_counter() - t < 5
+        idle.close()
+
+        # a body sent one byte at a time: 408 after the read timeout (not served minutes later)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 200\r\n\r\n")
+        slow = _raw(srv.port, head)
+        t = time.perf_counter()
+        slow.settimeout(0.2)
+        got = b""
+        for ch in b'{"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}':
+            try:
+                slow.sendall(bytes([ch]))
+                got += slow.recv(65536)
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if got:
+                break
+        slow.settimeout(10)
+        got += _read_all(slow)
+        assert _status(got) == 408 and b"request_timeout" in got, got[:200]
+        assert time.perf_counter() - t < 5
+        slow.close()
+        # a head that never ends
+        s = _raw(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert _status(_read_all(s)) == 408
+        s.close()
+
+        # a 1 MB header: 431 with a JSON body, no reset
+        s = _raw(srv.port)
+        try:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        got = _read_all(s)
+        assert _status(got) == 431 and b"request_header_too_large" in got, got[:200]
+        s.close()
+        code, _ = srv.request("GET", "/v1/models", headers={"X-Ok": "a" * 2000})  # under the limit: served
+        assert code == 200
+
+        # the cap: 4 open connections, the fifth is refused at once
+        time.sleep(1.2)  # the refused connections above have lingered and closed
+        held = [_raw(srv.port) for _ in range(4)]
+        time.sleep(0.1)
+        extra = _raw(srv.port)
+        got = _read_all(extra)
+        assert _status(got) == 503 and b"too_many_connections" in got and b"retry-after: 1" in got.lower(), got[:200]
+        extra.close()
+        for h in held:
+            h.close()
+        time.sleep(0.2)
+        assert srv.request("GET", "/health")[0] == 200
+        counts = srv.rejected()
+        assert counts.get("408") == 2 and counts.get("431") == 1 and counts.get("503") == 1, counts
+        assert "500" not in counts and "499" not in counts, counts
+    finally:
+        srv.close()
+
+
+def test_limits_are_checked():
+    from forerun.errors import ForerunError
+    from forerun.server.limits import Limits
+
+    for bad in ({"keep_alive_s": 0}, {"read_timeout_s": -1}, {"max_connections": 0}, {"max_header_bytes": 10}):
+        with pytest.raises(ForerunError):
+            Limits(**bad).check()
+    assert Limits().check().max_connections == 128
+
+
+def test_served_sampling_follows_the_target():
+    """Sampled completions through HTTP, 8 at a time (batched passes, n-gram drafts), follow the
+    target's own distribution at the first two positions on a target with spread-out
+    distributions (``spread.py``); the settings in the request reach the sampler."""
+    from spread import PROMPT, SETTINGS, bound, exact, spread_target, tv
+
+    from conftest import VOCAB
+
+    lm = spread_target()
+    srv = Live(build_service(lm, method="ngram", name="tiny", max_batch=8, calibrate=False))
+    setting = "t1.4-k6-p0.85"
+    marg, _ = exact(lm, setting)
+    n = 600
+    counts = torch.zeros(2, VOCAB, dtype=torch.float64)
+
+    def one(seed):
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "seed": seed, **SETTINGS[setting]}
+        code, resp = srv.request("POST", "/v1/completions", body=body)
+        assert code == 200, resp
+        return lm.tokenizer(resp["choices"][0]["text"], add_special_tokens=False).input_ids
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            for ids in pool.map(one, range(n)):
+                assert len(ids) == 2, ids
+                counts[0, ids[0]] += 1
+                counts[1, ids[1]] += 1
+    finally:
+        srv.close()
+    for j in (0, 1):
+        assert tv(counts[j], marg[j]) < bound(marg[j], n), (j, tv(counts[j], marg[j]))

@@ -222,6 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int, default=4096,
                    help="positions per sequence (prompt + output; default 4096): each of the --max-batch slots "
                         "holds a KV cache this long, allocated when the slot is first used")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds a connection may sit idle (before its first request or between requests) before it "
+                        "is closed (default 5)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds from a request's first byte by which its head and body must have arrived, else 408 "
+                        "(default 30)")
+    s.add_argument("--max-connections", type=int, default=128,
+                   help="open connections at once; the next is answered 503 (default 128)")
+    s.add_argument("--max-header-bytes", type=int, default=32768,
+                   help="largest request line plus headers; larger is answered 431 (default 32768)")
 
     lt = sub.add_parser("loadtest", help="concurrent clients against forerun serve: throughput and latency")
     lt.add_argument("--url", action="append", default=None, metavar="[NAME=]URL",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import threading
 import time
@@ -19,18 +20,21 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from forerun.batching import BatchEngine, BatchRequest, EngineStopped, QueueFull
 from forerun.chat import chat_ids
 from forerun.sampling import SamplingParams
+from forerun.server.limits import TIMED_OUT
 from forerun.server.metrics import Metrics
 from forerun.server.openapi import openapi_schema
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry: bool | None = None):
+                 code: str | None = None, retry: bool | None = None, headers: dict | None = None):
         super().__init__(message)
+        self.headers = headers or {}
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry = retry  # x-should-retry for clients (the openai SDK reads it); None: their default
 
@@ -41,6 +45,7 @@ class ApiError(Exception):
         headers = {"Retry-After": "1"} if self.status in (429, 503) and self.retry is not False else {}
         if self.retry is not None:
             headers["x-should-retry"] = "true" if self.retry else "false"
+        headers.update(self.headers)
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
@@ -244,8 +249,11 @@ def validate(body, service: Service, chat: bool) -> Job:
             if any(t < 0 or t >= vocab for t in prompt):
                 raise _bad(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
             ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
             raise _bad("one prompt per request (n=1, no prompt batches)", "prompt")
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, (int, float, bool)) for t in prompt):
+            bad = next(t for t in prompt if not _is_int(t))
+            raise _bad(f"prompt token ids must be integers, got {json.dumps(bad)} ({type(bad).__name__})", "prompt")
         else:
             raise _bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
     if not ids:
@@ -375,17 +383,32 @@ class TextAssembler:
 
 def is_loopback(host: str) -> bool:
     """Whether a host name or address (``--host``, or a Host header without its port) is the
-    loopback interface."""
-    return host in ("localhost", "127.0.0.1", "::1", "[::1]") or host.startswith("127.")
+    loopback interface: ``localhost`` or a literal loopback address (127.0.0.0/8, ::1), parsed as
+    an address. A name that merely starts with ``127.`` (``127.0.0.1.example.com``) is not."""
+    host = host.strip().lower()
+    if host == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _loopback_host(header: bytes) -> bool:
     """Whether a Host header names the loopback interface (with or without a port)."""
     host = header.decode("latin-1").strip().lower()
     if host.startswith("["):  # [::1]:8000
-        host = host[: host.find("]") + 1]
-    elif host.count(":") == 1:
-        host = host.rsplit(":", 1)[0]
+        end = host.find("]")
+        rest = host[end + 1:]
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+        host = host[: end + 1]
+    elif ":" in host:  # name:port (a bare IPv6 address is not a valid Host header)
+        host, _, port = host.rpartition(":")
+        if not port.isdigit():
+            return False
     return is_loopback(host)
 
 
@@ -421,12 +444,16 @@ class _Guard:
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.service.api_key.encode()):
                 refusal = ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                                   "authentication_error", code="invalid_api_key")
+                                   "authentication_error", code="invalid_api_key",
+                                   headers={"WWW-Authenticate": 'Bearer realm="forerun"'})
         if refusal is not None:
             await refusal.response()(scope, receive, counted)
             return
         try:
             await self.app(scope, receive, counted)
+        except ClientDisconnect:  # the client left mid-request: its doing, not a server error
+            if not started and not scope.get(TIMED_OUT):  # a read timeout was answered (408) and counted already
+                rejected.labels(status="499").inc()
         except Exception as e:  # noqa: BLE001 - last resort: a JSON 500, the server keeps running
             if started:  # too late to answer: the connection is dropped
                 raise

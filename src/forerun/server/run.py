@@ -79,6 +79,7 @@ def serve(args) -> int:
     from forerun.models import load_model
     from forerun.drafters import parse_skip_layers
     from forerun.server.app import create_app, is_loopback
+    from forerun.server.limits import Limits
 
     check_method(args.method, bool(args.draft))
     from forerun.drafters.adapt import check_adapt_args, save_adapted
@@ -90,6 +91,8 @@ def serve(args) -> int:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
     # The torch backend batches sequences into one pass; llama.cpp contexts here hold one sequence each.
     backend = "torch" if args.backend == "auto" else args.backend
+    limits = Limits(keep_alive_s=args.keep_alive_timeout, read_timeout_s=args.read_timeout,
+                    max_connections=args.max_connections, max_header_bytes=args.max_header_bytes).check()
     if args.max_context < 2:
         raise ForerunError(f"--max-context must be >= 2, got {args.max_context}")
     model = load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
@@ -108,8 +111,10 @@ def serve(args) -> int:
                     type(model.backend).__name__)
     import threading
 
+    refused = service.metrics.rejected
     config = uvicorn.Config(create_app(service, engine_thread=False), host=args.host, port=args.port,
-                            log_level="warning", access_log=False)
+                            log_level="warning", access_log=False,
+                            **limits.uvicorn_kwargs(lambda status: refused.labels(status=str(status)).inc()))
     server = uvicorn.Server(config)
     web = threading.Thread(target=server.run, name="forerun-http", daemon=True)
     web.start()

@@ -1,0 +1,117 @@
+"""Plant known bugs one at a time and check that the tiny-model tests catch each (on demand; not
+part of the suite CI runs).
+
+    python tests/mutants.py [--only ID,ID] [--out docs/mutants.md]
+
+Each mutant replaces one snippet of the package (it must occur exactly once) in a scratch copy of
+``src/``, then runs the listed test files with that copy first on the path (``-x``: it stops at the
+first failure, which is the test named in the table). A mutant no test fails "survives" and the
+script exits non-zero. Real-model tests are deselected (``-m "not bundled"``): a bug must be
+caught on the tiny models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLING = ["tests/test_sampling.py", "tests/test_distribution.py"]
+ENGINE = ["tests/test_engine.py"]
+
+# (id, file under src/forerun, old snippet, new snippet, what it breaks, test files to run)
+MUTANTS = [
+    ("all-greedy", "verify.py", "p = logits_to_probs(logits, params)[None]",
+     "p = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()[None]",
+     "every sampled token made the target's argmax", SAMPLING),
+    ("p-without-settings", "verify.py", "p = logits_to_probs(logits, params)[None]",
+     "p = logits_to_probs(logits, type(params)(temperature=1.0))[None]",
+     "temperature, top-k and top-p applied to q only, not to the target's p", SAMPLING),
+    ("draft-q-first-only", "drafters/draft_model.py", "q=torch.stack(qs) if qs else None",
+     "q=torch.stack([qs[0]] * len(qs)) if qs else None",
+     "the draft model's q at positions >= 1 replaced by its q at position 0", SAMPLING),
+    ("bonus-from-residual", "sampling.py", "q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)",
+     "q_pad = torch.cat([q, q[:, -1:]], dim=1)",
+     "the bonus token drawn from a residual at the last position instead of p", SAMPLING),
+    ("accept-q-over-p", "sampling.py", "accept = u * q_safe <= p_d", "accept = u * p_d <= q_safe",
+     "acceptance with probability q/p instead of p/q", SAMPLING),
+    ("recover-from-p", "sampling.py", "residual = (p_next - q_next).clamp_min(0)", "residual = p_next.clone()",
+     "the token after a rejection drawn from p instead of norm(max(0, p - q))", SAMPLING),
+    ("fixed-uniform", "sampling.py", "u = torch.rand(batch, k, generator=generator, device=device)",
+     "u = torch.full((batch, k), 0.5, device=device)", "acceptance decided by a constant instead of a uniform draw",
+     SAMPLING),
+    ("hf-crop-stale", "backends/hf.py", "self._cache.crop(-(self._len - length))",
+     "self._cache.crop(-(self._len - length) + 1)", "HFBackend's rollback keeps one stale position",
+     ["tests/test_native.py"]),
+    ("drop-own-token", "engine.py", "new = out[: n_acc + 1]", "new = out[: max(n_acc, 1)]",
+     "a step commits its accepted drafts but drops the target's own token", ENGINE),
+    ("ngram-shift", "drafters/ngram.py", "follow = tokens[start + n : start + n + k]",
+     "follow = tokens[start + n + 1 : start + n + k + 1]", "n-gram proposals shifted by one token", ENGINE),
+    ("greedy-not-prefix", "sampling.py", "n = match.cumprod(-1).sum(-1)  # accepted prefix length",
+     "n = match.sum(-1)", "greedy acceptance counts matches after the first mismatch", ENGINE),
+    ("engine-no-rollback", "engine.py", "target.truncate(len(tokens) - 1)", "target.truncate(len(tokens))",
+     "the single-sequence engine keeps one rejected position in the cache", ENGINE),
+    ("batch-no-rollback", "batching.py", "r.slot.backend.truncate(len(r.tokens) - 1)",
+     "r.slot.backend.truncate(len(r.tokens))", "the batch engine keeps one rejected position in the cache",
+     ["tests/test_batching.py"]),
+]
+
+
+def run_one(mid, rel, old, new, tests, scratch: Path) -> tuple[str, str]:
+    src = scratch / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    path = src / "forerun" / rel
+    text = path.read_text()
+    if text.count(old) != 1:
+        return "not planted", f"the snippet occurs {text.count(old)} times in {rel}"
+    path.write_text(text.replace(old, new))
+    env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["FORERUN_CACHE"] = str(scratch / "cache")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not bundled", *tests]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    failed = re.search(r"^FAILED (\S+)", out, re.M) or re.search(r"^ERROR (\S+)", out, re.M)
+    if proc.returncode == 0:
+        return "survived", ""
+    if failed:
+        return "killed", failed.group(1).split(" - ")[0]
+    return "error", out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=None, help="comma-separated mutant ids")
+    ap.add_argument("--out", default=None, help="write the table (markdown) here too")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if args.only is None or m[0] in args.only.split(",")]
+    unknown = set(args.only.split(",")) - {m[0] for m in MUTANTS} if args.only else set()
+    if unknown:
+        print(f"unknown mutant ids: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="forerun-mutants-") as tmp:
+        for mid, rel, old, new, what, tests in chosen:
+            status, where = run_one(mid, rel, old, new, tests, Path(tmp))
+            rows.append((mid, rel, what, status, where))
+            print(f"{mid:22s} {status:10s} {where}", flush=True)
+    lines = [f"Mutation run of {datetime.date.today().isoformat()} (`python tests/mutants.py`):", "",
+             "| planted bug | file | status | first test that failed |", "|---|---|---|---|"]
+    lines += [f"| {what} (`{mid}`) | `{rel}` | {status} | `{where}` |" for mid, rel, what, status, where in rows]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0 if all(r[3] == "killed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
