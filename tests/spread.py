@@ -23,7 +23,7 @@ K = 3
 NEW = K + 2
 # the settings every sampling test runs at: neither is temperature 1 without top-k/top-p
 SETTINGS = {"t0.7-k4": dict(temperature=0.7, top_k=4), "t1.4-k6-p0.85": dict(temperature=1.4, top_k=6, top_p=0.85)}
-N = 2000  # generations per check
+N = 1200  # generations per check
 
 
 def spread_target(seed: int = 5):

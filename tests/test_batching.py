@@ -153,33 +153,6 @@ def test_a_cancelled_waiting_request_leaves_the_queue_at_once(gemma):
     assert events == {1: "cancelled", 0: "length", 2: "length"}
 
 
-def test_sampling_in_a_batch_keeps_the_target_distribution(gemma):
-    """The first two sampled tokens, verified in batches against n-gram drafts, follow the target's distribution."""
-    from forerun.sampling import logits_to_probs
-
-    prompt = [2, 7, 9, 7, 9, 7]
-    params = SamplingParams(temperature=1.0, top_k=6)
-    be = gemma.backend.fork()
-    p1 = logits_to_probs(be.forward(torch.tensor(prompt), 0).logits[-1], params)
-    joint = torch.zeros(p1.numel(), p1.numel())
-    for t in torch.nonzero(p1 > 0).flatten().tolist():
-        be.truncate(len(prompt))
-        joint[t] = p1[t] * logits_to_probs(be.forward(torch.tensor([t]), len(prompt)).logits[-1], params)
-    eng = BatchEngine(gemma.backend, (), drafter=NgramDrafter(), max_batch=8)
-    eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free and always worth it: every step drafts
-    eng.policy.margin = -1.0
-    n = 3000
-    reqs = [BatchRequest(prompt=prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=i))
-            for i in range(n)]
-    counts = torch.zeros_like(joint)
-    for i in range(0, n, 8):
-        for o in run_batch(eng, reqs[i: i + 8]):
-            counts[o[0], o[1]] += 1
-    assert sum(r.stats.drafted for r in reqs) > n / 2  # speculation really happened
-    tv = 0.5 * (counts / n - joint).abs().sum().item()
-    assert tv < 0.09, tv  # 36 support cells, n = 3000: E[TV] is about 0.05
-
-
 def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
     pol = LoadAwareK(k_max=4)
     pol.buckets[None] = [5.0, 5.0]  # acceptance 0.5
@@ -340,3 +313,34 @@ def test_prepared_slots_serve_every_request(gemma):
     plain = [Engine(gemma.backend.fork(), None, gemma.eos_token_ids).generate(p, max_new_tokens=6).token_ids
              for p in prompts]
     assert outs == plain and eng._n_slots == 3 and len(eng._free) == 3
+
+
+def test_tree_drafters_are_refused_not_verified_as_chains(gemma):
+    """The batch engine verifies chains: a drafter built to propose trees is refused up front, and
+    a tree that reaches a step anyway ends its request with an error instead of wrong text."""
+    from forerun.drafters import make_drafter
+    from forerun.drafters.base import Draft, Drafter
+    from forerun.errors import ForerunError
+
+    with pytest.raises(ForerunError, match="token trees"):
+        BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=make_drafter("suffix", gemma, tree=(8, None)))
+
+    class Sneaky(Drafter):
+        name = "sneaky"
+
+        def propose(self, tokens, k):
+            return Draft(tokens=torch.tensor([5, 6]), parents=torch.tensor([-1, -1]))
+
+        def fork(self):
+            return Sneaky()
+
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=Sneaky(), max_batch=2)
+    eng.policy.costs = {r: 1.0 for r in range(1, 80)}
+    eng.policy.margin = -1.0
+    req = BatchRequest(prompt=[2, 7, 8], max_new_tokens=4)
+    events = []
+    req.on_event = lambda toks, fin: events.append(fin)
+    eng.submit(req)
+    while eng.active or eng.waiting:
+        eng.step()
+    assert events[-1] == "error" and "token tree" in req.error

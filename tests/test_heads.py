@@ -16,7 +16,7 @@ from forerun.stats import GenerationStats
 from forerun.training.data import Sequence
 from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
-from test_engine import PROMPTS, _exact_two_token_dist
+from test_engine import PROMPTS
 
 
 def _sequences(n=48, length=32, seed=0):
@@ -40,7 +40,8 @@ def _target_samples(lm, prompt, params, n=64, new=6):
     might sample, so the distribution test sees acceptances as well as rejections."""
     eng = Engine(lm.backend)
     return [Sequence(prompt + eng.generate(prompt, max_new_tokens=new, params=SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, seed=i)).token_ids, len(prompt)) for i in range(n)]
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i)).token_ids, len(prompt))
+        for i in range(n)]
 
 
 def _train(lm, kind, tmp_path, epochs=None, stop_after=None, seqs=None, **config):
@@ -282,32 +283,38 @@ def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
         assert head_rows < sum(pass_rows)
 
 
-@pytest.mark.parametrize("kind,tree,lookup", [("eagle", None, False), ("medusa", None, False), ("eagle", (8, 2), False),
-                                              ("medusa", (8, 2), False), ("eagle", (4, 2), True),
-                                              ("eagle", (4, 2), "auto")])
-def test_sampling_distribution(gemma, kind, tree, lookup, tmp_path):
-    """The first two sampled tokens follow the target's own distribution (total-variation bound)."""
-    params = SamplingParams(temperature=1.0, top_k=6)
-    prompt = [2, 7, 8, 7, 8, 7]
-    joint = _exact_two_token_dist(gemma, prompt, params)
-    head, _ = _train(gemma, kind, tmp_path / "work", seqs=_target_samples(gemma, prompt, params))
+@pytest.fixture(scope="module")
+def spread():
+    from spread import spread_target
+
+    return spread_target()
+
+
+@pytest.mark.parametrize("kind,tree,lookup,setting", [
+    ("eagle", None, False, "t0.7-k4"), ("medusa", None, False, "t1.4-k6-p0.85"), ("eagle", (8, 2), False, "t1.4-k6-p0.85"),
+    ("medusa", (8, 2), False, "t0.7-k4"), ("eagle", (4, 2), True, "t0.7-k4"), ("eagle", (4, 2), "auto", "t1.4-k6-p0.85")])
+def test_sampling_distribution(spread, kind, tree, lookup, setting, tmp_path):
+    """Every position of a sampled continuation (drafts of K tokens, K + 2 new tokens) follows
+    the target's own distribution, on a target with spread-out distributions (``spread.py``)."""
+    from spread import K, NEW, PROMPT, SETTINGS, check, sample
+
+    params = SamplingParams(**SETTINGS[setting])
+    head, _ = _train(spread, kind, tmp_path / "work", seqs=_target_samples(spread, PROMPT, params))
     head.save(tmp_path / "head")
-    eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=tmp_path / "head", tree=tree, tree_lookup=lookup),
+    eng = Engine(spread.backend, make_drafter(kind, spread, head_path=tmp_path / "head", tree=tree, tree_lookup=lookup),
                  eos_token_ids=())
-    N = 3000
-    counts = torch.zeros_like(joint)
-    gen = torch.Generator().manual_seed(1)
-    drafted = accepted = 0
-    for i in range(N):
-        seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-        res = eng.generate(prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=seed), k=2)
-        counts[res.token_ids[0], res.token_ids[1]] += 1
-        drafted += res.stats.drafted
+    accepted = 0
+
+    def run(p):
+        nonlocal accepted
+        res = eng.generate(PROMPT, max_new_tokens=NEW, params=p, k=K)
         accepted += res.stats.accepted
+        return res.token_ids, res.stats.drafted
+
+    counts, joint, drafted = sample(run, setting, seed=1)
     # speculation really happened (auto drafts only where its measured costs say it pays: timing-dependent)
-    assert drafted > (0 if lookup == "auto" else N // 2) and accepted > 0
-    tv = 0.5 * (counts / N - joint).abs().sum().item()
-    assert tv < 0.09, tv
+    assert drafted > (0 if lookup == "auto" else 1000) and accepted > 0
+    check(spread, setting, counts, joint)
 
 
 def test_two_stage_prompts_embed_the_targets_own_passages(tmp_path):

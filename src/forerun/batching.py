@@ -207,6 +207,9 @@ class BatchEngine:
         with or without it, so that output never depends on what was cached."""
         if max_batch < 1:
             raise ForerunError(f"max_batch must be >= 1, got {max_batch}")
+        if speculate and drafter is not None and drafter.proposes_trees:
+            raise ForerunError(f"the batch engine (and the server) verifies chain drafts only; this {drafter.name} drafter "
+                               "proposes token trees: build it without a tree (no tree=..., no --tree-nodes)")
         self.target = target
         self.eos = set(int(i) for i in eos_token_ids)
         self.drafter = drafter if speculate else None
@@ -429,7 +432,11 @@ class BatchEngine:
 
         def propose(r: BatchRequest, k: int) -> Draft:  # a drafter failing ends its own request only
             try:
-                return r.slot.drafter.propose(r.tokens, k) if k > 0 else empty_draft()
+                d = r.slot.drafter.propose(r.tokens, k) if k > 0 else empty_draft()
+                if d.parents is not None:  # never verify a tree as if it were a chain
+                    raise ForerunError(f"the {r.slot.drafter.name} drafter proposed a token tree; the batch engine "
+                                       "verifies chains only")
+                return d
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e)
                 failed.add(r.id)

@@ -43,7 +43,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="--method draft: the draft model (same forms as --model); "
                    "eagle/medusa: a trained head folder (default: the head shipped for this model, found by its "
                    "fingerprint)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],
                    help="llama.cpp (GGUF models, quantized CPU kernels) or torch (our native forward for Llama, Mistral, Qwen2/3 and Gemma where "

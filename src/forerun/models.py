@@ -341,13 +341,13 @@ def load_model(
             raise ForerunError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)  # a bad option is named before any file is looked for
     kind, loc = resolve_source(spec)
     backend = choose_backend(backend, kind, dev, loc if kind == "gguf" else None)
     if backend == "llama.cpp":
         return _load_llamacpp(spec, Path(loc), max_context=max_context, threads=threads)
     if backend == "torch":
         backend = "auto"
-    dt = resolve_dtype(dtype, dev)
     folder = _convert_gguf(Path(loc)) if kind == "gguf" else loc
     try:
         with warnings.catch_warnings():

@@ -47,6 +47,11 @@ class Drafter:
     cheap_proposals = False  # True: proposing k_max tokens costs next to nothing, so adaptive K may cut after
     feature_layers: tuple = ()  # target layers whose outputs the drafter reads (take_features after every pass)
 
+    @property
+    def proposes_trees(self) -> bool:
+        """Whether ``propose`` may return a token tree (``Draft.parents``) rather than a chain."""
+        return bool(getattr(self, "tree_nodes", None))
+
     def take_features(self, pos: int, features: torch.Tensor) -> None:
         """The outputs of ``feature_layers`` at positions pos.. that the target kept (trained heads)."""
 
