@@ -56,10 +56,12 @@ MUTANTS = [
      "follow = tokens[start + n + 1 : start + n + k + 1]", "n-gram proposals shifted by one token", ENGINE),
     ("greedy-not-prefix", "sampling.py", "n = match.cumprod(-1).sum(-1)  # accepted prefix length",
      "n = match.sum(-1)", "greedy acceptance counts matches after the first mismatch", ENGINE),
-    ("engine-no-rollback", "engine.py", "target.truncate(len(tokens) - 1)", "target.truncate(len(tokens))",
-     "the single-sequence engine keeps one rejected position in the cache", ENGINE),
-    ("batch-no-rollback", "batching.py", "r.slot.backend.truncate(len(r.tokens) - 1)",
-     "r.slot.backend.truncate(len(r.tokens))", "the batch engine keeps one rejected position in the cache",
+    ("tree-no-compaction", "engine.py", "target.keep_rows(root, verdict.rows[:n_acc])", "pass",
+     "after a tree pass the accepted path's cache rows are not moved into place",
+     ["tests/test_tree.py", "tests/test_suffix.py"]),
+    ("batch-accept-none", "batching.py", "_, out, n_acc = accept(d, out_i, r.params, r.generator)",
+     "_, out, n_acc = accept(d, out_i, r.params, r.generator); n_acc = 0",
+     "the batch engine throws away every accepted draft (lossless, but speculation does nothing)",
      ["tests/test_batching.py"]),
 ]
 

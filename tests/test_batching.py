@@ -90,6 +90,9 @@ def test_greedy_batch_equals_plain(gemma, speculate):
     assert outs == plain
     drafted = sum(r.stats.drafted for r in reqs)
     assert (drafted > 0) == speculate
+    assert (sum(r.stats.accepted for r in reqs) > 0) == speculate  # equality earned with accepted drafts
+    for r in reqs:  # every pass commits its accepted drafts plus one token of the target's own
+        assert r.stats.new_tokens == len(r.tokens) - len(r.prompt) == r.stats.accepted + r.stats.target_passes
     assert eng._n_slots == 3  # slots are reused by later requests
 
 

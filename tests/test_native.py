@@ -64,6 +64,18 @@ def test_hf_backend_rollback():
     res = Engine(be, make_drafter("ngram", lm), lm.eos_token_ids).generate(prompt, max_new_tokens=24, k=3)
     assert res.token_ids == plain
     assert res.stats.drafted > res.stats.accepted > 0  # accepted drafts and rejected ones (rollbacks)
+    # and in the batch engine (one sequence after another on this backend), two requests at once
+    from forerun.batching import BatchEngine, BatchRequest
+
+    from conftest import run_batch
+
+    eng = BatchEngine(be, lm.eos_token_ids, drafter=make_drafter("ngram", lm), max_batch=2)
+    eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
+    eng.policy.margin = -1.0
+    reqs = [BatchRequest(prompt=prompt, max_new_tokens=24), BatchRequest(prompt=[2, 9, 4, 9, 4, 9], max_new_tokens=24)]
+    outs = run_batch(eng, reqs)
+    assert outs == [plain, Engine(be, None, lm.eos_token_ids).generate(reqs[1].prompt, max_new_tokens=24).token_ids]
+    assert sum(r.stats.drafted for r in reqs) > sum(r.stats.accepted for r in reqs) > 0
 
 
 def test_layer_skip_and_sub_head():
