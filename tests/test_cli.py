@@ -300,3 +300,22 @@ def test_loadtest_end_to_end(capsys, tiny_folder, tmp_path):
 def test_serve_and_loadtest_bad_inputs(capsys, argv, needle):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_debug_flag_before_or_after_the_subcommand(capsys):
+    from forerun.cli import build_parser
+
+    ap = build_parser()
+    assert ap.parse_args(["--debug", "generate", "x"]).debug is True
+    assert ap.parse_args(["generate", "x", "--debug"]).debug is True
+    assert ap.parse_args(["generate", "x"]).debug is False
+    assert ap.parse_args(["serve", "--debug"]).debug is True
+
+
+def test_serve_without_the_server_extra_says_what_to_install(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    rc, _, err = run(capsys, "serve", "--model", "./no/such/folder")
+    assert rc == 2 and "forerun[server]" in err and "uvicorn" in err

@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--new-tokens", type=int, default=96)
     c.add_argument("--corpus", default=None, help="text/JSONL corpus whose most frequent tokens the draft may always predict")
     c.add_argument("--draft-vocab", type=int, default=8192, help="how many frequent corpus tokens (with --corpus)")
+    for p in sub.choices.values():  # --debug before or after the subcommand
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return ap
 
 
@@ -457,13 +459,25 @@ def cmd_eval_draft(args) -> int:
     return 0
 
 
+def _need_server_extra(what: str, modules=("fastapi", "uvicorn", "prometheus_client", "psutil")) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ForerunError(f"{what} needs the server extra ({', '.join(missing)} not installed): "
+                           "pip install 'forerun[server]' (from a clone: pip install '.[server]')")
+
+
 def cmd_serve(args) -> int:
+    _need_server_extra("forerun serve")
     from forerun.server.run import serve
 
     return serve(args)
 
 
 def cmd_loadtest(args) -> int:
+    if not args.url:  # it starts servers of its own
+        _need_server_extra("forerun loadtest without --url")
     from forerun.server.loadtest import run_loadtest
 
     report = run_loadtest(args, log=lambda s: print(s, file=sys.stderr))
