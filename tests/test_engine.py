@@ -101,33 +101,3 @@ def test_sampling_seeded(gemma, gemma_draft):
     a = eng.generate(PROMPTS[1], max_new_tokens=16, params=params, k=3).token_ids
     b = eng.generate(PROMPTS[1], max_new_tokens=16, params=params, k=3).token_ids
     assert a == b
-
-
-def _exact_two_token_dist(lm, prompt, params):
-    """p(t1, t2) from the target itself: [V, V]."""
-    from forerun.sampling import logits_to_probs
-
-    be = lm.backend
-    be.reset()
-    p1 = logits_to_probs(be.forward(torch.tensor(prompt), 0).logits[-1], params)
-    V = p1.numel()
-    joint = torch.zeros(V, V)
-    for t in torch.nonzero(p1 > 0).flatten().tolist():
-        be.truncate(len(prompt))
-        p2 = logits_to_probs(be.forward(torch.tensor([t]), len(prompt)).logits[-1], params)
-        joint[t] = p1[t] * p2
-    return joint
-
-
-def sampled_tv(eng, prompt, joint, n: int = 3000, seed: int = 0) -> tuple[float, int]:
-    """Total variation between the first two tokens ``eng`` samples (temperature 1, top-k 6; a
-    fresh seed per generation) and the exact ``joint``; and the tokens drafted on the way."""
-    counts = torch.zeros_like(joint)
-    gen = torch.Generator().manual_seed(seed)
-    drafted = 0
-    for _ in range(n):
-        s = int(torch.randint(0, 2**31, (1,), generator=gen))
-        res = eng.generate(prompt, max_new_tokens=2, params=SamplingParams(temperature=1.0, top_k=6, seed=s), k=2)
-        counts[res.token_ids[0], res.token_ids[1]] += 1
-        drafted += res.stats.drafted
-    return 0.5 * (counts / n - joint).abs().sum().item(), drafted
