@@ -244,20 +244,25 @@ def test_batch_engine_on_llamacpp(lc):
     texts = spec_bench_prompts("writing", 1) + spec_bench_prompts("qa", 1) + spec_bench_prompts("math", 1)
     prompts = [lc.tokenizer(t).input_ids for t in texts]
     plain = [Engine(lc.backend, None, lc.eos_token_ids).generate(p, max_new_tokens=24).token_ids for p in prompts]
-    eng = BatchEngine(lc.backend, lc.eos_token_ids, drafter=make_drafter("ngram", lc), max_batch=4)
-    # a fixed cost model: measured costs on a noisy machine could price drafting out of this short run
-    eng.policy.costs.update({1: 0.010, 2: 0.0125, 3: 0.014, 4: 0.0155, 5: 0.018})
-    eng.policy.observe_pass = lambda rows, seconds: None
-    reqs = [BatchRequest(prompt=p, max_new_tokens=24) for p in prompts]
-    reqs.append(BatchRequest(prompt=prompts[0], max_new_tokens=8, params=SamplingParams(temperature=0.8, seed=1)))
-    outs = run_batch(eng, reqs)
+    def engine():
+        eng = BatchEngine(lc.backend, lc.eos_token_ids, drafter=make_drafter("ngram", lc), max_batch=4)
+        # a fixed cost model: measured costs on a noisy machine could price drafting out of this short run
+        eng.policy.costs.update({1: 0.010, 2: 0.0125, 3: 0.014, 4: 0.0155, 5: 0.018})
+        eng.policy.observe_pass = lambda rows, seconds: None
+        return eng
+
+    def requests():
+        reqs = [BatchRequest(prompt=p, max_new_tokens=24) for p in prompts]
+        return reqs + [BatchRequest(prompt=prompts[0], max_new_tokens=8, params=SamplingParams(temperature=0.8, seed=1))]
+
+    reqs = requests()
+    outs = run_batch(engine(), reqs)
     assert outs[:3] == plain
     assert len(outs[3]) == 8
     assert sum(r.stats.accepted for r in reqs[:3]) > 0
-    # the sampled request: seeded, so the same batch run again gives the same tokens, and its first
-    # token is one the target gives real probability at that temperature
-    again = [BatchRequest(prompt=r.prompt, max_new_tokens=r.max_new_tokens, params=r.params) for r in reqs]
-    assert run_batch(eng, again)[3] == outs[3]
+    # the sampled request: seeded, so the same batch on a fresh engine gives the same tokens, and its
+    # first token is one the target gives real probability at that temperature
+    assert run_batch(engine(), requests())[3] == outs[3]
     lc.backend.reset()
     first = logits_to_probs(lc.backend.forward(torch.tensor(prompts[0]), 0).logits[-1], SamplingParams(temperature=0.8))
     assert float(first[outs[3][0]]) > 1e-4
@@ -299,10 +304,11 @@ def test_sampling_distribution_llamacpp(lc):
 def test_cli_generate_llamacpp(capsys, lc):
     from forerun.cli import main
 
-    rc = main(["generate", "List three colors:", "--backend", "llama.cpp", "--threads", "2", "--max-new-tokens", "12", "--json"])
+    rc = main(["generate", "List three colors:", "--model", "bundled", "--backend", "llama.cpp", "--threads", "2",
+               "--max-new-tokens", "12", "--json"])
     obj = json.loads(capsys.readouterr().out)
     assert rc == 0 and obj["new_tokens"] == 12
-    ids = lc.tokenizer("List three colors:").input_ids
+    ids = lc.tokenizer("List three colors:").input_ids  # no chat template on this model: the text as it is
     plain = Engine(lc.backend, None, lc.eos_token_ids).generate(ids, max_new_tokens=12).token_ids
     assert obj["token_ids"] == plain  # the CLI's default method is lossless: plain decoding's tokens
 
