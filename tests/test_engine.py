@@ -46,7 +46,8 @@ def test_greedy_equality(request, model_name, method, k):
         # every pass commits its accepted drafts plus one token of the target's own
         assert st.new_tokens == st.accepted + st.target_passes, (st.new_tokens, st.accepted, st.target_passes)
         accepted += st.accepted
-    assert accepted > 0  # the equality above was earned with accepted drafts, not by rejecting all
+    if k != "auto":  # (auto drafts only where its measured costs say it pays: timing-dependent)
+        assert accepted > 0  # the equality above was earned with accepted drafts, not by rejecting all
 
 
 def test_speculation_actually_drafts(gemma):
