@@ -662,7 +662,7 @@ def test_connection_limits(gemma):
         assert code == 200
 
         # the cap: 4 open connections, the fifth is refused at once
-        time.sleep(1.2)  # the refused connections above have lingered and closed
+        time.sleep(2.0)  # the refused connections above have lingered and closed
         held = [_raw(srv.port) for _ in range(4)]
         time.sleep(0.1)
         extra = _raw(srv.port)
