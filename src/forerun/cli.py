@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(g)
     g.add_argument("--method", default="ngram",
                    help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram)")
-    g.add_argument("--k", default=4, type=_k_arg, help="draft length 1..32 or auto (default 4)")
+    g.add_argument("--k", default="auto", type=_k_arg,
+                   help="draft length 1..32, or auto: chosen every step from measured acceptance and costs (default)")
     _tree_args(g)
     _adapt_args(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
