@@ -310,6 +310,15 @@ def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | str | None
     return expected / (gamma * c + r)
 
 
+def _k_text(cfg: dict) -> str:
+    """The draft lengths a run used: each method's own where methods carry one (``ngram:auto``)."""
+    own = {m: k for m, k in (cfg.get("method_k") or {}).items() if m not in cfg.get("peers", []) and not m.startswith("none")}
+    if not own:
+        return f"k={cfg['k']}"
+    if len(set(map(str, own.values()))) == 1:
+        return f"k={next(iter(own.values()))}"
+    return "k per method: " + ", ".join(f"{m} {k}" for m, k in own.items())
+
 def write_markdown(results: dict, path: Path) -> None:
     methods = results["methods"]
     cats = sorted({c for m in methods.values() for c in m["by_category"]})
@@ -318,7 +327,7 @@ def write_markdown(results: dict, path: Path) -> None:
     cfg = results["config"]
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
                  f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). Greedy, max_new_tokens={cfg['max_new_tokens']}, "
-                 f"k={cfg['k']}, {cfg['prompts']} prompts."
+                 f"{_k_text(cfg)}, {cfg['prompts']} prompts."
                  + (f" Greedy head: {cfg['greedy_head']}; body kernel: {cfg['body_kernel']}." if "greedy_head" in cfg else ""))
     if "batch_invariant" in cfg:
         lines.append((f"llama.cpp: {cfg['llama_cpp']}; " if "llama_cpp" in cfg else "")

@@ -53,7 +53,7 @@ def bench_charts(results: dict, out_dir: str | Path) -> list[Path]:
         ax.barh(names[::-1], tps[::-1], color=colors[::-1])
         for y, v in enumerate(tps[::-1]):
             ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
-        ax.set_xlabel("tokens/s (prompt passes included); grey: peers")
+        ax.set_xlabel("tokens/s (prompt passes included)" + ("; grey: peers" if peers & set(names) else ""))
         ax.set_title(f"Throughput per method — {title}", fontsize=9)
         written.append(_save(plt, fig, out_dir / "tokens_per_s.png"))
 
