@@ -324,3 +324,16 @@ def test_serve_without_the_server_extra_says_what_to_install(capsys, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     rc, _, err = run(capsys, "serve", "--model", "./no/such/folder")
     assert rc == 2 and "forerun[server]" in err and "uvicorn" in err
+
+
+def test_bench_defaults_are_quick_and_name_the_users_tools(tiny_folder):
+    from forerun.bench import default_peers
+    from forerun.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--prompts", "x.jsonl"])
+    assert args.methods == "none,ngram:auto,suffix:auto"  # nothing to calibrate or train first
+    assert default_peers(str(tiny_folder)) == "hf"
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert default_peers("bundled") == "llama.cpp,hf"

@@ -454,6 +454,20 @@ def _tree_pricing(summary: dict, tree_methods: list, backend):
     return tree_nodes, lazy, ks
 
 
+def default_peers(spec: str) -> str:
+    """``--peers auto``: the tools a user of this model already has. llama.cpp (and transformers)
+    for a GGUF file where llama-cpp-python is installed, else transformers' ``generate()``."""
+    import importlib.util
+
+    from forerun.models import resolve_source
+
+    try:
+        kind, _ = resolve_source(spec)
+    except ForerunError:
+        return "hf"  # the load reports the bad name
+    return "llama.cpp,hf" if kind == "gguf" and importlib.util.find_spec("llama_cpp") is not None else "hf"
+
+
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
@@ -477,7 +491,8 @@ def run_bench(args) -> dict:
             raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
                                "eagle-tree, eagle-tree+lookup or eagle-tree+auto; suffix as suffix-tree)")
         method_k[m] = check_k(k) if k else args.k
-    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    peers = [p.strip() for p in (default_peers(args.model) if args.peers == "auto" else args.peers or "").split(",")
+             if p.strip()]
     for p in peers:
         if p not in PEERS:
             raise ForerunError(f"unknown peer {p!r} (choose {', '.join(PEERS)})")

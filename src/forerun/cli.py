@@ -110,8 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", required=True, help="JSONL with question_id, category, turns")
     b.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None)
-    b.add_argument("--methods", default="none,ngram,layerskip")
-    b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup, llama.cpp (empty for none)")
+    b.add_argument("--methods", default="none,ngram:auto,suffix:auto",
+                   help="comma-separated methods, each with its draft length where wanted (default "
+                        "none,ngram:auto,suffix:auto: nothing to calibrate or train first)")
+    b.add_argument("--peers", default="auto",
+                   help="comma-separated: hf, hf-lookup, llama.cpp (empty for none); auto (default): llama.cpp and hf "
+                        "for a GGUF model when llama-cpp-python is installed, else hf")
     b.add_argument("--k", default=4, type=_k_arg)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--eagle-head", default=None, help="head folder for eagle (default: the shipped one)")
