@@ -347,3 +347,13 @@ def test_tree_drafters_are_refused_not_verified_as_chains(gemma):
     while eng.active or eng.waiting:
         eng.step()
     assert events[-1] == "error" and "token tree" in req.error
+
+
+def test_calibration_is_bounded_in_time(gemma):
+    """Start-up timing stops at its budget (coarse row counts first; the cost model interpolates)."""
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=8)
+    costs = eng.calibrate(reps=1, budget_s=0.0)
+    assert list(costs) == [1, 2]
+    assert eng.policy.cost(3) > 0
+    full = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2).calibrate(reps=1)
+    assert list(full) == list(range(1, 17))  # within the budget: every row count up to 2 x (8 + 1)

@@ -312,18 +312,31 @@ class BatchEngine:
         self._stop.set()
         self._wake.set()
 
-    def calibrate(self, rows: list[int] | None = None, reps: int = 2) -> dict[int, float]:
-        """Time target passes of several row counts (a scratch sequence), seeding the cost model."""
+    def calibrate(self, rows: list[int] | None = None, reps: int = 2, budget_s: float = 30.0,
+                  progress: bool = False) -> dict[int, float]:
+        """Time target passes of several row counts (a scratch sequence), seeding the cost model.
+
+        Row counts are timed coarse to fine (1, 2, 4, 8, ... first, then those between), and
+        timing stops once ``budget_s`` seconds have gone by: the cost model interpolates the rest,
+        and a slow or busy machine starts in bounded time. ``progress``: a progress bar on stderr."""
         if self.drafter is None:
             return {}
         # every row count up to 16 (kernels are chosen per row count on first use), then a coarser grid
         rows = rows or sorted((set(range(1, 17)) | {24, 32, 48, 64, 96, 128}) & set(
             range(1, self.max_batch * (self.policy.k_max + 1) + 1)))
+        powers = [r for r in rows if r & (r - 1) == 0]
+        order = powers + [r for r in rows if r not in powers]
         scratch = self.target.fork()
         g = torch.Generator().manual_seed(0)
-        for r in rows:
+        t_start = time.perf_counter()
+        from tqdm import tqdm
+
+        bar = tqdm(order, desc="timing batched passes", unit="size", disable=not progress, leave=False)
+        for r in bar:
             if r + 64 > scratch.max_context:
-                break
+                continue
+            if time.perf_counter() - t_start > budget_s and len(self.policy.costs) >= 2:
+                break  # the rest is interpolated
             feed = torch.randint(3, min(self.target.vocab_size, 1000), (64 + r,), generator=g)
             scratch.reset()
             scratch.forward(feed[:64], 0, last_only=True)
@@ -333,8 +346,9 @@ class BatchEngine:
                 self._pass([scratch], [feed[64:]], [64], greedy=[True])
                 times.append(time.perf_counter() - t)
             self.policy.costs[r] = sorted(times[1:])[len(times[1:]) // 2]
+        bar.close()
         del scratch
-        return dict(self.policy.costs)
+        return dict(sorted(self.policy.costs.items()))
 
     def prepare_slots(self) -> None:
         """Make every slot now (its cache allocated in full), as a server does at start: no request

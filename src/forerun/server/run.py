@@ -29,7 +29,7 @@ def _check_api_key(key: str | None) -> str | None:
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
                   k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20,
-                  loopback_hosts: bool = False, prefix_cache_mb: int = 512, adapt: bool = False):
+                  loopback_hosts: bool = False, prefix_cache_mb: int = 512, adapt: bool = False, progress: bool = False):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
@@ -46,7 +46,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
                          max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
     engine.prepare_slots()
     if calibrate and drafter is not None:
-        costs = engine.calibrate()
+        costs = engine.calibrate(progress=progress)
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
     return Service(model, engine, name=name or model.id, api_key=api_key, max_tokens=max_tokens,
                    request_timeout=request_timeout, method=method, max_body_bytes=max_body_bytes,
@@ -105,7 +105,7 @@ def serve(args) -> int:
                             api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
                             skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None,
-                            prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt)
+                            prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt, progress=True)
     if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)
