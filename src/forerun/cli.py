@@ -278,8 +278,8 @@ def _load(args, methods=()):
 
 def cmd_generate(args) -> int:
     from forerun.chat import prompt_ids, uses_chat
-    from forerun.drafters import check_method, make_drafter, parse_skip_layers
-    from forerun.drafters.adapt import check_adapt_args, save_adapted
+    from forerun.drafters import check_adapt_args, check_method, make_drafter, parse_skip_layers
+    from forerun.drafters.adapt import save_adapted
     from forerun.engine import Engine
     from forerun.models import load_model
     from forerun.sampling import SamplingParams

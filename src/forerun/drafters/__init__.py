@@ -102,6 +102,21 @@ def check_method(method: str, has_draft: bool) -> None:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
 
 
+def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
+    """The command line's --adapt / --adapt-save for ``method``, refused with a reason before a
+    model loads (``generate`` and ``serve`` share it)."""
+    from pathlib import Path
+
+    if adapt_save and not adapt:
+        raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
+    if adapt and method not in HEAD_METHODS:
+        raise ForerunError(f"--adapt trains eagle and medusa heads, not {method}")
+    if adapt_save:
+        out = Path(adapt_save)
+        if out.exists() and not out.is_dir():
+            raise ForerunError(f"--adapt-save {out} exists and is not a folder")
+
+
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
                  head_path=None, tree=None, tree_lookup: bool | str | None = None, adapt=None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head

@@ -221,24 +221,6 @@ class RequestLog:
         return self.newest(self.span())
 
 
-def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
-    """The command line's --adapt / --adapt-save for ``method``, refused with a reason before a
-    model loads (``generate`` and ``serve`` share it)."""
-    from pathlib import Path
-
-    from forerun.drafters import HEAD_METHODS
-    from forerun.errors import ForerunError
-
-    if adapt_save and not adapt:
-        raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
-    if adapt and method not in HEAD_METHODS:
-        raise ForerunError(f"--adapt trains eagle and medusa heads, not {method}")
-    if adapt_save:
-        out = Path(adapt_save)
-        if out.exists() and not out.is_dir():
-            raise ForerunError(f"--adapt-save {out} exists and is not a folder")
-
-
 def save_adapted(drafter, path) -> None:
     """Save what a drafter's adapter learned to ``path`` (--adapt-save), saying so on stderr."""
     import sys

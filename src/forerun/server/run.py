@@ -6,7 +6,7 @@ import logging
 import os
 
 from forerun.batching import BatchEngine
-from forerun.drafters import check_method, make_drafter
+from forerun.drafters import check_adapt_args, check_method, make_drafter
 from forerun.errors import ForerunError
 
 log = logging.getLogger("forerun")
@@ -82,7 +82,7 @@ def serve(args) -> int:
     from forerun.server.limits import Limits
 
     check_method(args.method, bool(args.draft))
-    from forerun.drafters.adapt import check_adapt_args, save_adapted
+    from forerun.drafters.adapt import save_adapted
 
     check_adapt_args(args.method, args.adapt, args.adapt_save)
     api_key = resolve_api_key(args.api_key)
