@@ -319,6 +319,7 @@ def _k_text(cfg: dict) -> str:
         return f"k={next(iter(own.values()))}"
     return "k per method: " + ", ".join(f"{m} {k}" for m, k in own.items())
 
+
 def write_markdown(results: dict, path: Path) -> None:
     methods = results["methods"]
     cats = sorted({c for m in methods.values() for c in m["by_category"]})

@@ -25,9 +25,11 @@ from starlette.requests import ClientDisconnect
 from forerun.batching import BatchEngine, BatchRequest, EngineStopped, QueueFull
 from forerun.chat import chat_ids
 from forerun.sampling import SamplingParams
-from forerun.server.limits import TIMED_OUT
 from forerun.server.metrics import Metrics
 from forerun.server.openapi import openapi_schema
+
+
+TIMED_OUT = "forerun.read_timed_out"  # scope key: the request was answered 408 at the socket (server.limits)
 
 
 class ApiError(Exception):

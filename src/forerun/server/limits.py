@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-TIMED_OUT = "forerun.read_timed_out"  # scope key: the request was answered 408 at the socket
+from forerun.server.app import TIMED_OUT, ApiError
+
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
@@ -57,8 +58,9 @@ class Limits:
 
 
 def refusal_bytes(status: int, message: str, code: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                                 "param": None, "code": code}}).encode()
+    """A whole HTTP answer carrying the API's error body, written straight to the socket."""
+    error = ApiError(status, message, "invalid_request_error" if status < 500 else "server_error", code=code)
+    body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}", "content-type: application/json",
             f"content-length: {len(body)}", "connection: close"]
     if status == 503:
@@ -103,7 +105,7 @@ def protocol_class(limits: Limits, on_refusal=None) -> type:
             super().data_received(data)
             if self._refused or self.transport.is_closing():
                 return
-            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and (data or self.conn.their_state is h11.SEND_BODY):
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # bytes of a request that has not all arrived
                 if self._read_timer is None:  # the request's first bytes: its head and body must follow in time
                     self._read_timer = self.loop.call_later(limits.read_timeout_s, self._read_timed_out)
             else:
