@@ -423,7 +423,7 @@ def cmd_export_draft(args) -> int:
     target = load_model(args.model, backend="torch", threads=args.threads)
     require_hidden_states(target, "export-draft")
     head = load_trained_head("eagle", target, args.draft)
-    config = target.hf_model.config.to_dict()
+    config = target.config.to_dict()
     verifier = args.verifier
     if verifier is None:
         verifier = str(_converted_dir(Path(loc))) if kind == "gguf" else (

@@ -20,6 +20,9 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
           Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 
 
+_OPEN: dict = {}  # (real path, size, mtime) -> GGUFFile
+
+
 @dataclass
 class TensorInfo:
     name: str
@@ -56,6 +59,19 @@ class GGUFFile:
         base = (self.pos + align - 1) // align * align
         for name, shape, typ, off in infos:
             self.tensors[name] = TensorInfo(name, shape, typ, base + off)
+
+    @classmethod
+    def open(cls, path) -> "GGUFFile":
+        """The parsed file at ``path``, shared by every caller while the file is unchanged (one
+        parse of a large vocabulary's metadata takes about a second)."""
+        import os
+
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        f = _OPEN.get(key)
+        if f is None:
+            f = _OPEN[key] = cls(str(path))
+        return f
 
     def _u(self, fmt: str):
         v = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]

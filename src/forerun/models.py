@@ -1,8 +1,9 @@
 """Load a target or draft model: a named model (``smollm2``, ``bundled``) | HF hub id | local HF
 folder | ``.gguf`` file.
 
-A GGUF file is converted once (tokenizer and dequantized weights) into a folder under the
-cache directory, so the second start is fast. The cache lives in ``$FORERUN_CACHE`` or
+A GGUF file that runs on the torch backend's integer path is read straight from the file
+(its tokenizer and config converted once); any other is converted once (tokenizer and
+dequantized weights) into a folder under the cache directory, so the second start is fast. The cache lives in ``$FORERUN_CACHE`` or
 ``~/.cache/forerun``.
 """
 
@@ -13,7 +14,6 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,13 +54,34 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-@dataclass
 class LoadedModel:
-    name: str  # the spec it was loaded from (see ``model_id`` for a short name)
-    hf_model: object  # the transformers module: source of our weights and the peers' model
-    tokenizer: object
-    backend: object  # forerun.backends.Backend
-    eos_token_ids: set[int] = field(default_factory=set)
+    """A model behind its backend: ``name`` (the spec it was loaded from, see ``model_id`` for a
+    short name), ``tokenizer``, ``backend`` (forerun.backends.Backend), ``eos_token_ids`` and
+    ``hf_model``, the transformers module (the peers' model; None on the llama.cpp backend)."""
+
+    def __init__(self, name: str, hf_model, tokenizer, backend, eos_token_ids: set[int] | None = None,
+                 hf_loader=None):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.eos_token_ids = set(eos_token_ids or ())
+        self._hf = hf_model
+        self._hf_loader = hf_loader  # builds hf_model on first use (a model read straight from a GGUF file)
+
+    @property
+    def hf_model(self):
+        """The transformers module. A GGUF model on the integer path was read without one (its
+        float32 weights are never needed there): it is converted and loaded on first use."""
+        if self._hf is None and self._hf_loader is not None:
+            loader, self._hf_loader = self._hf_loader, None
+            self._hf = loader()
+        return self._hf
+
+    @property
+    def config(self):
+        """The transformers config (None on the llama.cpp backend)."""
+        cfg = getattr(self.backend, "config", None)
+        return cfg if cfg is not None else (self._hf.config if self._hf is not None else None)
 
     @property
     def vocab_size(self) -> int:
@@ -204,31 +225,59 @@ def _convert_gguf(path: Path) -> Path:
     return out
 
 
-def _gguf_tokenizer(path: Path):
-    """The tokenizer of a GGUF file, converted once (the weights are not converted)."""
+def _gguf_folder(path: Path) -> Path:
+    """A folder with the tokenizer of a GGUF file, converted once (the weights are not converted)."""
     from transformers import AutoTokenizer
 
     full = _converted_dir(path)
     if (full / "forerun.json").exists():
-        folder = full
-    else:
-        folder = full.with_name(full.name + "-tokenizer")
-        if not (folder / "tokenizer_config.json").exists():
-            log.warning("converting the tokenizer of %s once; later starts read %s", path.name, folder)
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            except Exception as e:
-                raise ForerunError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-            check_gguf_tokenizer(tok, path)
-            tmp = folder.with_name(folder.name + ".tmp")
-            tmp.mkdir(parents=True, exist_ok=True)
-            tok.save_pretrained(tmp)
-            _publish(tmp, folder)
+        return full
+    folder = full.with_name(full.name + "-tokenizer")
+    if not (folder / "tokenizer_config.json").exists():
+        log.warning("converting the tokenizer of %s once; later starts read %s", path.name, folder)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise ForerunError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        check_gguf_tokenizer(tok, path)
+        tmp = folder.with_name(folder.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(tmp)
+        _publish(tmp, folder)
+    return folder
+
+
+def _gguf_config(path: Path):
+    """The transformers config of a GGUF file, read once (the gguf package parses every
+    metadata value, seconds for a large vocabulary) and kept beside the converted files."""
+    from transformers import AutoConfig
+
+    full = _converted_dir(path)
+    folder = full if (full / "forerun.json").exists() else full.with_name(full.name + "-config")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not (folder / "config.json").exists():
+                log.info("reading the model config of %s once", path.name)
+                cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+                tmp = folder.with_name(folder.name + ".tmp")
+                tmp.mkdir(parents=True, exist_ok=True)
+                cfg.save_pretrained(tmp)
+                _publish(tmp, folder)
+            return AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise ForerunError(f"cannot read the config of {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer of a GGUF file, converted once (the weights are not converted)."""
+    from transformers import AutoTokenizer
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoTokenizer.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(_gguf_folder(path)))
 
 
 BACKENDS = ("auto", "torch", "native", "hf", "llama.cpp")
@@ -246,7 +295,7 @@ def integer_ready(path: str | Path) -> bool:
     from forerun.gguf_file import BLOCKS, GGUFFile
 
     try:
-        g = GGUFFile(str(path))
+        g = GGUFFile.open(path)
     except Exception:  # unreadable or malformed: the loader that follows says what is wrong
         return False
     if g.metadata.get("general.architecture") not in _NATIVE_GGUF_ARCHS:
@@ -333,9 +382,9 @@ def load_model(
     ``backend``: ``llama.cpp`` (GGUF files: llama.cpp's quantized kernels), ``torch`` (native
     Gemma 3 forward where supported, else transformers), ``native``, ``hf``, or ``auto``
     (llama.cpp for a .gguf model on the CPU when llama-cpp-python is installed, else torch).
+    A GGUF model that runs on the torch backend's integer path is read straight from its file
+    (``_load_gguf_integer``); its transformers model is built only when asked for.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if threads is not None:
         if threads < 1:
             raise ForerunError(f"--threads must be >= 1, got {threads}")
@@ -348,6 +397,17 @@ def load_model(
         return _load_llamacpp(spec, Path(loc), max_context=max_context, threads=threads)
     if backend == "torch":
         backend = "auto"
+    if kind == "gguf" and backend in ("auto", "native") and dev.type == "cpu" and dt == torch.float32 and integer_ready(loc):
+        lean = _load_gguf_integer(spec, Path(loc), max_context=max_context)
+        if lean is not None:
+            return lean
+    return _load_transformers(spec, kind, loc, dt, dev, backend, max_context)
+
+
+def _load_transformers(spec, kind, loc, dt, dev, backend, max_context) -> LoadedModel:
+    """A model through transformers (GGUF files converted once), behind ``backend``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder = _convert_gguf(Path(loc)) if kind == "gguf" else loc
     try:
         with warnings.catch_warnings():
@@ -360,6 +420,36 @@ def load_model(
     hf_model.to(dev).eval()
     return wrap_model(spec, hf_model, tokenizer, backend=backend, max_context=max_context,
                       gguf=loc if kind == "gguf" else None)
+
+
+def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedModel | None:
+    """The torch backend's integer path read straight from a GGUF file (``gguf_model``): no
+    float32 copy of the layers' weights is ever made, so memory and start-up time follow the
+    file's size. None (the caller converts the file instead) where the file does not fit."""
+    from transformers import AutoModelForCausalLM
+
+    from forerun.backends.gguf_model import skeleton
+    from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
+
+    tokenizer = _gguf_tokenizer(path)
+    cfg = _gguf_config(path)
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        return None
+    try:
+        hf_model, files = skeleton(path, cfg)
+        be = NativeBackend(hf_model, max_context=max_context, gguf=str(path), file_tensors=files)
+    except ValueError as e:
+        log.info("%s: not read straight onto the integer path (%s); converting it", path.name, e)
+        return None
+
+    def full_model():
+        folder = _convert_gguf(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    return LoadedModel(name=spec, hf_model=None, hf_loader=full_model, tokenizer=tokenizer, backend=be,
+                       eos_token_ids=eos_ids(hf_model, tokenizer))
 
 
 def load_for_methods(spec: str, methods=(), *, dtype: str = "auto", device: str = "auto", backend: str = "auto",

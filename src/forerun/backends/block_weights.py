@@ -189,16 +189,32 @@ class BlockWeight:
         return out
 
 
-def gguf_codes(gguf, names: list[str], weight: torch.Tensor) -> list[tuple[Codes, int]] | None:
+def gguf_codes(gguf, names: list[str], weight: torch.Tensor,
+               row_orders: dict | None = None) -> list[tuple[Codes, int]] | None:
     """The blocks of GGUF tensors ``names`` (stacked along the rows, as ``weight`` stacks them) as
     (Codes in ``weight``'s row order, GGUF type), where they rebuild ``weight`` exactly; else None
-    (a type not handled, or not the same weights)."""
+    (a type not handled, or not the same weights). A weight on the meta device (a model built
+    from the file, see ``gguf_model``) has nothing to compare with: its rows are read in the order
+    ``row_orders`` gives per name (None or absent: as stored), as are the rows of any weight
+    when ``row_orders`` is given (a model read from the file: its real tensors, the token
+    embeddings and LM head, are the file's, dequantized by the ``gguf`` package, whose
+    arithmetic ``unpack`` repeats)."""
     parts = []
     for name in names:
         t = gguf.tensors.get(name)
         if t is None or t.type not in BLOCKS or len(t.shape) != 2 or t.shape[0] % BLOCKS[t.type][0]:
             return None
         parts.append((unpack(gguf.raw_rows(name), t.type), t.type))
+    if weight.is_meta or row_orders is not None:
+        out = []
+        for name, (p, typ) in zip(names, parts):
+            order = (row_orders or {}).get(name)
+            if order is not None:
+                p = Codes(p.codes[order], p.scale[order], None if p.offset is None else p.offset[order], p.group)
+            out.append((p, typ))
+        same = sum(p.codes.shape[0] for p, _ in out) == weight.shape[0] and all(
+            p.codes.shape[1] == weight.shape[1] for p, _ in out)
+        return out if same else None
     w = weight.detach().to(torch.float32).contiguous().numpy()
     start = 0
     for i, (p, typ) in enumerate(parts):

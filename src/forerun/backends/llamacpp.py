@@ -347,7 +347,7 @@ def _build_greedy_head(path: str, n_embd: int, n_vocab: int):
 
     from forerun.gguf_file import Q8_0, GGUFFile
 
-    g = GGUFFile(path)
+    g = GGUFFile.open(path)
     for key, value in g.metadata.items():
         if key.endswith("final_logit_softcapping") and value and float(value) > 0:
             return None, "the model caps its logits"

@@ -47,8 +47,12 @@ class _Linear:
     and passes it as ``how``.)
     """
 
-    def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False, half: bool = False):
-        self.weight = weight
+    def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False, half: bool = False,
+                 source=None):
+        """``source``: builds the weight on first use where ``weight`` is on the meta device (an
+        LM head left in its GGUF file, see ``gguf_model``)."""
+        self._weight = weight
+        self._source = source
         self.packed = None
         if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.packed = weight.detach().to_mkldnn()
@@ -64,6 +68,16 @@ class _Linear:
             w16 = weight.detach().half()
             if torch.equal(w16.float(), weight):
                 self.half = w16.contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._source is not None and self._weight.is_meta:
+            self._weight, self._source = self._source(), None
+        return self._weight
+
+    @weight.setter
+    def weight(self, w: torch.Tensor) -> None:
+        self._weight, self._source = w, None
 
     def _run(self, x: torch.Tensor, how: str) -> torch.Tensor:
         if how == "onednn":
@@ -432,18 +446,20 @@ class NativeBackend(BackendBase):
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None,
-                 integer: bool = True):
+                 integer: bool = True, file_tensors=None):
         """``gguf``: the GGUF file the weights were dequantized from. With ``integer`` (the default)
         every layer then runs in ``qrows.c`` on the file's blocks with 8-bit activations, one native
         call per layer (see ``qweights``), where every linear weight is of a handled type and the
         kernels build; otherwise the blocks serve the layers' small passes in float32, bit for bit
-        as the dequantized weights (see ``block_weights``)."""
+        as the dequantized weights (see ``block_weights``). A model built by ``gguf_model.skeleton``
+        (weights on the meta device, ``file_tensors`` from it) runs on the integer path or not at
+        all (ValueError); its token embeddings and LM head are read from the file when used."""
         cfg = hf_model.config
         arch = Arch.of(cfg)
         self.arch = arch
         inner = hf_model.model
         self.config = cfg
-        self.device = inner.embed_tokens.weight.device
+        self.device = torch.device("cpu") if file_tensors is not None else inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.hidden_size
@@ -455,16 +471,28 @@ class NativeBackend(BackendBase):
         self.scale = arch.scale
         self.window = arch.window
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.embed = inner.embed_tokens.weight.detach()
+        self._files = file_tensors
+        # the token embeddings, shared with forks: {"t": tensor}, on the meta device until
+        # ``embed`` is first asked for where the file holds them (steps read their rows alone)
+        self._embed = {"t": inner.embed_tokens.weight.detach()}
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if arch.gemma_norms else 1.0, dtype=self.dtype)
         self.final_norm = _norm_weight(inner.norm) if arch.gemma_norms else inner.norm.weight.detach()
-        self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True)
+        head_source = None
+        if file_tensors is not None:
+            head_source = ((lambda: self.embed) if file_tensors.head_name is None
+                           else (lambda: file_tensors.full(file_tensors.head_name)))
+        self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True, source=head_source)
         self.softcap = arch.final_softcap
         self.layers = [_Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
         self.quant = None  # QLayer per layer: the integer path (``_qbody``)
+        lean = file_tensors is not None
         if gguf and pack_linear and self.device.type == "cpu" and self.dtype == torch.float32:
             if not (integer and self._attach_integer(gguf)):
+                if lean:
+                    raise ValueError("the integer kernels cannot run this GGUF file's layers")
                 self._attach_blocks(gguf)
+        elif lean:
+            raise ValueError("a model without its linear weights runs on the integer path only")
         # Rotary tables per attention type, from the transformers module (it knows every rope variant).
         rot = inner.rotary_emb
         self._inv_freq = {}
@@ -494,12 +522,17 @@ class NativeBackend(BackendBase):
         from forerun.gguf_file import GGUFFile
 
         try:
-            g = GGUFFile(str(path))
+            g = GGUFFile.open(path)
         except (OSError, ValueError) as e:
             log.info("no GGUF blocks (%s): layers run on float32 weights", e)
             return False
-        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w))
+        files = self._files
+        if files is not None:
+            head = files.head_name or files.embed_name
+        else:
+            head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w,
+                                                               files.row_orders if files is not None else None))
 
     def attach_integer(self, codes_of) -> bool:
         """Run every layer and the LM head on the integer kernels, with the blocks that
@@ -521,16 +554,21 @@ class NativeBackend(BackendBase):
                     return False
                 lins[attr] = QLinear(codes)
             quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
-        codes = codes_of(["output"], self.lm_head.weight)
+        codes = codes_of(["output"], self.lm_head._weight)  # not built from a file where it was left there
         if codes is None:
             log.info("LM head: a weight type the integer kernels do not take; float32 path")
             return False
         self.lm_head.qlin = QLinear(codes)
         self.quant = quant
         self._exact = None
-        for layer in self.layers:  # the layers' oneDNN copies (a float32 model's size) are never read again
+        # never read again: the layers' float32 weights (stacked copies of the model's) and
+        # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
+        for layer in self.layers:
             for attr in self._GGUF_PARTS:
-                getattr(layer, attr).packed = None
+                lin = getattr(layer, attr)
+                lin.packed = None
+                lin.weight = lin.weight.to("meta")
+        self.lm_head.packed, self.lm_head.autotune = None, False
         log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
                  (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
         return True
@@ -543,7 +581,7 @@ class NativeBackend(BackendBase):
         if block_rows_kernel() is None or f32_rows_kernel() is None:
             return
         try:
-            g = GGUFFile(str(path))
+            g = GGUFFile.open(path)
         except (OSError, ValueError) as e:
             log.info("no GGUF blocks (%s): layers run on float32 weights", e)
             return
@@ -562,6 +600,22 @@ class NativeBackend(BackendBase):
         self.lm_head.blocks = from_gguf(g, [head], self.lm_head.weight)
         log.info("%d of %d layer products and %s LM head read GGUF blocks (%.0f MB instead of %.0f MB of float32)",
                  done, total, "the" if self.lm_head.blocks is not None else "not the", blocks / 1e6, floats / 1e6)
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The token embeddings [vocab, hidden] (drafters and training read them whole; a model
+        read from its GGUF file builds them here, once, on first use)."""
+        box = self._embed
+        if box["t"].is_meta:
+            log.info("reading the token embeddings whole (%s)", self._files.embed_name)
+            box["t"] = self._files.full(self._files.embed_name)
+        return box["t"]
+
+    def _embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = self._embed["t"]
+        if t.is_meta:
+            return self._files.embed_rows(tokens).to(self.dtype)
+        return F.embedding(tokens, t)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, weight, self.eps, self.arch.gemma_norms)
@@ -716,7 +770,7 @@ class NativeBackend(BackendBase):
             masks = self._masks(pos, T)
         else:
             positions, masks = self._tree_masks(pos, tree)
-        h = F.embedding(tokens, self.embed) * self.embed_scale  # [T, hidden]
+        h = self._embeddings(tokens) * self.embed_scale  # [T, hidden]
         h, feats = self._body(h, [(self, pos, T, self._rope(positions), masks)], set(skip_layers), layers)
         self._len = end
         if not logits and not return_hidden:
@@ -914,7 +968,7 @@ class NativeBackend(BackendBase):
             seq._ensure_capacity(pos + T)
             parts.append((seq, pos, T, self._rope(torch.arange(pos, pos + T, device=self.device)), seq._masks(pos, T)))
             ids.append(feed.to(self.device))
-        h = F.embedding(torch.cat(ids), self.embed) * self.embed_scale  # [rows, hidden]
+        h = self._embeddings(torch.cat(ids)) * self.embed_scale  # [rows, hidden]
         h, feats = self._body(h, parts, set(), layers)
         for seq, pos, T, _, _ in parts:
             seq._len = pos + T
