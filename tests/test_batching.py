@@ -357,3 +357,20 @@ def test_calibration_is_bounded_in_time(gemma):
     assert eng.policy.cost(3) > 0
     full = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2).calibrate(reps=1)
     assert list(full) == list(range(1, 17))  # within the budget: every row count up to 2 x (8 + 1)
+
+
+def test_calibration_is_kept_for_the_next_start(gemma, tmp_path, monkeypatch):
+    """With ``keep_as`` (the server passes the model's key) the costs are timed once per model and
+    machine; the next engine reads them back without a pass."""
+    from forerun.models import model_key
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    key = model_key(gemma)
+    first = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2)
+    costs = first.calibrate(reps=1, keep_as=key)
+    assert list(costs) == list(range(1, 17))
+    second = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2)
+    monkeypatch.setattr(second, "_pass", lambda *a, **k: pytest.fail("timed again"))
+    assert second.calibrate(reps=1, keep_as=key) == costs
+    other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1)
+    assert list(other.calibrate(reps=1, keep_as=key)) == list(range(1, 10))  # another engine shape: timed

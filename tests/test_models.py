@@ -74,3 +74,41 @@ def test_chat_prompts_render_the_template_or_fall_back():
     Tok.chat_template = None
     assert prompt_ids(Tok(), "hi there") == [0, 8]  # auto: no template, the text as it is
     assert prompt_ids(Tok(), "hi there", "on") == Tok()("User: hi there\n\nAssistant:").input_ids
+
+
+def test_measurements_are_kept_per_key_and_busy_ones_retaken(tmp_path, monkeypatch):
+    """``kept.measured``: one measurement per key and machine; one taken under load is used but
+    taken again when the machine is quiet, and a busy retake does not replace a kept one."""
+    import forerun.kept as kept
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    runs = []
+    load = {"now": 0.1}
+    monkeypatch.setattr(kept, "load_per_core", lambda: load["now"])
+
+    def measure():
+        runs.append(load["now"])
+        return {"n": len(runs)}
+
+    assert kept.measured("x", ["a", 2], measure) == {"n": 1}
+    assert kept.measured("x", ["a", 2], measure) == {"n": 1} and len(runs) == 1  # kept
+    assert kept.measured("x", ["a", 1], measure) == {"n": 2}  # another key
+    assert kept.read("x", ["a", 1])["busy"] is False
+    load["now"] = 1.5
+    assert kept.measured("y", [], measure) == {"n": 3} and kept.read("y", [])["busy"]  # busy: used ...
+    assert kept.measured("y", [], measure) == {"n": 3}  # ... and not retaken while still busy
+    load["now"] = 0.2
+    assert kept.measured("y", [], measure) == {"n": 4}  # retaken once quiet
+    assert kept.measured("y", [], measure) == {"n": 4} and len(runs) == 4
+    load["now"] = 0.1
+    kept.measured("z", [], measure)
+    load["now"] = 1.5  # a quiet measurement is never replaced by a busy one
+    assert kept.measured("z", [], measure) == {"n": 5}
+
+
+def test_auto_backend_takes_the_faster_measured_backend_per_use():
+    from forerun.backend_timing import faster
+
+    t = {"torch": {"step_ms": 10.0, "pass5_ms": 14.0}, "llama.cpp": {"step_ms": 9.0, "pass5_ms": 25.0}}
+    assert faster(t, speculative=False) == "llama.cpp" and faster(t, speculative=True) == "torch"
+    assert faster({"llama.cpp": {"step_ms": 1, "pass5_ms": 1}}, False) == "llama.cpp"  # torch not timed

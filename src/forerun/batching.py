@@ -313,14 +313,25 @@ class BatchEngine:
         self._wake.set()
 
     def calibrate(self, rows: list[int] | None = None, reps: int = 2, budget_s: float = 30.0,
-                  progress: bool = False) -> dict[int, float]:
+                  progress: bool = False, keep_as: list | None = None) -> dict[int, float]:
         """Time target passes of several row counts (a scratch sequence), seeding the cost model.
 
         Row counts are timed coarse to fine (1, 2, 4, 8, ... first, then those between), and
         timing stops once ``budget_s`` seconds have gone by: the cost model interpolates the rest,
-        and a slow or busy machine starts in bounded time. ``progress``: a progress bar on stderr."""
+        and a slow or busy machine starts in bounded time. ``progress``: a progress bar on stderr.
+        ``keep_as``: what identifies the model (a file's key): the costs are then kept per model,
+        machine and engine shape and read back by later starts (``forerun.kept``)."""
         if self.drafter is None:
             return {}
+        if keep_as is not None:
+            from forerun import kept
+
+            key = [*keep_as, self.max_batch, self.policy.k_max, rows, reps, torch.get_num_threads(),
+                   type(self.target).__name__, getattr(self.target, "body_kernel", None)]
+            costs = kept.measured("batch-costs", key, lambda: {str(r): t for r, t in self.calibrate(
+                rows, reps, budget_s, progress).items()}, "timing batched passes once for this model and machine")
+            self.policy.costs.update({int(r): t for r, t in costs.items()})
+            return dict(sorted(self.policy.costs.items()))
         # every row count up to 16 (kernels are chosen per row count on first use), then a coarser grid
         rows = rows or sorted((set(range(1, 17)) | {24, 32, 48, 64, 96, 128}) & set(
             range(1, self.max_batch * (self.policy.k_max + 1) + 1)))

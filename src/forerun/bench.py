@@ -133,6 +133,17 @@ def _lazy_tree_pass(backend, head_rows: int, calls: int):
     return run
 
 
+def _weights_kind(target, hf_model) -> str:
+    """What the target's weights are, for the report: GGUF blocks (integer path or llama.cpp) or
+    the transformers model's dtype."""
+    be = target.backend
+    if getattr(be, "quant", None) is not None:
+        return "gguf blocks (integer kernels)"
+    if hf_model is None and getattr(target, "_hf", None) is None:
+        return "gguf (llama.cpp)"
+    return str((hf_model if hf_model is not None else target.hf_model).dtype)
+
+
 def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7, text=None) -> dict | None:
     """Milliseconds of the LM head for each row count and candidate kernel (native backend on CPU).
 
@@ -335,6 +346,12 @@ def write_markdown(results: dict, path: Path) -> None:
                      + f"verify passes bit-identical to one-token steps (batch-invariant): {cfg['batch_invariant']}.")
     lines.append("")
     by_method = cfg.get("backend_by_method") or {}
+    at = cfg.get("auto_backend_timing")
+    if at and "torch" in at:
+        lines += [f"`--backend auto` measured both backends on this machine ({at['measured']}, load {at['load_per_core']:.2f} "
+                  f"per core): one-token step torch {at['torch']['step_ms']:.1f} ms, llama.cpp {at['llama.cpp']['step_ms']:.1f} ms; "
+                  f"pass of 5 rows torch {at['torch']['pass5_ms']:.1f} ms, llama.cpp {at['llama.cpp']['pass5_ms']:.1f} ms "
+                  "(plain decoding takes the faster step, drafting methods the faster pass).", ""]
     if len(set(by_method.values())) > 1:
         lines += [f"`--backend auto` chose per method; each method's speedup \"vs none\" and its greedy equality "
                   f"compare with plain decoding on its own backend ({', '.join(sorted(set(by_method.values())))}).", ""]
@@ -548,9 +565,11 @@ def run_bench(args) -> dict:
                    for b in sorted(set(backend_of.values()))}
     target = targets[primary]
     draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
-    hf_model = next((t.hf_model for t in targets.values() if t.hf_model is not None), None)
-    if hf_model is None and any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model
-        hf_model = load_model(args.model, dtype=args.dtype, device=args.device, backend="hf", threads=threads).hf_model
+    hf_model = None
+    if any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model (built on first use)
+        hf_model = next((t.hf_model for t in targets.values() if t.hf_model is not None), None)
+        if hf_model is None:
+            hf_model = load_model(args.model, dtype=args.dtype, device=args.device, backend="hf", threads=threads).hf_model
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
@@ -605,6 +624,10 @@ def run_bench(args) -> dict:
     config["chat_template"] = uses_chat(tok, chat)
     config["backend"] = ", ".join(type(t.backend).__name__ for t in targets.values())
     config["backend_by_method"] = backend_of
+    if args.backend == "auto":
+        from forerun.backend_timing import kept_timing
+
+        config["auto_backend_timing"] = kept_timing(args.model)
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
     for t in targets.values():
         for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)
@@ -614,7 +637,7 @@ def run_bench(args) -> dict:
         config["batch_invariant"] = all(t.backend.batch_invariant for t in targets.values())
         if "llama.cpp" in targets:
             config["llama_cpp"] = "exact mode (see docs); peer llama.cpp: llama.cpp's default settings"
-    dtype = hf_model.dtype if hf_model is not None else "gguf (llama.cpp)"
+    dtype = _weights_kind(target, hf_model)
     results = {"machine": machine_info(dtype), "config": config}
     records, reference_outputs = [], {}
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")

@@ -309,16 +309,30 @@ def integer_ready(path: str | Path) -> bool:
     return qrows_lib() is not None
 
 
+def timed_backend(path: str | Path, speculative: bool = False) -> str:
+    """torch or llama.cpp for a GGUF file both run: whichever this machine ran faster, measured
+    once per file and machine (``backend_timing``): the one-token step for plain decoding, a pass
+    of 5 rows for a drafting method (``speculative``)."""
+    from forerun.backend_timing import faster, take_timed, timing
+
+    chosen = faster(timing(path), speculative)
+    if chosen != "torch":
+        take_timed(path)  # the model loaded to time the torch backend is not needed
+    return chosen
+
+
 def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None = None) -> str:
-    """auto: for a .gguf model (at ``path``) on the CPU, torch where its integer path runs
-    (``integer_ready``), else llama.cpp when llama-cpp-python is installed; torch otherwise."""
+    """auto: for a .gguf model (at ``path``) on the CPU with llama-cpp-python installed, the faster
+    for plain decoding of the torch backend's integer path and llama.cpp where both run it
+    (``timed_backend``), llama.cpp where the integer path does not (``integer_ready``); torch
+    otherwise."""
     if backend not in BACKENDS:
         raise ForerunError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
     if backend == "auto":
         from forerun.backends.llamacpp import available
 
-        if kind == "gguf" and dev.type == "cpu" and not (path and integer_ready(path)) and available():
-            return "llama.cpp"
+        if kind == "gguf" and dev.type == "cpu" and available():
+            return timed_backend(path) if path and integer_ready(path) else "llama.cpp"
         return "torch"
     if backend == "llama.cpp":
         if kind != "gguf":
@@ -332,18 +346,36 @@ TORCH_METHODS = ("layerskip", "eagle", "medusa")  # need the torch backend: laye
 
 
 def method_backend(method: str, spec: str, device: str = "auto") -> str:
-    """``--backend auto`` per method: torch wherever a GGUF model runs on its integer path
-    (``integer_ready``) and for anything not a GGUF file; otherwise llama.cpp's kernels for the
-    methods that run on a GGUF model's own outputs (none, ngram, draft) on the CPU, torch for those
-    that skip layers or read hidden states (layerskip, eagle, medusa)."""
+    """``--backend auto`` per method. On the CPU with llama-cpp-python installed, a GGUF model's
+    methods that run on its outputs alone (none, ngram, suffix, draft) take the faster backend
+    measured on this machine (``timed_backend``: plain decoding's step for ``none``, a 5-row verify
+    pass for the others) where the integer path runs the file, else llama.cpp; methods that skip
+    layers or read hidden states (layerskip, eagle, medusa), and anything not a GGUF file, torch."""
     from forerun.backends.llamacpp import available
 
     kind, loc = resolve_source(spec)
     on_cpu = resolve_device(device).type == "cpu"
-    if (kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS
-            and not integer_ready(loc)):
-        return "llama.cpp"
+    if kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS:
+        return timed_backend(loc, speculative=method != "none") if integer_ready(loc) else "llama.cpp"
     return "torch"
+
+
+def model_key(model: LoadedModel) -> list:
+    """What identifies a loaded model's weights, for keeping measurements made on it
+    (``forerun.kept``): a file or folder by path, size and time; anything else (a hub id, a model
+    built in memory) by name and config (timings follow the shapes)."""
+    from forerun.kept import file_key
+
+    try:
+        kind, loc = resolve_source(model.name)
+    except ForerunError:
+        kind, loc = "other", model.name
+    if kind == "gguf":
+        return [kind, file_key(loc)]
+    if kind == "folder":
+        return [kind, file_key(Path(loc) / "config.json"), *sorted(file_key(p) for p in Path(loc).glob("*.safetensors"))]
+    cfg = model.config
+    return [kind, loc, hashlib.sha1(cfg.to_json_string().encode()).hexdigest() if cfg is not None else None]
 
 
 def resolve_source(spec: str) -> tuple[str, str]:
@@ -431,6 +463,13 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     from forerun.backends.gguf_model import skeleton
     from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
 
+    from forerun.backend_timing import take_timed
+
+    timed = take_timed(path)  # loaded a moment ago to time it (``backend_timing``)
+    if timed is not None and max_context is None:
+        timed.name = spec
+        return timed
+    del timed
     tokenizer = _gguf_tokenizer(path)
     cfg = _gguf_config(path)
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:

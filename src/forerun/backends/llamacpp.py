@@ -240,13 +240,21 @@ class LlamaCppModel:
         pass: on SmolLM2 (49,152 rows) llama.cpp's own head is the faster for one-token steps.
         Both give llama.cpp's own argmax, so mixing them per pass size changes no token. Timed in
         runs of consecutive passes, as decoding runs them: timed alone, the certified head's rows
-        stay in cache between calls and it looks faster than it is."""
+        stay in cache between calls and it looks faster than it is. Kept per model file and machine
+        after the first time (``forerun.kept``)."""
         if self._head_pays is None:
             head = self.greedy_head()
             if head is None or _tap_lib() is None:
                 self._head_pays = {1: False, "multi": False}
-            else:
-                self._head_pays = self._time_heads(head, threads)
+            else:  # timed once per model and machine (``kept``)
+                import llama_cpp
+
+                from forerun import kept
+
+                key = [kept.file_key(self.path), threads, self.exact, getattr(llama_cpp, "__version__", "?")]
+                v = kept.measured("llamacpp-heads", key, lambda: {str(k): v for k, v in self._time_heads(head, threads).items()},
+                                  f"timing llama.cpp's greedy heads on {Path(self.path).name} once for this machine (seconds)")
+                self._head_pays = {1: v["1"], "multi": v["multi"]}
         return self._head_pays[1 if rows == 1 else "multi"]
 
     def _time_heads(self, head, threads: int) -> dict:

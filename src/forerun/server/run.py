@@ -8,6 +8,7 @@ import os
 from forerun.batching import BatchEngine
 from forerun.drafters import check_adapt_args, check_method, make_drafter
 from forerun.errors import ForerunError
+from forerun.models import model_key
 
 log = logging.getLogger("forerun")
 
@@ -46,7 +47,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
                          max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
     engine.prepare_slots()
     if calibrate and drafter is not None:
-        costs = engine.calibrate(progress=progress)
+        costs = engine.calibrate(progress=progress, keep_as=model_key(model))
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
     return Service(model, engine, name=name or model.id, api_key=api_key, max_tokens=max_tokens,
                    request_timeout=request_timeout, method=method, max_body_bytes=max_body_bytes,

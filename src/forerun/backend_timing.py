@@ -1,0 +1,109 @@
+"""``--backend auto`` for a GGUF file both backends run: measured on this machine, once.
+
+Which of the torch backend's integer path and llama.cpp decodes a GGUF model faster depends on
+the model's size and the CPU (on our 2-core AVX2 machine the integer path is ahead at 135M and
+270M parameters and behind at 1B, see docs/benchmarks.md). So the first time ``auto`` meets such
+a file it times both on it: a one-token step (what plain decoding runs) and a pass of 5 rows (a
+verify pass of 4 drafted tokens), each the median of a few runs at a context of 128 tokens, the
+greedy path of each backend. The result is kept per file, machine, kernel build, thread count
+and library versions (``kept``: a measurement taken on a busy machine is used but taken again
+by the next process that finds the machine quiet).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from forerun import kept
+
+CONTEXT, REPS = 128, 5
+
+
+def _time(backend) -> dict:
+    from forerun.timing import median_forward_s
+
+    ids = torch.randint(10, min(backend.vocab_size, 20000), (CONTEXT + 5,), generator=torch.Generator().manual_seed(0))
+    fn = "argmax_forward" if backend.capabilities.exact_argmax else "forward"
+    step = median_forward_s(backend, ids[: CONTEXT + 1], 1, REPS, method=fn)
+    five = median_forward_s(backend, ids, 5, REPS, method=fn)
+    backend.reset()
+    return {"step_ms": step * 1000, "pass5_ms": five * 1000}
+
+
+_TIMED: dict = {}  # file -> the torch model loaded to time it, until a load takes it
+
+
+def _name(path) -> str:
+    return str(Path(path).resolve())
+
+
+def take_timed(path):
+    """The torch backend's model of ``path`` that a timing in this process loaded, once (None
+    when there is none)."""
+    return _TIMED.pop(_name(path), None)
+
+
+def measure(path: Path, threads: int) -> dict:
+    """Time both backends on the file at ``path`` (seconds: both load it)."""
+    from tqdm.auto import tqdm
+
+    from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
+    from forerun.models import _load_gguf_integer
+
+    bar = tqdm(total=4, desc=f"timing both backends on {path.name} (once)", unit="step", leave=False)
+    torch_lm = _load_gguf_integer(str(path), path)
+    bar.update(1)
+    out = {"threads": threads}
+    if torch_lm is not None:
+        out["torch"] = _time(torch_lm.backend)
+        _TIMED[_name(path)] = torch_lm  # the load that usually follows takes it (``take_timed``)
+    bar.update(1)
+    cpp = LlamaCppBackend(LlamaCppModel(path), threads=threads, max_context=CONTEXT + 8)
+    bar.update(1)
+    out["llama.cpp"] = _time(cpp)
+    bar.update(1)
+    bar.close()
+    return out
+
+
+def _key(path: Path, threads: int) -> list:
+    import llama_cpp
+
+    from forerun.backends.qweights import qrows_isa
+
+    return [kept.file_key(path), qrows_isa(), threads, getattr(llama_cpp, "__version__", "?")]
+
+
+def timing(path: str | Path, threads: int | None = None) -> dict:
+    """Both backends' times on this file and machine (kept, or measured now)."""
+    path = Path(path)
+    threads = threads or torch.get_num_threads()
+    return kept.measured("backend-timing", _key(path, threads), lambda: measure(path, threads),
+                         f"timing the torch backend's integer path and llama.cpp on {path.name} once for this "
+                         "machine (--backend auto; seconds)")
+
+
+def faster(t: dict, speculative: bool) -> str:
+    """The backend with the shorter one-token step (plain decoding) or, for a drafting method
+    (``speculative``), the shorter pass of 5 rows; llama.cpp where torch was not timed."""
+    if "torch" not in t:
+        return "llama.cpp"
+    what = "pass5_ms" if speculative else "step_ms"
+    return "torch" if t["torch"][what] <= t["llama.cpp"][what] else "llama.cpp"
+
+
+def kept_timing(spec: str, threads: int | None = None) -> dict | None:
+    """The measurement kept for a model spec's GGUF file on this machine, with when and under
+    which load it was taken (None: nothing kept), for reports."""
+    from forerun.models import resolve_source
+
+    try:
+        kind, loc = resolve_source(spec)
+        if kind != "gguf":
+            return None
+        rec = kept.read("backend-timing", _key(Path(loc), threads or torch.get_num_threads()))
+    except Exception:  # nothing kept, or the file cannot be read: the report says nothing
+        return None
+    return None if rec is None else {**rec["value"], "measured": rec["measured"], "load_per_core": rec["load_per_core"]}
