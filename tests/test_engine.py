@@ -102,3 +102,23 @@ def test_sampling_seeded(gemma, gemma_draft):
     a = eng.generate(PROMPTS[1], max_new_tokens=16, params=params, k=3).token_ids
     b = eng.generate(PROMPTS[1], max_new_tokens=16, params=params, k=3).token_ids
     assert a == b
+
+
+def test_layer_skip_calibration_is_bounded_and_kept(gemma, tmp_path, monkeypatch):
+    """The greedy layer search stops on its budget or when the predicted speedup stops improving,
+    and the default calibration is measured once per model and machine, then read back."""
+    import forerun.drafters.layer_skip as ls
+
+    be, tok = gemma.backend, gemma.tokenizer
+    timed_out = ls.calibrate(be, tok, new_tokens=8, log=lambda s: None, budget_s=0.0)
+    assert timed_out["trace"] == [] and timed_out["stopped"].startswith("time budget")
+    patient = ls.calibrate(be, tok, new_tokens=8, log=lambda s: None, patience=1)
+    assert patient["stopped"] in ("no better set in 1 rounds", "agreement below 0.2", "every layer tried")
+    if patient["stopped"].startswith("no better"):
+        assert len(patient["trace"]) < be.num_layers - 2
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    calls = []
+    real = ls.calibrate
+    monkeypatch.setattr(ls, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **{**k, "new_tokens": 8}))
+    first = ls.default_calibration(gemma)
+    assert ls.default_calibration(gemma) == first and len(calls) == 1

@@ -335,19 +335,21 @@ def cmd_bench(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from forerun.drafters.layer_skip import _calibration_file, calibrate
+    from pathlib import Path
 
-    from forerun.drafters.layer_skip import corpus_token_frequencies
+    from forerun import kept
+    from forerun.drafters.layer_skip import calibrate, calibration_key, corpus_token_frequencies
 
     target = _load(args)
     extra = corpus_token_frequencies(target.tokenizer, args.corpus, args.draft_vocab) if args.corpus else []
+    load = kept.load_per_core()
     result = calibrate(target.backend, target.tokenizer, new_tokens=args.new_tokens, extra_vocab=extra,
-                       log=lambda s: print(s, file=sys.stderr))
-    path = args.out or _calibration_file(target)
-    from pathlib import Path
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1))
+                       log=lambda s: print(s, file=sys.stderr), budget_s=None, progress=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    else:  # the calibration layerskip uses from now on for this model and machine
+        kept.store("layerskip", calibration_key(target), result, load)
     print(json.dumps(result["best"]))
     return 0
 

@@ -84,12 +84,17 @@ def measured(name: str, key: list, measure: Callable[[], object], note: str | No
     if note:
         log.warning(note)
     load = load_per_core()
-    value = measure()
-    busy = load > BUSY
-    if old is not None and busy:
+    value = json.loads(json.dumps(measure()))  # as later processes will read it back
+    if old is not None and load > BUSY:
         return old["value"]  # no better than what was kept
+    store(name, key, value, load)
+    return value
+
+
+def store(name: str, key: list, value, load: float) -> None:
+    """Keep ``value`` for ``name`` and ``key``, measured under ``load`` (per core)."""
     rec = {"value": value, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "load_per_core": round(load, 2), "busy": busy}
+           "load_per_core": round(load, 2), "busy": load > BUSY}
     f = path_of(name, key)
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -98,4 +103,3 @@ def measured(name: str, key: list, measure: Callable[[], object], note: str | No
         tmp.replace(f)
     except OSError as e:  # a read-only cache: measured again next time
         log.info("could not keep the %s measurement (%s)", name, e)
-    return value

@@ -73,11 +73,22 @@ CALIBRATION_PROMPTS = [
 
 
 @torch.inference_mode()
-def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None = None, extra_vocab=(), log=print) -> dict:
+def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None = None, extra_vocab=(), log=print,
+              budget_s: float | None = 120.0, patience: int = 4, progress: bool = False) -> dict:
     """Choose the skipped layers by measurement. Returns a dict with the chosen set and the trace.
 
+    Layers are added one at a time (the one whose skipping keeps the most agreement with the
+    target), each set priced with the measured costs. The search stops when agreement falls below
+    0.2, when the predicted speedup has not improved for ``patience`` rounds (skipping more only
+    lowers agreement from there), or after ``budget_s`` seconds (the best set so far is kept).
     ``extra_vocab``: token ids the draft may always predict (besides the context's tokens).
+    ``progress``: a progress bar on stderr, one step per round.
     """
+    import time
+
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
     from forerun.engine import Engine
 
     eng = Engine(backend)
@@ -129,7 +140,12 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
     skip: list[int] = []
     trace = []
     best = {"skip": [], "speedup": 1.0, "agreement": 1.0, "cost_ratio": 1.0, "k": 0}
+    bar = tqdm(total=max_skip, desc="calibrating layer skipping", unit="round", disable=not progress, leave=False)
+    since_best, stopped = 0, "every layer tried"
     while len(skip) < max_skip:
+        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+            stopped = f"time budget of {budget_s:.0f} s"
+            break
         candidates = [i for i in range(n) if i not in skip]
         scored = [(agreement(tuple(skip + [i])), i) for i in candidates]
         a, layer = max(scored)
@@ -141,12 +157,22 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
         row = {"skip": sorted(skip), "agreement": round(a, 4), "cost_ratio": round(c, 4), "speedup": round(sp, 4), "k": kbest}
         trace.append(row)
         log(f"skip {row['skip']}: agreement {a:.3f}, draft cost {c:.2f} of a step, predicted speedup {sp:.2f} at K={kbest}")
+        bar.update(1)
+        bar.set_postfix(best=f"{max(sp, best['speedup']):.2f}x")
         if sp > best["speedup"]:
-            best = row
+            best, since_best = row, 0
+        else:
+            since_best += 1
         if a < 0.2:
+            stopped = "agreement below 0.2"
             break
+        if since_best >= patience:
+            stopped = f"no better set in {patience} rounds"
+            break
+    bar.close()
+    log(f"layer skipping: {best['skip']} (predicted {best['speedup']:.2f}x); search stopped: {stopped}")
     backend.reset()
-    return {"best": best, "trace": trace, "full_step_s": full_cost, "verify_cost_ratio": verify_ratio,
+    return {"best": best, "trace": trace, "stopped": stopped, "full_step_s": full_cost, "verify_cost_ratio": verify_ratio,
             "prompts": CALIBRATION_PROMPTS, "new_tokens": new_tokens, "draft_vocab": sorted(extra)}
 
 
@@ -176,27 +202,25 @@ def corpus_token_frequencies(tokenizer, path: str, top: int, max_records: int = 
     return [t for t, _ in counts.most_common(top)]
 
 
-def _calibration_file(target):
-    from forerun.paths import cache_dir
+def calibration_key(target) -> list:
+    """What a layer-skip calibration is kept under (``forerun.kept``): the model and its backend."""
+    from forerun.models import model_key
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(target.name))
-    return cache_dir() / "layerskip" / f"{safe}-{target.backend.num_layers}.json"
+    return [*model_key(target), target.backend.num_layers, type(target.backend).__name__]
 
 
 def default_calibration(target, log=None) -> dict:
-    """The calibration for this model: shipped for the bundled model, else measured once and cached."""
+    """The calibration for this model: shipped for the bundled model, else measured once per machine
+    and kept (``forerun.kept``; ``forerun calibrate-layerskip`` replaces it)."""
     import json
     from importlib import resources
 
     if target.name == "bundled":
         return json.loads(resources.files("forerun").joinpath("data/layerskip_bundled.json").read_text())
-    path = _calibration_file(target)
-    if path.exists():
-        return json.loads(path.read_text())
     import logging
 
-    logging.getLogger("forerun").warning("calibrating layer skipping for %s (once; cached in %s)", target.name, path)
-    result = calibrate(target.backend, target.tokenizer, log=log or (lambda s: None))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    return result
+    from forerun import kept
+
+    info = logging.getLogger("forerun").info
+    return kept.measured("layerskip", calibration_key(target), lambda: calibrate(target.backend, target.tokenizer, log=log or info, progress=True),
+                         f"calibrating layer skipping for {target.name} once for this machine (at most about 2 minutes)")
