@@ -96,6 +96,7 @@ class FileTensors:
         self.g, self._proc, self._kw = g, proc, kw
         self.row_orders = row_orders
         self.embed_name, self.head_name = embed, head  # head None: tied to the embeddings
+        self._rows: dict[int, torch.Tensor] = {}  # token -> its dequantized embedding row
 
     def _process(self, name: str, w: np.ndarray) -> torch.Tensor:
         w = self._proc.process(weights=w, name=name, **self._kw).weights
@@ -105,18 +106,29 @@ class FileTensors:
         """A whole tensor in float32, as transformers' conversion gives it."""
         return self._process(name, tensor_array(self.g, name))
 
+    ROWS_KEPT = 16384  # dequantized embedding rows kept for reuse (a generation reuses few tokens)
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the token embeddings, the values ``full`` has there (the ``gguf``
-        dequantizer works block by block, so a row alone comes out the same)."""
-        t = self.g.tensors[self.embed_name]
-        idx = ids.reshape(-1).cpu().numpy()
-        if t.type in BLOCKS:
-            from gguf import GGMLQuantizationType, dequantize
+        dequantizer works block by block, so a row alone comes out the same). Rows are kept once
+        dequantized (at most ``ROWS_KEPT``, the oldest dropped first): a step costs a lookup."""
+        rows = self._rows
+        idx = ids.reshape(-1).tolist()
+        miss = sorted({i for i in idx if i not in rows})
+        if miss:
+            t = self.g.tensors[self.embed_name]
+            if t.type in BLOCKS:
+                from gguf import GGMLQuantizationType, dequantize
 
-            w = dequantize(self.g.raw_rows(self.embed_name)[idx], GGMLQuantizationType(t.type))
-        else:
-            w = tensor_array(self.g, self.embed_name)[idx]
-        return self._process(self.embed_name, w.reshape(len(idx), t.shape[0]))
+                w = dequantize(self.g.raw_rows(self.embed_name)[miss], GGMLQuantizationType(t.type))
+            else:
+                w = tensor_array(self.g, self.embed_name)[miss]
+            new = self._process(self.embed_name, w.reshape(len(miss), t.shape[0]))
+            for i, row in zip(miss, new):
+                rows[i] = row
+            while len(rows) > self.ROWS_KEPT:
+                del rows[next(iter(rows))]
+        return torch.stack([rows[i] for i in idx])
 
 
 def skeleton(path: str | Path, config) -> tuple[torch.nn.Module, FileTensors]:
