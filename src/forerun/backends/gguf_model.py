@@ -126,9 +126,10 @@ class FileTensors:
             new = self._process(self.embed_name, w.reshape(len(miss), t.shape[0]))
             for i, row in zip(miss, new):
                 rows[i] = row
-            while len(rows) > self.ROWS_KEPT:
-                del rows[next(iter(rows))]
-        return torch.stack([rows[i] for i in idx])
+        out = torch.stack([rows[i] for i in idx])
+        while len(rows) > self.ROWS_KEPT:
+            del rows[next(iter(rows))]
+        return out
 
 
 def skeleton(path: str | Path, config) -> tuple[torch.nn.Module, FileTensors]:
