@@ -99,6 +99,7 @@ def _build(name: str, arch: tuple, flags: tuple, without: str, tag: str):
         return None
     out = kernel_path(name, cc, arch, flags, tag)
     if not out.exists():
+        _say_once(f"build:{name}:{tag}", "compiling %s.c (%s) once for this machine (seconds)", name, tag)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         err = ""
