@@ -23,14 +23,14 @@ def lc():
 
 
 def test_auto_backend_picks_llamacpp_for_gguf(tmp_path):
-    from forerun.models import bundled_gguf_path, choose_backend, integer_ready
+    from forerun.models import bundled_gguf_path, choose_backend, integer_ready, timed_backend
 
     assert choose_backend("auto", "gguf", torch.device("cpu")) == "llama.cpp"  # a GGUF file not known to run natively
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf")
     assert choose_backend("auto", "gguf", torch.device("cpu"), str(bad)) == "llama.cpp"
-    # the bundled model runs on the integer path wherever its kernels build
-    want = "torch" if integer_ready(bundled_gguf_path()) else "llama.cpp"
+    # the bundled model: where its kernels build both backends run it, and the faster one measured here is taken
+    want = timed_backend(bundled_gguf_path()) if integer_ready(bundled_gguf_path()) else "llama.cpp"
     assert choose_backend("auto", "gguf", torch.device("cpu"), str(bundled_gguf_path())) == want
     assert choose_backend("auto", "folder", torch.device("cpu")) == "torch"
     with pytest.raises(ForerunError, match="needs a .gguf"):
@@ -202,6 +202,22 @@ def _check_layer_outputs(lc, be):
     assert torch.equal(be.forward(long[251:252], 251, layers=layers).layers, full[1:2])
     with pytest.raises(ValueError, match="out of range"):
         be.forward(ids[:2], 0, layers=(18,))
+
+
+def test_capabilities_say_what_works_here(lc, monkeypatch):
+    """llama.cpp declares layer outputs only where its graph callback built, and the hidden states
+    trained heads read only where the Q8_0 greedy head can be built too; methods that need them are
+    refused up front from the flags."""
+    from forerun.drafters import require_hidden_states
+
+    be = lc.backend
+    caps = be.capabilities
+    assert caps.exact_argmax and caps.argmax_features == (be.ctx.tap is not None)
+    assert caps.hidden_states == (be.ctx.tap is not None and be.model.greedy_head() is not None)
+    monkeypatch.setattr(be.ctx, "tap", None)  # as where tap.c does not build
+    assert not be.capabilities.argmax_features and not be.capabilities.hidden_states
+    with pytest.raises(ForerunError, match="reads the target's hidden states"):
+        require_hidden_states(lc, "method eagle")
 
 
 def test_embedding_rows_match_gguf(lc):

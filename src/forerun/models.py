@@ -345,14 +345,19 @@ def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None 
 TORCH_METHODS = ("layerskip", "eagle", "medusa")  # need the torch backend: layer skipping, hidden states, trees
 
 
-def method_backend(method: str, spec: str, device: str = "auto") -> str:
-    """``--backend auto`` per method. On the CPU with llama-cpp-python installed, a GGUF model's
-    methods that run on its outputs alone (none, ngram, suffix, draft) take the faster backend
-    measured on this machine (``timed_backend``: plain decoding's step for ``none``, a 5-row verify
-    pass for the others) where the integer path runs the file, else llama.cpp; methods that skip
-    layers or read hidden states (layerskip, eagle, medusa), and anything not a GGUF file, torch."""
+def method_backend(method: str, spec: str, device: str = "auto", serving: bool = False) -> str:
+    """``--backend auto`` per method: the one place that says which backend runs what (generate,
+    bench and serve ask it). On the CPU with llama-cpp-python installed, a GGUF model's methods
+    that run on its outputs alone (none, ngram, suffix, draft) take the faster backend measured on
+    this machine (``timed_backend``: plain decoding's step for ``none``, a 5-row verify pass for
+    the others) where the integer path runs the file, else llama.cpp; methods that skip layers or
+    read hidden states (layerskip, eagle, medusa), and anything not a GGUF file, torch. A server
+    (``serving``) always takes torch: it batches sequences into one pass, where a llama.cpp
+    context holds one sequence."""
     from forerun.backends.llamacpp import available
 
+    if serving:
+        return "torch"
     kind, loc = resolve_source(spec)
     on_cpu = resolve_device(device).type == "cpu"
     if kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS:

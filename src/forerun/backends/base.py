@@ -44,6 +44,7 @@ class Capabilities:
     batched: bool = False  # forward_batch(): several sequences in one pass
     layer_skip: bool = False  # forward(skip_layers=): self-speculation
     kv_segments: bool = False  # kv_segment(start, end) / load_kv_segment(pos, seg): prompt prefixes reused exactly
+    hidden_states: bool = False  # embed and layers=: the token embeddings and layer outputs trained heads read
 
 
 class Backend(Protocol):
@@ -77,6 +78,35 @@ class Backend(Protocol):
 
     def fork(self) -> "Backend":
         """A second backend over the same weights with its own empty cache."""
+
+    # What a backend has where its ``capabilities`` say so (each flag names its methods):
+
+    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
+                       tree: torch.Tensor | None = None):
+        """``exact_argmax``: the greedy token [T] of every row, decided from that row alone;
+        with ``layers`` (``argmax_features``) also those layers' outputs; with ``tree``
+        (``argmax_tree``) over a token tree."""
+
+    def argmax_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """``lazy_tree_head``: greedy tokens of final normed hidden states, for the rows a tree
+        walk reaches."""
+
+    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
+        """``token_trees``: after a tree pass at ``pos``, keep the cache rows of the accepted path."""
+
+    def forward_batch(self, seqs: Sequence["Backend"], feeds: Sequence[torch.Tensor], positions: Sequence[int],
+                      layers: Sequence[int] = (), greedy: Sequence[bool] = ()) -> list:
+        """``batched``: one pass over several sequences (forks of this backend)."""
+
+    def kv_segment(self, start: int, end: int):
+        """``kv_segments``: the cache rows ``start:end``, to be loaded back by ``load_kv_segment``."""
+
+    def load_kv_segment(self, pos: int, segment) -> None:
+        """``kv_segments``: put a segment from ``kv_segment`` back at ``pos``."""
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """``hidden_states``: the token embeddings [vocab, hidden]."""
 
 
 class BackendBase:

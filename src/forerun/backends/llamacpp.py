@@ -228,6 +228,15 @@ class LlamaCppModel:
             self._head, self._head_reason = _build_greedy_head(self.path, self.n_embd, self.n_vocab)
         return self._head
 
+    def greedy_head_possible(self) -> bool:
+        """Whether ``greedy_head`` can be built, known without building it (the file's head type
+        and shape, and a C compiler)."""
+        if self._head is not None:
+            return True
+        if self._head_reason:
+            return False
+        return _tap_lib() is not None and _greedy_head_obstacle(self.path, self.n_embd, self.n_vocab) is None
+
     _head_pays: dict | None = None
 
     def head_pays(self, threads: int, rows: int = 1) -> bool:
@@ -349,23 +358,35 @@ class LlamaCppModel:
                 pass
 
 
-def _build_greedy_head(path: str, n_embd: int, n_vocab: int):
-    """Read the LM head from the GGUF file; return (Q8Head, "") or (None, why not)."""
-    import logging
-
+def _greedy_head_obstacle(path: str, n_embd: int, n_vocab: int) -> str | None:
+    """Why the file's LM head cannot serve as the exact greedy head (None: it can)."""
     from forerun.gguf_file import Q8_0, GGUFFile
 
     g = GGUFFile.open(path)
     for key, value in g.metadata.items():
         if key.endswith("final_logit_softcapping") and value and float(value) > 0:
-            return None, "the model caps its logits"
+            return "the model caps its logits"
     t = g.tensors.get("output.weight") or g.tensors.get("token_embd.weight")
     if t is None:
-        return None, "no LM head tensor found"
+        return "no LM head tensor found"
     if t.type != Q8_0:
-        return None, "the LM head is not Q8_0"
+        return "the LM head is not Q8_0"
     if n_embd % 32 or t.shape != (n_embd, n_vocab):
-        return None, "unexpected LM head shape"
+        return "unexpected LM head shape"
+    return None
+
+
+def _build_greedy_head(path: str, n_embd: int, n_vocab: int):
+    """Read the LM head from the GGUF file; return (Q8Head, "") or (None, why not)."""
+    import logging
+
+    from forerun.gguf_file import GGUFFile
+
+    why = _greedy_head_obstacle(path, n_embd, n_vocab)
+    if why is not None:
+        return None, why
+    g = GGUFFile.open(path)
+    t = g.tensors.get("output.weight") or g.tensors.get("token_embd.weight")
     from forerun.backends.greedy_head import Q8Head
 
     logging.getLogger("forerun").info("building the exact multi-row greedy head from %s", path)
@@ -482,7 +503,15 @@ class _Context:
 class LlamaCppBackend(BackendBase):
     """The Backend interface over one llama.cpp context (one sequence)."""
 
-    capabilities = Capabilities(exact_argmax=True, argmax_features=True)
+    @property
+    def capabilities(self) -> Capabilities:
+        """Exact argmax passes always; their layer outputs where the graph callback (``tap.c``)
+        built; the embeddings and hidden states trained heads read where, besides, the LM head is
+        Q8_0 (``LlamaCppModel.greedy_head_possible``)."""
+        tap = self.ctx.tap is not None
+        return Capabilities(exact_argmax=True, argmax_features=tap,
+                            hidden_states=tap and self.model.greedy_head_possible())
+
     hidden_is_normed = True  # llama.cpp gives the hidden state after the final norm
 
     def __init__(self, model: LlamaCppModel, *, max_context: int | None = None, threads: int | None = None,

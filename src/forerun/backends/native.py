@@ -442,7 +442,7 @@ class NativeBackend(BackendBase):
         layer skipping; greedy trees run the LM head lazily on the CPU only (see ``lazy_tree_head``)."""
         return Capabilities(exact_argmax=True, argmax_features=True, argmax_tree=True,
                             lazy_tree_head=self.lazy_tree_head, token_trees=True, batched=True, layer_skip=True,
-                            kv_segments=True)
+                            kv_segments=True, hidden_states=True)
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None,

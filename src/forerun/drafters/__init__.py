@@ -46,7 +46,7 @@ def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
 def require_hidden_states(target, what: str, alternative: str = "") -> None:
     """Refuse ``what`` (a method or command) unless ``target``'s backend hands out its hidden
     states and embeddings, as trained heads need."""
-    if not hasattr(target.backend, "embed"):
+    if not target.backend.capabilities.hidden_states:
         from forerun.backends.native import SUPPORTED_ARCHITECTURES
 
         raise ForerunError(f"{what} reads the target's hidden states: it needs the torch backend on a "

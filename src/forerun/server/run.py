@@ -8,7 +8,7 @@ import os
 from forerun.batching import BatchEngine
 from forerun.drafters import check_adapt_args, check_method, make_drafter
 from forerun.errors import ForerunError
-from forerun.models import model_key
+from forerun.models import method_backend, model_key
 
 log = logging.getLogger("forerun")
 
@@ -90,8 +90,7 @@ def serve(args) -> int:
     skip = parse_skip_layers(args.skip_layers)
     if not 0 <= args.port <= 65535:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
-    # The torch backend batches sequences into one pass; llama.cpp contexts here hold one sequence each.
-    backend = "torch" if args.backend == "auto" else args.backend
+    backend = method_backend(args.method, args.model, args.device, serving=True) if args.backend == "auto" else args.backend
     limits = Limits(keep_alive_s=args.keep_alive_timeout, read_timeout_s=args.read_timeout,
                     max_connections=args.max_connections, max_header_bytes=args.max_header_bytes).check()
     if args.max_context < 2:
