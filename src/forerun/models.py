@@ -416,9 +416,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and put it behind a backend.
 
-    ``backend``: ``llama.cpp`` (GGUF files: llama.cpp's quantized kernels), ``torch`` (native
-    Gemma 3 forward where supported, else transformers), ``native``, ``hf``, or ``auto``
-    (llama.cpp for a .gguf model on the CPU when llama-cpp-python is installed, else torch).
+    ``backend``: ``llama.cpp`` (GGUF files: llama.cpp's quantized kernels), ``torch`` (our native
+    forward where the architecture is supported, else transformers), ``native``, ``hf``, or
+    ``auto`` (see ``choose_backend``: for a .gguf model on the CPU with llama-cpp-python
+    installed, the faster of the two measured on this machine where both run it).
     A GGUF model that runs on the torch backend's integer path is read straight from its file
     (``_load_gguf_integer``); its transformers model is built only when asked for.
     """
@@ -465,10 +466,9 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     file's size. None (the caller converts the file instead) where the file does not fit."""
     from transformers import AutoModelForCausalLM
 
+    from forerun.backend_timing import take_timed
     from forerun.backends.gguf_model import skeleton
     from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
-
-    from forerun.backend_timing import take_timed
 
     timed = take_timed(path)  # loaded a moment ago to time it (``backend_timing``)
     if timed is not None and max_context is None:
