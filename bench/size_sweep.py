@@ -135,7 +135,7 @@ def measure(path: Path, threads: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sizes", default="135m,0.5b,1b")
+    ap.add_argument("--sizes", default="135m,0.5b,1b,3b")
     ap.add_argument("--types", default="q4_k_m,q8_0")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default=None)
