@@ -5,7 +5,8 @@ the model's size and the CPU (on our 2-core AVX2 machine the integer path is ahe
 270M parameters and behind at 1B, see docs/benchmarks.md). So the first time ``auto`` meets such
 a file it times both on it: a one-token step (what plain decoding runs) and a pass of 5 rows (a
 verify pass of 4 drafted tokens), each the median of a few runs at a context of 128 tokens, the
-greedy path of each backend. The result is kept per file, machine, kernel build, thread count
+greedy path of each backend, and takes the one with the shorter sum for every method that can run
+on either (one backend per file: every such method gives the same text). The result is kept per file, machine, kernel build, thread count
 and library versions (``kept``: a measurement taken on a busy machine is used but taken again
 by the next process that finds the machine quiet).
 """
@@ -85,13 +86,14 @@ def timing(path: str | Path, threads: int | None = None) -> dict:
                          "machine (--backend auto; seconds)")
 
 
-def faster(t: dict, speculative: bool) -> str:
-    """The backend with the shorter one-token step (plain decoding) or, for a drafting method
-    (``speculative``), the shorter pass of 5 rows; llama.cpp where torch was not timed."""
+def faster(t: dict) -> str:
+    """The backend with the shorter one-token step plus 5-row pass (plain decoding runs the
+    first, speculation both); llama.cpp where torch was not timed. One choice per file, so that
+    every method that can run on either gives the same text."""
     if "torch" not in t:
         return "llama.cpp"
-    what = "pass5_ms" if speculative else "step_ms"
-    return "torch" if t["torch"][what] <= t["llama.cpp"][what] else "llama.cpp"
+    cost = {b: t[b]["step_ms"] + t[b]["pass5_ms"] for b in ("torch", "llama.cpp")}
+    return "torch" if cost["torch"] <= cost["llama.cpp"] else "llama.cpp"
 
 
 def kept_timing(spec: str, threads: int | None = None) -> dict | None:

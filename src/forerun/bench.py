@@ -351,7 +351,7 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"`--backend auto` measured both backends on this machine ({at['measured']}, load {at['load_per_core']:.2f} "
                   f"per core): one-token step torch {at['torch']['step_ms']:.1f} ms, llama.cpp {at['llama.cpp']['step_ms']:.1f} ms; "
                   f"pass of 5 rows torch {at['torch']['pass5_ms']:.1f} ms, llama.cpp {at['llama.cpp']['pass5_ms']:.1f} ms "
-                  "(plain decoding takes the faster step, drafting methods the faster pass).", ""]
+                  "(the shorter sum runs every method both backends can run).", ""]
     if len(set(by_method.values())) > 1:
         lines += [f"`--backend auto` chose per method; each method's speedup \"vs none\" and its greedy equality "
                   f"compare with plain decoding on its own backend ({', '.join(sorted(set(by_method.values())))}).", ""]

@@ -309,13 +309,12 @@ def integer_ready(path: str | Path) -> bool:
     return qrows_lib() is not None
 
 
-def timed_backend(path: str | Path, speculative: bool = False) -> str:
-    """torch or llama.cpp for a GGUF file both run: whichever this machine ran faster, measured
-    once per file and machine (``backend_timing``): the one-token step for plain decoding, a pass
-    of 5 rows for a drafting method (``speculative``)."""
+def timed_backend(path: str | Path) -> str:
+    """torch or llama.cpp for a GGUF file both run: whichever this machine ran faster (a one-token
+    step plus a 5-row verify pass), measured once per file and machine (``backend_timing``)."""
     from forerun.backend_timing import faster, take_timed, timing
 
-    chosen = faster(timing(path), speculative)
+    chosen = faster(timing(path))
     if chosen != "torch":
         take_timed(path)  # the model loaded to time the torch backend is not needed
     return chosen
@@ -323,9 +322,8 @@ def timed_backend(path: str | Path, speculative: bool = False) -> str:
 
 def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None = None) -> str:
     """auto: for a .gguf model (at ``path``) on the CPU with llama-cpp-python installed, the faster
-    for plain decoding of the torch backend's integer path and llama.cpp where both run it
-    (``timed_backend``), llama.cpp where the integer path does not (``integer_ready``); torch
-    otherwise."""
+    of the torch backend's integer path and llama.cpp where both run it (``timed_backend``),
+    llama.cpp where the integer path does not (``integer_ready``); torch otherwise."""
     if backend not in BACKENDS:
         raise ForerunError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
     if backend == "auto":
@@ -349,8 +347,8 @@ def method_backend(method: str, spec: str, device: str = "auto", serving: bool =
     """``--backend auto`` per method: the one place that says which backend runs what (generate,
     bench and serve ask it). On the CPU with llama-cpp-python installed, a GGUF model's methods
     that run on its outputs alone (none, ngram, suffix, draft) take the faster backend measured on
-    this machine (``timed_backend``: plain decoding's step for ``none``, a 5-row verify pass for
-    the others) where the integer path runs the file, else llama.cpp; methods that skip layers or
+    this machine (``timed_backend``, one choice per file) where the integer path runs the file,
+    else llama.cpp; methods that skip layers or
     read hidden states (layerskip, eagle, medusa), and anything not a GGUF file, torch. A server
     (``serving``) always takes torch: it batches sequences into one pass, where a llama.cpp
     context holds one sequence."""
@@ -361,7 +359,7 @@ def method_backend(method: str, spec: str, device: str = "auto", serving: bool =
     kind, loc = resolve_source(spec)
     on_cpu = resolve_device(device).type == "cpu"
     if kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS:
-        return timed_backend(loc, speculative=method != "none") if integer_ready(loc) else "llama.cpp"
+        return timed_backend(loc) if integer_ready(loc) else "llama.cpp"
     return "torch"
 
 
