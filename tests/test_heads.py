@@ -542,10 +542,13 @@ def test_head_commands_refuse_a_backend_without_hidden_states():
 
     from forerun.drafters import load_head_drafter, require_hidden_states
 
-    blind = SimpleNamespace(backend=SimpleNamespace(capabilities=None))
+    from forerun.backends.base import Capabilities
+
+    blind = SimpleNamespace(backend=SimpleNamespace(capabilities=Capabilities()))
     for what in ("train-draft", "eval-draft", "export-draft"):
         with pytest.raises(ForerunError, match=f"^{what} reads the target's hidden states: it needs the torch backend"):
             require_hidden_states(blind, what)
     with pytest.raises(ForerunError, match="method eagle reads the target's hidden states.*--backend torch"):
         load_head_drafter("eagle", blind)
-    require_hidden_states(SimpleNamespace(backend=SimpleNamespace(embed=None)), "train-draft")  # has them: no error
+    require_hidden_states(SimpleNamespace(backend=SimpleNamespace(capabilities=Capabilities(hidden_states=True))),
+                          "train-draft")  # has them: no error
