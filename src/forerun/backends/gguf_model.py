@@ -3,11 +3,12 @@
 The integer kernels read a GGUF model's linear layers in their own blocks (``qweights``), so the
 float32 copies that transformers' GGUF conversion makes of them (4 bytes a weight, twice the
 model's size once stacked) are never read. This module builds the model class on the meta device
-and makes real only what the native forward reads in float32: the token embeddings, the LM head
-where the file has its own, norms and biases, each dequantized and processed as transformers
-does at conversion (the same values, bit for bit). The layers' linear weights stay on the meta
-device; ``row_orders`` says in which order their GGUF rows must be read to be the rows of the
-transformers weight (Llama files store query and key rows permuted for rotary embeddings).
+and makes real only the small tensors the native forward reads in float32 (norms, biases, the
+rotary tables), each dequantized and processed as transformers does at conversion (the same
+values, bit for bit). Everything large stays in the file (``FileTensors``): the layers' linear
+weights, with the order in which their GGUF rows must be read to be the rows of the transformers
+weight (Llama files store query and key rows permuted for rotary embeddings), and the token
+embeddings and LM head, read by row or whole when asked for.
 """
 
 from __future__ import annotations
