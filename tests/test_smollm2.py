@@ -132,14 +132,15 @@ def test_bench_auto_backend_per_method(tmp_path, capsys, monkeypatch):
     import forerun.models as models
 
     import forerun.kept as kept
-    from forerun.backend_timing import faster, timing
+    from forerun.backend_timing import faster, kept_timing
 
     monkeypatch.setattr(kept, "BUSY", float("inf"))  # one measurement for the whole test, however busy
     path = models.smollm2_gguf_path()
     if models.integer_ready(path):  # both run it: the faster here, measured once (and kept)
-        t = timing(path)
-        assert t["torch"]["step_ms"] > 0 and t["llama.cpp"]["pass5_ms"] > 0
-        want = {"none": faster(t), "ngram": faster(t)}  # one backend per file
+        chosen = models.timed_backend(path)
+        t = kept_timing(path)
+        assert t["torch"]["step_ms"] > 0 and t["llama.cpp"]["pass5_ms"] > 0 and faster(t) == chosen
+        want = {"none": chosen, "ngram": chosen}  # one backend per file
     else:
         want = {"none": "llama.cpp", "ngram": "llama.cpp"}
     assert {m: models.method_backend(m, "smollm2") for m in want} == want

@@ -33,33 +33,20 @@ def _time(backend) -> dict:
     return {"step_ms": step * 1000, "pass5_ms": five * 1000}
 
 
-_TIMED: dict = {}  # file -> the torch model loaded to time it, until a load takes it
-
-
-def _name(path) -> str:
-    return str(Path(path).resolve())
-
-
-def take_timed(path):
-    """The torch backend's model of ``path`` that a timing in this process loaded, once (None
-    when there is none)."""
-    return _TIMED.pop(_name(path), None)
-
-
-def measure(path: Path, threads: int) -> dict:
-    """Time both backends on the file at ``path`` (seconds: both load it)."""
+def measure(path: Path, threads: int, load_torch) -> dict:
+    """Time both backends on the file at ``path`` (seconds: both load it). ``load_torch()``: the
+    torch backend's integer path on the file, or None where it cannot run it (the caller loads it,
+    and may keep it for the run that follows)."""
     from tqdm.auto import tqdm
 
     from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
-    from forerun.models import _load_gguf_integer
 
     bar = tqdm(total=4, desc=f"timing both backends on {path.name} (once)", unit="step", leave=False)
-    torch_lm = _load_gguf_integer(str(path), path)
+    torch_backend = load_torch()
     bar.update(1)
     out = {"threads": threads}
-    if torch_lm is not None:
-        out["torch"] = _time(torch_lm.backend)
-        _TIMED[_name(path)] = torch_lm  # the load that usually follows takes it (``take_timed``)
+    if torch_backend is not None:
+        out["torch"] = _time(torch_backend)
     bar.update(1)
     cpp = LlamaCppBackend(LlamaCppModel(path), threads=threads, max_context=CONTEXT + 8)
     bar.update(1)
@@ -77,11 +64,12 @@ def _key(path: Path, threads: int) -> list:
     return [kept.file_key(path), qrows_isa(), threads, getattr(llama_cpp, "__version__", "?")]
 
 
-def timing(path: str | Path, threads: int | None = None) -> dict:
-    """Both backends' times on this file and machine (kept, or measured now)."""
+def timing(path: str | Path, load_torch, threads: int | None = None) -> dict:
+    """Both backends' times on this file and machine (kept, or measured now; ``load_torch``: see
+    ``measure``)."""
     path = Path(path)
     threads = threads or torch.get_num_threads()
-    return kept.measured("backend-timing", _key(path, threads), lambda: measure(path, threads),
+    return kept.measured("backend-timing", _key(path, threads), lambda: measure(path, threads, load_torch),
                          f"timing the torch backend's integer path and llama.cpp on {path.name} once for this "
                          "machine (--backend auto; seconds)")
 
@@ -96,16 +84,11 @@ def faster(t: dict) -> str:
     return "torch" if cost["torch"] <= cost["llama.cpp"] else "llama.cpp"
 
 
-def kept_timing(spec: str, threads: int | None = None) -> dict | None:
-    """The measurement kept for a model spec's GGUF file on this machine, with when and under
-    which load it was taken (None: nothing kept), for reports."""
-    from forerun.models import resolve_source
-
+def kept_timing(path: str | Path, threads: int | None = None) -> dict | None:
+    """The measurement kept for a GGUF file on this machine, with when and under which load it
+    was taken (None: nothing kept), for reports."""
     try:
-        kind, loc = resolve_source(spec)
-        if kind != "gguf":
-            return None
-        rec = kept.read("backend-timing", _key(Path(loc), threads or torch.get_num_threads()))
+        rec = kept.read("backend-timing", _key(Path(path), threads or torch.get_num_threads()))
     except Exception:  # nothing kept, or the file cannot be read: the report says nothing
         return None
     return None if rec is None else {**rec["value"], "measured": rec["measured"], "load_per_core": rec["load_per_core"]}

@@ -54,18 +54,12 @@ def load_prompts(path: str, categories=None, limit_per_category=None) -> list[di
 
 
 def machine_info(dtype) -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import transformers
 
+    from forerun.kept import cpu_name
+
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -136,12 +130,10 @@ def _lazy_tree_pass(backend, head_rows: int, calls: int):
 def _weights_kind(target, hf_model) -> str:
     """What the target's weights are, for the report: GGUF blocks (integer path or llama.cpp) or
     the transformers model's dtype."""
-    be = target.backend
-    if getattr(be, "quant", None) is not None:
+    if getattr(target.backend, "quant", None) is not None:
         return "gguf blocks (integer kernels)"
-    if hf_model is None and getattr(target, "_hf", None) is None:
-        return "gguf (llama.cpp)"
-    return str((hf_model if hf_model is not None else target.hf_model).dtype)
+    hf_model = hf_model if hf_model is not None else target.hf_model
+    return "gguf (llama.cpp)" if hf_model is None else str(hf_model.dtype)
 
 
 def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7, text=None) -> dict | None:
@@ -542,7 +534,7 @@ def run_bench(args) -> dict:
     tree = (tree or (32, None)) if tree_methods else None
     # --backend auto picks per method (llama.cpp where a method runs there, torch where it needs
     # layers or hidden states); plain decoding then runs on every backend used, as each one's reference.
-    from forerun.models import load_for_methods, method_backend
+    from forerun.models import load_for_methods, method_backend, resolve_source
 
     kinds = {m: _method_kind(_base(m)) for m in methods}
     if args.backend == "auto":
@@ -624,10 +616,11 @@ def run_bench(args) -> dict:
     config["chat_template"] = uses_chat(tok, chat)
     config["backend"] = ", ".join(type(t.backend).__name__ for t in targets.values())
     config["backend_by_method"] = backend_of
-    if args.backend == "auto":
+    kind, loc = resolve_source(args.model)
+    if args.backend == "auto" and kind == "gguf":
         from forerun.backend_timing import kept_timing
 
-        config["auto_backend_timing"] = kept_timing(args.model)
+        config["auto_backend_timing"] = kept_timing(loc)
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
     for t in targets.values():
         for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)

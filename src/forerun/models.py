@@ -309,14 +309,24 @@ def integer_ready(path: str | Path) -> bool:
     return qrows_lib() is not None
 
 
+_TIMED: dict = {}  # GGUF file -> the torch model loaded to time it (``timed_backend``), until a load takes it
+
+
 def timed_backend(path: str | Path) -> str:
     """torch or llama.cpp for a GGUF file both run: whichever this machine ran faster (a one-token
-    step plus a 5-row verify pass), measured once per file and machine (``backend_timing``)."""
-    from forerun.backend_timing import faster, take_timed, timing
+    step plus a 5-row verify pass), measured once per file and machine (``backend_timing``). Where
+    torch wins, the model loaded to time it serves the load that follows."""
+    from forerun.backend_timing import faster, timing
 
-    chosen = faster(timing(path))
-    if chosen != "torch":
-        take_timed(path)  # the model loaded to time the torch backend is not needed
+    loaded = []
+
+    def load_torch():
+        loaded.append(_load_gguf_integer(str(path), Path(path)))
+        return loaded[0].backend if loaded[0] is not None else None
+
+    chosen = faster(timing(path, load_torch))
+    if chosen == "torch" and loaded and loaded[0] is not None:
+        _TIMED[str(Path(path).resolve())] = loaded[0]
     return chosen
 
 
@@ -464,11 +474,10 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     file's size. None (the caller converts the file instead) where the file does not fit."""
     from transformers import AutoModelForCausalLM
 
-    from forerun.backend_timing import take_timed
     from forerun.backends.gguf_model import skeleton
     from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
 
-    timed = take_timed(path)  # loaded a moment ago to time it (``backend_timing``)
+    timed = _TIMED.pop(str(path.resolve()), None)  # loaded a moment ago to time it (``timed_backend``)
     if timed is not None and max_context is None:
         timed.name = spec
         return timed

@@ -43,6 +43,10 @@ class Codes:
             w = w + self.offset.reshape(rows, g, 1)
         return w.reshape(rows, D)
 
+    def rows(self, order: np.ndarray) -> "Codes":
+        """The same weights with their rows in ``order``."""
+        return Codes(self.codes[order], self.scale[order], None if self.offset is None else self.offset[order], self.group)
+
     def regroup(self, group: int) -> "Codes":
         """The same weights with scales repeated over smaller groups."""
         if group == self.group:
@@ -210,7 +214,7 @@ def gguf_codes(gguf, names: list[str], weight: torch.Tensor,
         for name, (p, typ) in zip(names, parts):
             order = (row_orders or {}).get(name)
             if order is not None:
-                p = Codes(p.codes[order], p.scale[order], None if p.offset is None else p.offset[order], p.group)
+                p = p.rows(order)
             out.append((p, typ))
         same = sum(p.codes.shape[0] for p, _ in out) == weight.shape[0] and all(
             p.codes.shape[1] == weight.shape[1] for p, _ in out)
@@ -223,7 +227,7 @@ def gguf_codes(gguf, names: list[str], weight: torch.Tensor,
         if order is None:
             return None
         if not np.array_equal(order, np.arange(rows)):
-            p = Codes(p.codes[order], p.scale[order], None if p.offset is None else p.offset[order], p.group)
+            p = p.rows(order)
         parts[i] = (p, typ)
         start += rows
     return parts if start == w.shape[0] else None
