@@ -161,3 +161,26 @@ def test_batched_engine_equals_plain_decoding():
     be = BatchEngine(lm.backend, lm.eos_token_ids, drafter=NgramDrafter(), max_batch=4)
     got = run_batch(be, [BatchRequest(prompt=list(p), max_new_tokens=24) for p in PROMPTS])
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_build_computes_the_same_bits(arch, monkeypatch):
+    """Whole passes (activation quantization, products, norms, rotation, attention with blocks of 8
+    keys and a tail, the gated activation) give the same bits with the portable, AVX2 and (emulated)
+    VNNI builds of qrows.c: each build's vector code keeps the plain loops' float operations."""
+    import forerun.backends.qweights as qw
+    from test_qrows import builds
+
+    _, lm = integer_model(arch)
+    be = lm.backend
+    ids = torch.randint(4, 96, (45,), generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for isa, lib in builds():
+        monkeypatch.setattr(qw, "_CHOSEN", [(isa, lib)])
+        be.reset()
+        prompt = be.forward(ids[:37], 0).logits
+        chain = be.forward(ids[37:], 37, layers=(0,)).logits
+        outs[isa] = (prompt, chain)
+    assert "portable" in outs and len(outs) > 1
+    for isa, (prompt, chain) in outs.items():
+        assert torch.equal(prompt, outs["portable"][0]) and torch.equal(chain, outs["portable"][1]), isa

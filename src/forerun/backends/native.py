@@ -10,10 +10,12 @@ except that linear layers are prepacked for oneDNN on CPU (see ``_linear``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -196,13 +198,25 @@ class RowKeys:
     step at that row's position sees once the row's path is the cache's content."""
 
     def __init__(self, lo, hi, extras=None):
-        T = len(lo)
-        extras = extras or [[] for _ in range(T)]
-        self.lo = torch.tensor(lo, dtype=torch.int32)
-        self.hi = torch.tensor(hi, dtype=torch.int32)
-        self.xp = torch.tensor([0] + [len(e) for e in extras], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        self.extra = torch.tensor([j for e in extras for j in e] or [0], dtype=torch.int32)
+        extras = extras or [[] for _ in range(len(lo))]
         self.rows = [(a, b, e) for a, b, e in zip(lo, hi, extras)]
+
+    # int32 tensors for the C kernels, made on first use
+    @functools.cached_property
+    def lo(self) -> torch.Tensor:
+        return torch.tensor([r[0] for r in self.rows], dtype=torch.int32)
+
+    @functools.cached_property
+    def hi(self) -> torch.Tensor:
+        return torch.tensor([r[1] for r in self.rows], dtype=torch.int32)
+
+    @functools.cached_property
+    def xp(self) -> torch.Tensor:
+        return torch.tensor([0] + [len(r[2]) for r in self.rows], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    @functools.cached_property
+    def extra(self) -> torch.Tensor:
+        return torch.tensor([j for r in self.rows for j in r[2]] or [0], dtype=torch.int32)
 
     @classmethod
     def chain(cls, pos: int, T: int, window: int | None) -> "RowKeys":
@@ -508,6 +522,7 @@ class NativeBackend(BackendBase):
         self._exact = None  # undecided; then the screened exact head, or False (float32 logits)
         self._hf_model = hf_model
         self._cap = 0
+        self._rope_tabs = {}  # the integer path's rotary tables (see _rope_table), shared with forks
         self._len = 0
         self.k_cache = self.v_cache = None
 
@@ -733,7 +748,16 @@ class NativeBackend(BackendBase):
         return _Linear(self.lm_head.weight[rows.to(self.device)].contiguous(), self._pack)
 
     # -- forward ---------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor):
+    def _rope(self, positions: torch.Tensor, start: int | None = None):
+        """Rotary cos and sin [T, head_dim] per attention type for ``positions`` (``start``: they
+        are start, start + 1, ..., read as a slice). The integer path reads them from tables kept
+        for every cached position (``_rope_table``); the float path computes them as transformers does."""
+        if self.quant is not None:
+            tab = self._rope_table(int(positions.max()) + 1 if positions.numel() else 0)
+            if start is not None:
+                end = start + positions.numel()
+                return {t: (c[start:end], s[start:end]) for t, (c, s) in tab.items()}
+            return {t: (c[positions], s[positions]) for t, (c, s) in tab.items()}
         out = {}
         for t, inv in self._inv_freq.items():
             freqs = positions[:, None].float() * inv[None, :]
@@ -741,6 +765,23 @@ class NativeBackend(BackendBase):
             s = self._rope_scale[t]
             out[t] = ((emb.cos() * s).to(self.dtype), (emb.sin() * s).to(self.dtype))
         return out
+
+    def _rope_table(self, n: int) -> dict:
+        """cos and sin [>= n, head_dim] (float32) per attention type for positions 0.., shared with
+        forks, grown by doubling: every row of every pass reads the same values for its position
+        (one-token steps and verify passes alike). The angle is the float32 product transformers
+        forms (position x inverse frequency); its cos and sin are taken in float64, then rounded."""
+        tab = self._rope_tabs
+        have = next(iter(tab.values()))[0].shape[0] if tab else 0
+        if n > have:
+            size = max(256, 2 * have, n)
+            pos = torch.arange(size, dtype=torch.float32)
+            for t, inv in self._inv_freq.items():
+                freqs = (pos[:, None] * inv.cpu()[None, :]).double()
+                emb = torch.cat((freqs, freqs), dim=-1)
+                sc = self._rope_scale[t]
+                tab[t] = ((emb.cos() * sc).float().contiguous(), (emb.sin() * sc).float().contiguous())
+        return tab
 
     @torch.inference_mode()
     def forward(
@@ -768,10 +809,12 @@ class NativeBackend(BackendBase):
         if tree is None:
             positions = torch.arange(pos, end, device=self.device)
             masks = self._masks(pos, T)
+            rope = self._rope(positions, pos)
         else:
             positions, masks = self._tree_masks(pos, tree)
+            rope = self._rope(positions)
         h = self._embeddings(tokens) * self.embed_scale  # [T, hidden]
-        h, feats = self._body(h, [(self, pos, T, self._rope(positions), masks)], set(skip_layers), layers)
+        h, feats = self._body(h, [(self, pos, T, rope, masks)], set(skip_layers), layers)
         self._len = end
         if not logits and not return_hidden:
             return ForwardOutput(logits=None, layers=feats)
@@ -926,22 +969,35 @@ class NativeBackend(BackendBase):
         lib.forerun_q_threads(torch.get_num_threads())
         kinds = {KIND[kind]: tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*(p[3][kind] for p in parts)))
                  for kind in parts[0][3]}
-        rows = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts], [p[1] for p in parts])
-                for sl in parts[0][4]}
         ps = QPassC()
         ps.N, ps.hidden, ps.H, ps.KVH, ps.D = h.shape[0], self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
         ps.eps, ps.scale, ps.softcap = self.eps, self.scale, self.arch.attn_softcap or 0.0
-        keep = []  # tensors the pass reads through pointers, alive until the layers have run
+        # every row's cache slot and cache, and the keys it sees per attention type (RowKeys), as
+        # plain arrays: one-token steps spend little here
+        slot, kbase, vbase, cap = [], [], [], []
+        lo, hi, xp, extra = ([], []), ([], []), ([0], [0]), ([], [])
+        for seq, pos, T, _, masks in parts:
+            slot += range(pos, pos + T)
+            kbase += [seq.k_cache.data_ptr()] * T
+            vbase += [seq.v_cache.data_ptr()] * T
+            cap += [seq.k_cache.shape[2]] * T
+            for k in (0, 1):
+                for a, b, e in masks[bool(k)][2].rows:
+                    lo[k].append(a)
+                    hi[k].append(b)
+                    extra[k].extend(e)
+                    xp[k].append(xp[k][-1] + len(e))
+        i32 = lambda v: np.array(v or [0], dtype=np.int32)  # noqa: E731
+        i64 = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
+        keep = [i32(slot), i64(kbase), i64(vbase), i64(cap)]  # read through pointers until the layers have run
+        ps.slot, ps.kbase, ps.vbase, ps.cap = (a.ctypes.data for a in keep)
         for k in (0, 1):
             cos, sin = kinds.get(k) or next(iter(kinds.values()))
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
-            r = rows[bool(k)]
-            keep += [cos, sin]
+            arrays = [i32(lo[k]), i32(hi[k]), i32(xp[k]), i32(extra[k])]
+            keep += [cos, sin, *arrays]
             ps.cos[k], ps.sin[k] = cos.data_ptr(), sin.data_ptr()
-            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = (r.lo.data_ptr(), r.hi.data_ptr(), r.xp.data_ptr(),
-                                                         r.extra.data_ptr())
-        r = rows[False]
-        ps.kbase, ps.vbase, ps.cap, ps.slot = r.k_base.data_ptr(), r.v_base.data_ptr(), r.caps.data_ptr(), r.pos.data_ptr()
+            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = (a.ctypes.data for a in arrays)
         h = h.to(torch.float32).contiguous().clone()
         want = {l: None for l in layers}
         for i, q in enumerate(self.quant):
@@ -966,7 +1022,7 @@ class NativeBackend(BackendBase):
             seq._check_forward(feed, pos)
             T = feed.numel()
             seq._ensure_capacity(pos + T)
-            parts.append((seq, pos, T, self._rope(torch.arange(pos, pos + T, device=self.device)), seq._masks(pos, T)))
+            parts.append((seq, pos, T, self._rope(torch.arange(pos, pos + T, device=self.device), pos), seq._masks(pos, T)))
             ids.append(feed.to(self.device))
         h = self._embeddings(torch.cat(ids)) * self.embed_scale  # [rows, hidden]
         h, feats = self._body(h, parts, set(), layers)
@@ -989,6 +1045,9 @@ class NativeBackend(BackendBase):
     def _masks(self, pos: int, T: int):
         """Boolean masks [T, S] (True = attend) with the first key index, for full and sliding layers."""
         end = pos + T
+        if self.quant is not None:  # the integer path reads each row's keys only
+            start = max(0, pos - self.window + 1) if self.window else 0
+            return {False: (0, None, RowKeys.chain(pos, T, None)), True: (start, None, RowKeys.chain(pos, T, self.window))}
         q = torch.arange(pos, end, device=self.device)[:, None]
         full_k = torch.arange(0, end, device=self.device)[None, :]
         full = None if T == 1 else (full_k <= q)

@@ -86,6 +86,50 @@ static void quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) 
         const float *xr = x + (int64_t)r * ldx;
         int8_t *q = a->xq + (int64_t)r * D;
         for (int b = 0; b < nb; b++) {
+#if defined(__AVX2__)
+            if (1) { /* the same values, 8 lanes at a time (max, round to nearest even, clamp are exact) */
+                const float *xb = xr + b * 32;
+                const __m256 sign = _mm256_set1_ps(-0.0f);
+                __m256 v[4], mx = _mm256_setzero_ps();
+                for (int k = 0; k < 4; k++) {
+                    v[k] = _mm256_loadu_ps(xb + 8 * k);
+                    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+                }
+                float lanes[8];
+                _mm256_storeu_ps(lanes, mx);
+                float amax = 0.0f;
+                for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+                float d = amax / 127.0f;
+                float id = d > 0.0f ? 127.0f / amax : 0.0f;
+                __m256i c[4];
+                for (int k = 0; k < 4; k++) {
+                    __m256 y = _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+                    c[k] = _mm256_cvtps_epi32(y);
+                }
+                __m256i s01 = _mm256_add_epi32(c[0], c[1]), s23 = _mm256_add_epi32(c[2], c[3]);
+                int32_t t0[8], t1[8];
+                _mm256_storeu_si256((__m256i *)t0, s01);
+                _mm256_storeu_si256((__m256i *)t1, s23);
+                int s0 = 0, s1 = 0;
+                for (int l = 0; l < 8; l++) {
+                    s0 += t0[l];
+                    s1 += t1[l];
+                }
+                __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
+                __m256i w8 = _mm256_packs_epi16(w16, w16b); /* lanes in 128-bit halves: fix the order */
+                w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256((__m256i *)(q + b * 32), w8);
+                int64_t i = (int64_t)r * nb + b;
+                a->dx[i] = d;
+                a->bs[2 * i] = s0;
+                a->bs[2 * i + 1] = s1;
+                a->xs[3 * i] = d * (float)(s0 + s1);
+                a->xs[3 * i + 1] = d * (float)s0;
+                a->xs[3 * i + 2] = d * (float)s1;
+                continue;
+            }
+#endif
             float amax = 0.0f;
             for (int j = 0; j < 32; j++) {
                 float v = fabsf(xr[b * 32 + j]);
@@ -216,97 +260,108 @@ static inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #define VNNI 0
 #endif
 
-/* Rows r0 .. r0 + nr - 1 (nr <= RT, a constant where inlined) against group g. Each sub-group's
- * integer sum is finished and folded into the float accumulators before the next one starts (the
- * order of the float operations is the reference's), so a row holds three registers: its float
- * accumulator, its int32 sum and an int16 partial. Without VNNI the u8 x s8 pair sums of
- * vpmaddubsw are added in int16 over SPAN vectors where that cannot overflow (pairs of codes
- * below 16, 32, 64 and 128 against |xq| <= 127: 8, 4, 2 and 1 vectors), widened once per span. */
+/* Rows r0 .. r0 + nr - 1 (nr <= RT) against group g. Everything the loop branches on is a constant
+ * where it is inlined (row count, code kind, scale groups, int16 span, code bias, offset, scale
+ * storage), so a row's sums stay in registers: a float accumulator, an int16 partial and (where a
+ * scale group needs more than one widening) an int32 sum. Each scale group's integer sum is
+ * finished and folded into the float accumulator before the next one starts, in the reference's
+ * order. Without VNNI the u8 x s8 pair sums of vpmaddubsw are added in int16 over SPAN vectors
+ * where that cannot overflow (codes below 16, 32, 64 and 128 against |xq| <= 127: 8, 4, 2 and 1
+ * vectors), then widened once by vpmaddwd. */
 static inline __attribute__((always_inline)) void group_tile(const qweight_t *w, const qact_t *a, int64_t g, int r0,
                                                              const int nr, const int kind, const int sub,
-                                                             const int span, __m256 *res) {
-    int nb = w->D / 32;
+                                                             const int span, const int has_zb, const int has_off,
+                                                             const int f16, __m256 *res) {
+    const int nb = w->D / 32;
     const int cb = code_bytes(kind);
-    const uint8_t *cg = w->codes + g * nb * cb;
-    int64_t sbase = g * nb * sub * 8;
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const int per = 8 / sub; /* code vectors per sub-group (U4: 4 loads, low and high nibbles) */
-    (void)ones;
-    (void)m4;
+    const uint8_t *blk = w->codes + g * nb * cb;
+    const int64_t sbase = g * nb * sub * 8;
+    const int per = 8 / sub; /* 4-column vectors per scale group */
+    const int32_t zb = w->zb;
+    const int8_t *xr[RT];
+    const float *dxr[RT], *xsr[RT];
+    const int32_t *bsr[RT];
+    for (int r = 0; r < nr; r++) {
+        xr[r] = a->xq + (int64_t)(r0 + r) * a->D;
+        dxr[r] = a->dx + (int64_t)(r0 + r) * nb;
+        xsr[r] = a->xs + 3 * (int64_t)(r0 + r) * nb;
+        bsr[r] = a->bs + 2 * (int64_t)(r0 + r) * nb;
+    }
     __m256 acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = cg + (int64_t)b * cb;
+    for (int b = 0; b < nb; b++, blk += cb) {
         if (PF_AHEAD)
             for (int c = 0; c < cb; c += 64) _mm_prefetch((const char *)blk + PF_AHEAD + c, _MM_HINT_T0);
-        const int8_t *xb0 = a->xq + (int64_t)r0 * a->D + b * 32;
         for (int s = 0; s < sub; s++) {
             __m256i isum[RT];
-            for (int r = 0; r < nr; r++) isum[r] = _mm256_setzero_si256();
 #if !VNNI
             __m256i part[RT];
 #endif
-            if (kind == U4 && sub == 1) { /* one load serves both nibbles; two int16 chains */
-#if !VNNI
-                __m256i part1[RT];
-#endif
+            if (kind == U4 && sub == 1) { /* one load serves both nibbles (columns 4i.. and 4i+16..) */
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * i));
-                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
 #pragma GCC unroll 4
                     for (int r = 0; r < nr; r++) {
-                        const int8_t *x = xb0 + (int64_t)r * a->D + 4 * i;
+                        const int8_t *x = xr[r] + b * 32 + 4 * i;
 #if VNNI
-                        isum[r] = DPBUSD(DPBUSD(isum[r], lo, bcast4(x)), hi, bcast4(x + 16));
-#else
-                        __m256i p0 = _mm256_maddubs_epi16(lo, bcast4(x)), p1 = _mm256_maddubs_epi16(hi, bcast4(x + 16));
-                        part[r] = i == 0 ? p0 : _mm256_add_epi16(part[r], p0);
-                        part1[r] = i == 0 ? p1 : _mm256_add_epi16(part1[r], p1);
+                        __m256i t = DPBUSD(i == 0 ? _mm256_setzero_si256() : isum[r], lo, bcast4(x));
+                        isum[r] = DPBUSD(t, hi, bcast4(x + 16));
+#else /* 8 products of codes < 16: at most 8 * 2 * 15 * 127 < 32768 */
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                                     _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+                        part[r] = i == 0 ? p : _mm256_add_epi16(part[r], p);
 #endif
                     }
                 }
 #if !VNNI
-                for (int r = 0; r < nr; r++) isum[r] = _mm256_madd_epi16(_mm256_add_epi16(part[r], part1[r]), ones);
+                for (int r = 0; r < nr; r++) isum[r] = _mm256_madd_epi16(part[r], _mm256_set1_epi16(1));
 #endif
-            } else
+            } else {
 #pragma GCC unroll 8
-            for (int j = s * per; j < (s + 1) * per; j++) {
-                /* vector j of the block: U4 vector j & 3, low nibbles for j < 4, high ones above */
-                __m256i u, v;
-                if (kind == U4) {
-                    v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (j & 3)));
-                    u = j < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                } else {
-                    v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
-                    u = kind == S8 ? _mm256_abs_epi8(v) : v;
-                }
+                for (int jj = 0; jj < per; jj++) {
+                    const int j = s * per + jj; /* vector j: U4 load j & 3, low nibbles below 4 */
+                    __m256i u, v;
+                    if (kind == U4) {
+                        v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (j & 3)));
+                        u = j < 4 ? _mm256_and_si256(v, _mm256_set1_epi8(15))
+                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+                    } else {
+                        v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
+                        u = kind == S8 ? _mm256_abs_epi8(v) : v;
+                    }
 #pragma GCC unroll 4
-                for (int r = 0; r < nr; r++) {
-                    __m256i xb = bcast4(xb0 + (int64_t)r * a->D + 4 * j);
-                    if (kind == S8) xb = _mm256_sign_epi8(xb, v);
+                    for (int r = 0; r < nr; r++) {
+                        __m256i xb = bcast4(xr[r] + b * 32 + 4 * j);
+                        if (kind == S8) xb = _mm256_sign_epi8(xb, v);
 #if VNNI
-                    isum[r] = DPBUSD(isum[r], u, xb);
+                        isum[r] = DPBUSD(jj == 0 ? _mm256_setzero_si256() : isum[r], u, xb);
 #else
-                    __m256i p = _mm256_maddubs_epi16(u, xb);
-                    part[r] = (j - s * per) % span == 0 ? p : _mm256_add_epi16(part[r], p);
-                    if ((j - s * per) % span == span - 1) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+                        __m256i p = _mm256_maddubs_epi16(u, xb);
+                        part[r] = jj % span == 0 ? p : _mm256_add_epi16(part[r], p);
+                        if (jj % span == span - 1) {
+                            __m256i m = _mm256_madd_epi16(part[r], _mm256_set1_epi16(1));
+                            isum[r] = jj == span - 1 ? m : _mm256_add_epi32(isum[r], m);
+                        }
 #endif
+                    }
                 }
             }
-            int64_t si = sbase + ((int64_t)b * sub + s) * 8;
-            __m256 sc = load8_scales(w->scale, w->f16, si);
-            __m256 of = w->offset ? load8_scales(w->offset, w->f16, si) : _mm256_setzero_ps();
+            const int64_t si = sbase + ((int64_t)b * sub + s) * 8;
+            const __m256 sc = load8_scales(w->scale, f16, si);
+#pragma GCC unroll 4
             for (int r = 0; r < nr; r++) {
-                int64_t xi = (int64_t)(r0 + r) * nb + b;
-                if (w->zb) {
-                    int32_t bsum = sub == 1 ? a->bs[2 * xi] + a->bs[2 * xi + 1] : a->bs[2 * xi + s];
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(w->zb * bsum));
+                if (has_zb) {
+                    int32_t bsum = sub == 1 ? bsr[r][2 * b] + bsr[r][2 * b + 1] : bsr[r][2 * b + s];
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(zb * bsum));
                 }
-                __m256 f = _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[xi]));
+                __m256 f = _mm256_mul_ps(sc, _mm256_broadcast_ss(dxr[r] + b));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), f, acc[r]);
-                if (w->offset)
-                    acc[r] = _mm256_fmadd_ps(of, _mm256_set1_ps(a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)]), acc[r]);
+                if (has_off)
+                    acc[r] = _mm256_fmadd_ps(load8_scales(w->offset, f16, si),
+                                             _mm256_broadcast_ss(xsr[r] + 3 * b + (sub == 1 ? 0 : 1 + s)), acc[r]);
             }
         }
     }
@@ -327,16 +382,31 @@ static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *ou
     int span = span_of(w);
     for (int t = 0, r0 = 0; t < tiles; t++) { /* balanced tiles: 5 rows as 3 + 2, not 4 + 1 */
         int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0);
-        /* constant row counts, kinds, sub-groups and spans: the tile's sums stay in registers */
-#define TILE_KIND(NR)                                                                    \
-    if (w->kind == U4 && w->sub == 1) group_tile(w, a, g, r0, NR, U4, 1, 8, res);        \
-    else if (w->kind == U8 && w->sub == 1 && span >= 4) group_tile(w, a, g, r0, NR, U8, 1, 4, res); \
-    else if (w->kind == U8 && w->sub == 2 && span >= 2) group_tile(w, a, g, r0, NR, U8, 2, 2, res); \
-    else if (w->kind == S8 && w->sub == 1) group_tile(w, a, g, r0, NR, S8, 1, 1, res);   \
-    else if (w->kind == U4) group_tile(w, a, g, r0, NR, U4, 2, 4, res);                  \
-    else if (w->kind == U8 && w->sub == 1) group_tile(w, a, g, r0, NR, U8, 1, 1, res);   \
-    else if (w->kind == U8) group_tile(w, a, g, r0, NR, U8, 2, 1, res);                  \
-    else group_tile(w, a, g, r0, NR, S8, 2, 1, res);
+        /* constants for the common weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), so that
+         * the tile's sums stay in registers; anything else takes the same code with run-time flags */
+        const int zb = w->zb != 0, off = w->offset != NULL, f16 = w->f16;
+#define GT(NR, K, S, SP, ZB, OFF, F16) group_tile(w, a, g, r0, NR, K, S, SP, ZB, OFF, F16, res)
+#define TILE_KIND(NR)                                                                                   \
+    if (w->kind == U4 && w->sub == 1) {                                                                 \
+        if (!zb && off && f16) GT(NR, U4, 1, 8, 0, 1, 1);                                               \
+        else if (!zb && off && !f16) GT(NR, U4, 1, 8, 0, 1, 0);                                         \
+        else if (zb && !off && f16) GT(NR, U4, 1, 8, 1, 0, 1);                                          \
+        else GT(NR, U4, 1, 8, zb, off, f16);                                                            \
+    } else if (w->kind == U8 && w->sub == 1 && span >= 4) {                                             \
+        if (zb && !off && f16) GT(NR, U8, 1, 4, 1, 0, 1);                                               \
+        else if (!zb && off && f16) GT(NR, U8, 1, 4, 0, 1, 1);                                          \
+        else if (!zb && off && !f16) GT(NR, U8, 1, 4, 0, 1, 0);                                         \
+        else GT(NR, U8, 1, 4, zb, off, f16);                                                            \
+    } else if (w->kind == U8 && w->sub == 2 && span >= 2) {                                             \
+        if (zb && !off && !f16) GT(NR, U8, 2, 2, 1, 0, 0);                                              \
+        else GT(NR, U8, 2, 2, zb, off, f16);                                                            \
+    } else if (w->kind == S8 && w->sub == 1) {                                                          \
+        if (!zb && !off && f16) GT(NR, S8, 1, 1, 0, 0, 1);                                              \
+        else GT(NR, S8, 1, 1, zb, off, f16);                                                            \
+    } else if (w->kind == U4) GT(NR, U4, 2, 4, zb, off, f16);                                           \
+    else if (w->kind == U8 && w->sub == 1) GT(NR, U8, 1, 1, zb, off, f16);                              \
+    else if (w->kind == U8) GT(NR, U8, 2, 1, zb, off, f16);                                             \
+    else GT(NR, S8, 2, 1, zb, off, f16);
         switch (nr) {
         case 1: TILE_KIND(1) break;
 #if RT >= 2
@@ -458,6 +528,36 @@ static inline float gate_act(float g, int act) {
     return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
 }
 
+/* x [N][inter] = act(gate) * up from y [N][2 * inter] (gate, then up); AVX2 builds take 8 lanes at
+ * a time with the same float operations as the plain loop. */
+static void gate_rows(const float *y, float *x, int N, int inter, int act) {
+    for (int r = 0; r < N; r++) {
+        const float *g = y + (int64_t)r * 2 * inter, *u = g + inter;
+        float *o = x + (int64_t)r * inter;
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        if (act == ACT_SILU)
+            for (; i + 8 <= inter; i += 8) { /* g / (1 + exp(-g)) * u */
+                __m256 gv = _mm256_loadu_ps(g + i);
+                __m256 e = exp_c8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+            }
+        else if (act == ACT_GELU_TANH)
+            for (; i + 8 <= inter; i += 8) { /* 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * u */
+                __m256 gv = _mm256_loadu_ps(g + i);
+                __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), gv), gv), gv);
+                __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_add_ps(gv, cube));
+                __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                            _mm256_add_ps(exp_c8(_mm256_mul_ps(_mm256_set1_ps(2.0f), z)), one)));
+                __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gv), _mm256_add_ps(one, t));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+            }
+#endif
+        for (; i < inter; i++) o[i] = gate_act(g[i], act) * u[i];
+    }
+}
+
 static void add_bias(float *y, const float *bias, int N, int n) {
     if (!bias) return;
     for (int r = 0; r < N; r++)
@@ -558,10 +658,7 @@ int forerun_q_layer(const qlayer_t *L, const qpass_t *P, int idx, float *h) {
     quantize_rows(x, hid, N, hid, &a);
     qmatmul(L->w + L->parts[0] + L->parts[1], L->parts[2], &a, y, 2 * inter);
     add_bias(y, L->gate_up_bias, N, 2 * inter);
-    for (int r = 0; r < N; r++) {
-        float *yr = y + (int64_t)r * 2 * inter, *xr = x + (int64_t)r * inter;
-        for (int i = 0; i < inter; i++) xr[i] = gate_act(yr[i], L->act) * yr[inter + i];
-    }
+    gate_rows(y, x, N, inter, L->act);
     a.D = inter;
     quantize_rows(x, inter, N, inter, &a);
     qmatmul(L->w + L->parts[0] + L->parts[1] + L->parts[2], L->parts[3], &a, y, hid);

@@ -68,6 +68,26 @@ static inline float exp_c(float x) {
     return y * s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_c on 8 lanes: the same float operations in the same order (NaN passes through as there). */
+static inline __m256 exp_c8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 shifter = _mm256_set1_ps(12582912.0f);
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), shifter), shifter);
+    __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
 static inline float dot_f(const float *a, const float *b, int D) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int d = 0;
@@ -96,14 +116,55 @@ static inline void attend_one(const float *qv, const float *kh, const float *vh,
     for (int j = lo; j < hi; j++) slot[S++] = j;
     for (int j = 0; j < n_extra; j++) slot[S++] = extra[j];
     float m = -INFINITY;
-    for (int j = 0; j < S; j++) {
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) /* 8 keys at a time: each key's dot_f, its lanes and its final sums unchanged */
+        for (; j + 8 <= S; j += 8) {
+            __m256 acc[8];
+            const float *kr[8];
+            for (int k = 0; k < 8; k++) {
+                acc[k] = _mm256_setzero_ps();
+                kr[k] = kh + (int64_t)slot[j + k] * D;
+            }
+            for (int d = 0; d < D; d += 8) {
+                __m256 qd = _mm256_loadu_ps(qv + d);
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qd, _mm256_loadu_ps(kr[k] + d)));
+            }
+            /* per key ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)): halves added, then two pair sums */
+            __m256 h[4];
+            for (int k = 0; k < 4; k++)
+                h[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x20),
+                                     _mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x31));
+            __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])); /* keys 0 2 4 6 1 3 5 7 */
+            sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_ps(w + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+            for (int k = 0; k < 8; k++) {
+                float s = w[j + k];
+                if (softcap > 0.0f) s = tanh_fn(s / softcap) * softcap;
+                w[j + k] = s;
+                m = s > m ? s : m;
+            }
+        }
+#endif
+    for (; j < S; j++) {
         float s = dot_f(qv, kh + (int64_t)slot[j] * D, D) * scale;
         if (softcap > 0.0f) s = tanh_fn(s / softcap) * softcap;
         w[j] = s;
         m = s > m ? s : m;
     }
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int j = 0;
+    j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    {
+        __m256 pv = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+        for (; j + 8 <= S; j += 8) {
+            __m256 e = exp_c8(_mm256_sub_ps(_mm256_loadu_ps(w + j), mv));
+            _mm256_storeu_ps(w + j, e);
+            pv = _mm256_add_ps(pv, e);
+        }
+        _mm256_storeu_ps(part, pv);
+    }
+#endif
     for (; j + 8 <= S; j += 8)
         for (int l = 0; l < 8; l++) {
             w[j + l] = exp_c(w[j + l] - m);
