@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from forerun.errors import ForerunError
+
 from conftest import run_batch
 from forerun.batching import BatchEngine, BatchRequest, LoadAwareK, QueueFull
 from forerun.drafters.ngram import NgramDrafter
@@ -318,35 +320,72 @@ def test_prepared_slots_serve_every_request(gemma):
     assert outs == plain and eng._n_slots == 3 and len(eng._free) == 3
 
 
-def test_tree_drafters_are_refused_not_verified_as_chains(gemma):
-    """The batch engine verifies chains: a drafter built to propose trees is refused up front, and
-    a tree that reaches a step anyway ends its request with an error instead of wrong text."""
+class _OracleTree:
+    """A tree drafter that knows each prompt's greedy continuation: under the root a wrong token
+    and the right one, under the right one a wrong and a right one, and so on, with the right path
+    ending in a wrong token every third step; so acceptance runs through second children, and the
+    cache must keep rows that are not the first ones of the pass."""
+
+    def __new__(cls, refs):
+        from forerun.drafters.base import Draft, Drafter
+
+        class Oracle(Drafter):
+            name = "oracle-tree"
+            proposes_trees = True
+
+            def __init__(self):
+                self.calls = 0
+
+            def propose(self, tokens, k):
+                self.calls += 1
+                prompt, ref = next((p, r) for p, r in refs if tokens[: len(p)] == p)
+                truth = ref[len(tokens) - len(prompt):][:k]
+                toks, parents, at = [], [], -1
+                for j, t in enumerate(truth):
+                    right = t if (self.calls + j) % 3 else (t + 1) % 90 + 3
+                    toks += [(t + 7) % 90 + 3, right]
+                    parents += [at, at]
+                    at = len(toks) - 1
+                return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+
+            def fork(self):
+                return Oracle()
+
+        return Oracle()
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_tree_drafters_verify_trees_in_the_batch_engine(gemma, integer):
+    """Token trees in the batch engine (the server's): several sequences, each with its own tree,
+    in one batched pass; greedy output equals plain decoding, on the float path and the integer
+    path. A tree drafter on a backend without trees is refused up front."""
     from forerun.drafters import make_drafter
-    from forerun.drafters.base import Draft, Drafter
-    from forerun.errors import ForerunError
+
+    from conftest import wrap
+    from test_architectures import _build
+    from test_integer_path import integer_model
+
+    # a tiny model whose greedy text varies (a cache left holding a rejected branch changes it)
+    lm = integer_model("qwen3")[1] if integer else wrap(_build("qwen3"), name="tiny-qwen3")
+    prompts = _prompts(4)
+    plain = [Engine(lm.backend.fork(), None, lm.eos_token_ids).generate(p, max_new_tokens=14).token_ids
+             for p in prompts]
+    refs = [(p, r) for p, r in zip(prompts, plain)]
+    for drafter in (_OracleTree(refs), make_drafter("suffix", lm, tree=(8, None))):
+        eng = BatchEngine(lm.backend, lm.eos_token_ids, drafter=drafter, max_batch=3)
+        eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
+        eng.policy.margin = -1.0
+        reqs = [BatchRequest(prompt=p, max_new_tokens=14) for p in prompts]
+        assert run_batch(eng, reqs) == plain, drafter.name
+        if drafter.name == "oracle-tree":
+            assert sum(r.stats.accepted for r in reqs) > 10  # trees were accepted, through second children
+
+    class NoTrees:
+        capabilities = type("C", (), {"token_trees": False, "batched": False, "kv_segments": False})()
+        max_context = 100
 
     with pytest.raises(ForerunError, match="token trees"):
-        BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=make_drafter("suffix", gemma, tree=(8, None)))
-
-    class Sneaky(Drafter):
-        name = "sneaky"
-
-        def propose(self, tokens, k):
-            return Draft(tokens=torch.tensor([5, 6]), parents=torch.tensor([-1, -1]))
-
-        def fork(self):
-            return Sneaky()
-
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=Sneaky(), max_batch=2)
-    eng.policy.costs = {r: 1.0 for r in range(1, 80)}
-    eng.policy.margin = -1.0
-    req = BatchRequest(prompt=[2, 7, 8], max_new_tokens=4)
-    events = []
-    req.on_event = lambda toks, fin: events.append(fin)
-    eng.submit(req)
-    while eng.active or eng.waiting:
-        eng.step()
-    assert events[-1] == "error" and "token tree" in req.error
+        BatchEngine(NoTrees(), (), drafter=make_drafter("suffix", gemma, tree=(8, None)))
 
 
 def test_calibration_is_bounded_in_time(gemma):

@@ -73,10 +73,12 @@ def test_engine_samples_the_target_distribution(spread, copy_model, method, sett
         assert whole > N * 0.3, whole  # drafts accepted whole: bonus tokens drawn at position K
 
 
-@pytest.mark.parametrize("method,setting", [("ngram", "t1.4-k6-p0.85"), ("draft", "t0.7-k4")])
+@pytest.mark.parametrize("method,setting", [("ngram", "t1.4-k6-p0.85"), ("draft", "t0.7-k4"), ("suffix-tree", "t0.7-k4")])
 def test_batch_engine_samples_the_target_distribution(spread, copy_model, method, setting):
-    """The batch engine (the server's), 16 sequences per pass."""
-    eng = BatchEngine(spread.backend, (), drafter=make_drafter(method, spread, draft_model=copy_model), max_batch=16)
+    """The batch engine (the server's), 16 sequences per pass; ``suffix-tree``: token trees."""
+    tree = (8, None) if method.endswith("-tree") else None
+    drafter = make_drafter(method.removesuffix("-tree"), spread, draft_model=copy_model, tree=tree)
+    eng = BatchEngine(spread.backend, (), drafter=drafter, max_batch=16)
     eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts K
     eng.policy.margin = -1.0
     eng.policy.k_max = K

@@ -26,7 +26,7 @@ import torch
 
 from forerun.draft_length import update_acceptance
 from forerun.drafters.base import Draft, empty_draft
-from forerun.engine import clip_draft, commit_tokens
+from forerun.engine import clip_draft, commit_tokens, first_nodes
 from forerun.verify import accept, pass_outputs
 from forerun.errors import ForerunError
 from forerun.prefix_cache import PrefixCache, prefill
@@ -207,9 +207,9 @@ class BatchEngine:
         with or without it, so that output never depends on what was cached."""
         if max_batch < 1:
             raise ForerunError(f"max_batch must be >= 1, got {max_batch}")
-        if speculate and drafter is not None and drafter.proposes_trees:
-            raise ForerunError(f"the batch engine (and the server) verifies chain drafts only; this {drafter.name} drafter "
-                               "proposes token trees: build it without a tree (no tree=..., no --tree-nodes)")
+        if speculate and drafter is not None and drafter.proposes_trees and not target.capabilities.token_trees:
+            raise ForerunError(f"this {drafter.name} drafter proposes token trees, which this backend cannot verify: "
+                               "build it without a tree (no tree=..., no --tree-nodes), or use --backend torch")
         self.target = target
         self.eos = set(int(i) for i in eos_token_ids)
         self.drafter = drafter if speculate else None
@@ -387,7 +387,7 @@ class BatchEngine:
     def _fail(self, req: BatchRequest, e: Exception) -> None:
         """End a request with an error; its cache is dropped (the failure may have left it half written)."""
         req.error = f"{type(e).__name__}: {e}"
-        log.warning("request %s failed: %s", req.id, req.error)
+        log.warning("request %s failed: %s", req.id, req.error, exc_info=log.isEnabledFor(logging.DEBUG))
         if req.slot is not None:
             req.slot.backend.reset()
         self._finish(req, [], "error")
@@ -423,20 +423,22 @@ class BatchEngine:
         prefill(be, req.tokens[:-1], self.layers, drafter.take_features if self.layers else None, self.prefix_cache)
         req.stats.prefill_s = time.perf_counter() - t0
 
-    def _pass(self, backends, feeds, positions, greedy=None) -> tuple[list, list[tuple[int, float]]]:
+    def _pass(self, backends, feeds, positions, greedy=None, trees=None) -> tuple[list, list[tuple[int, float]]]:
         """Target outputs (logits, and the drafters' feature layers) for every sequence, and the
-        (rows, seconds) of each target pass made: one batched pass, or, on backends that cannot
-        batch, one pass per sequence, where a greedy sequence takes the backend's exact argmax
-        pass if it has one (llama.cpp: no full logits)."""
+        (rows, seconds) of each target pass made: one batched pass (token trees included), or, on
+        backends that cannot batch, one pass per sequence, where a greedy sequence takes the
+        backend's exact argmax pass if it has one (llama.cpp: no full logits)."""
+        trees = trees or [None] * len(backends)
         if self.batched:
             t = time.perf_counter()
-            out = self.target.forward_batch(backends, feeds, positions, greedy=greedy or (), **self._fwd)
+            tree_kw = {"trees": trees} if any(x is not None for x in trees) else {}
+            out = self.target.forward_batch(backends, feeds, positions, greedy=greedy or (), **self._fwd, **tree_kw)
             return out, [(sum(f.numel() for f in feeds), time.perf_counter() - t)]
         greedy = greedy or [False] * len(backends)
         out, times = [], []
-        for be, f, p, g in zip(backends, feeds, positions, greedy):
+        for be, f, p, g, tr in zip(backends, feeds, positions, greedy, trees):
             t = time.perf_counter()
-            out.append(pass_outputs(be, f, p, greedy=g, layers=self.layers))
+            out.append(pass_outputs(be, f, p, greedy=g, layers=self.layers, tree=tr))
             times.append((f.numel(), time.perf_counter() - t))
         return out, times
 
@@ -458,9 +460,11 @@ class BatchEngine:
         def propose(r: BatchRequest, k: int) -> Draft:  # a drafter failing ends its own request only
             try:
                 d = r.slot.drafter.propose(r.tokens, k) if k > 0 else empty_draft()
-                if d.parents is not None:  # never verify a tree as if it were a chain
-                    raise ForerunError(f"the {r.slot.drafter.name} drafter proposed a token tree; the batch engine "
-                                       "verifies chains only")
+                if d.parents is not None and not self.target.capabilities.token_trees:
+                    raise ForerunError(f"the {r.slot.drafter.name} drafter proposed a token tree, which this "
+                                       "backend cannot verify")
+                if d.parents is not None and len(r.tokens) + len(d) > limit:
+                    d = first_nodes(d, limit - len(r.tokens))  # the pass needs a cache slot per node
                 return d
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e)
@@ -475,7 +479,7 @@ class BatchEngine:
                 drafts.append(propose(r, min(self.policy.k_max, room - 1)))
             ks = self.policy.choose([len(d) for d in drafts], [d.bucket for d in drafts], charge_drafting=False,
                                     confs=[d.conf if d.parents is None else None for d in drafts])
-            drafts = [clip_draft(d, k) for d, k in zip(drafts, ks)]
+            drafts = [clip_draft(d, k) if d.parents is None else d for d, k in zip(drafts, ks)]  # a tree's size is its drafter's
         else:
             ks = self.policy.choose([max(0, room - 1) for room in rooms], [None] * len(reqs), charge_drafting=True)
             for r, k in zip(reqs, ks):
@@ -493,7 +497,7 @@ class BatchEngine:
         rows = sum(f.numel() for f in feeds)
         try:
             passed, pass_times = self._pass([r.slot.backend for r in reqs], feeds, [len(r.tokens) - 1 for r in reqs],
-                                            greedy=[r.params.greedy for r in reqs])
+                                            greedy=[r.params.greedy for r in reqs], trees=[d.parents for d in drafts])
         except Exception as e:  # noqa: BLE001 - find which requests fail: each one again on its own
             reqs, drafts, feeds, passed, pass_times = self._pass_alone(reqs, drafts, feeds, e)
             if not reqs:
@@ -531,7 +535,8 @@ class BatchEngine:
         for r, d, f in zip(reqs, drafts, feeds):
             t = time.perf_counter()
             try:
-                out = pass_outputs(r.slot.backend, f, len(r.tokens) - 1, greedy=r.params.greedy, layers=self.layers)
+                out = pass_outputs(r.slot.backend, f, len(r.tokens) - 1, greedy=r.params.greedy, layers=self.layers,
+                                   tree=d.parents)
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e)
                 continue
@@ -541,19 +546,22 @@ class BatchEngine:
     def _commit(self, r: BatchRequest, d: Draft, out_i, limit: int, t0: float, t1: float, t2: float, rows: int,
                 n_reqs: int) -> int:
         """Accept one sequence's draft, commit, roll back, report; the drafts accepted."""
-        _, out, n_acc = accept(d, out_i, r.params, r.generator)  # chains: the server verifies no trees
+        path, out, n_acc = accept(d, out_i, r.params, r.generator)  # path: a tree's accepted rows
         root = len(r.tokens) - 1
         new, n_acc, finish = commit_tokens(out, n_acc, self.eos, r.max_new_tokens - r.produced, limit - len(r.tokens))
         r.tokens.extend(new)
         r.produced += len(new)
+        if path is not None:  # the cache keeps the accepted path's rows, right after the root
+            r.slot.backend.keep_rows(root, path[:n_acc])
         r.slot.backend.truncate(len(r.tokens) - 1)
         if self.layers:  # features of the kept positions: the last committed token and the accepted drafts
-            r.slot.drafter.take_features(root, out_i.layers[: n_acc + 1])
+            kept = list(range(n_acc + 1)) if path is None else [0] + path[:n_acc]
+            r.slot.drafter.take_features(root, out_i.layers[kept])
         if r.slot.drafter is not None:
             r.slot.drafter.accepted(r.tokens, n_acc)
-        self.policy.observe(d.bucket, len(d), n_acc)
+        self.policy.observe(d.bucket, d.depth, n_acc)
         s = r.stats
-        s.record_step(len(d), n_acc)
+        s.record_step(d.depth, n_acc)
         s.verify_s += (t2 - t1) * (len(d) + 1) / rows  # this sequence's share of the pass
         s.draft_s += (t1 - t0) / n_reqs
         s.new_tokens = r.produced

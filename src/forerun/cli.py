@@ -207,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (batched speculation)")
     _model_args(s)
     s.add_argument("--method", default="ngram",
-                   help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram; chains, no token "
-                        "trees; suffix drafts from every earlier output of the server too)")
+                   help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram; token trees with "
+                        "--tree-nodes on the torch backend; suffix drafts from every earlier output of the server too)")
+    _tree_args(s)
     _adapt_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)

@@ -116,7 +116,7 @@ class Engine:
             # 2. Verify every draft position (and one more) in one target pass, and 3. accept: the
             # longest agreeing prefix, plus a recovered or bonus token.
             if draft.parents is not None and len(tokens) + len(draft) > limit:
-                draft = _first_nodes(draft, limit - len(tokens))  # the pass needs a cache slot per node
+                draft = first_nodes(draft, limit - len(tokens))  # the pass needs a cache slot per node
             n_draft = draft.depth
             root = len(tokens) - 1
             verdict = verify(target, draft, tokens[-1], root, params, generator, layers)
@@ -188,7 +188,7 @@ def clip_draft(draft: Draft, k: int) -> Draft:
                  conf=None if draft.conf is None else draft.conf[:k])
 
 
-def _first_nodes(draft: Draft, n: int) -> Draft:
+def first_nodes(draft: Draft, n: int) -> Draft:
     """The tree's first ``n`` nodes (parents come first, so they form a tree)."""
     n = max(0, n)
     return Draft(tokens=draft.tokens[:n], q=None, bucket=draft.bucket, parents=draft.parents[:n],

@@ -95,8 +95,10 @@ class Backend(Protocol):
         """``token_trees``: after a tree pass at ``pos``, keep the cache rows of the accepted path."""
 
     def forward_batch(self, seqs: Sequence["Backend"], feeds: Sequence[torch.Tensor], positions: Sequence[int],
-                      layers: Sequence[int] = (), greedy: Sequence[bool] = ()) -> list:
-        """``batched``: one pass over several sequences (forks of this backend)."""
+                      layers: Sequence[int] = (), greedy: Sequence[bool] = (),
+                      trees: Sequence[torch.Tensor | None] = ()) -> list:
+        """``batched``: one pass over several sequences (forks of this backend); with ``trees``
+        (``token_trees``), sequence i's rows 1.. form the token tree of parents ``trees[i]``."""
 
     def kv_segment(self, start: int, end: int):
         """``kv_segments``: the cache rows ``start:end``, to be loaded back by ``load_kv_segment``."""

@@ -1012,17 +1012,26 @@ class NativeBackend(BackendBase):
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence["NativeBackend"], feeds: Sequence[torch.Tensor],
                       positions: Sequence[int], layers: Sequence[int] = (),
-                      greedy: Sequence[bool] = ()) -> list:
+                      greedy: Sequence[bool] = (), trees: Sequence[torch.Tensor | None] = ()) -> list:
         """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
-        cache (forks of this backend). Returns each sequence's logits [T_i, vocab] (float32) and,
-        with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets the exact
-        argmax of every row instead of logits (``ArgmaxOutput``), where the exact head exists."""
+        cache (forks of this backend); where ``trees[i]`` is given, its rows 1.. are a token tree
+        with those parents (as ``forward(tree=)``). Returns each sequence's logits [T_i, vocab]
+        (float32) and, with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets
+        the exact argmax of every row instead of logits (``ArgmaxOutput``), where the exact head exists."""
         parts, ids = [], []
-        for seq, feed, pos in zip(seqs, feeds, positions):
+        for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             seq._check_forward(feed, pos)
             T = feed.numel()
             seq._ensure_capacity(pos + T)
-            parts.append((seq, pos, T, self._rope(torch.arange(pos, pos + T, device=self.device), pos), seq._masks(pos, T)))
+            tree = trees[i] if i < len(trees) else None
+            if tree is None:
+                rope, masks = self._rope(torch.arange(pos, pos + T, device=self.device), pos), seq._masks(pos, T)
+            else:
+                if tree.numel() != T - 1:
+                    raise ValueError(f"a tree of {tree.numel()} parents for a feed of {T} rows")
+                qpos, masks = seq._tree_masks(pos, tree)
+                rope = self._rope(qpos)
+            parts.append((seq, pos, T, rope, masks))
             ids.append(feed.to(self.device))
         h = self._embeddings(torch.cat(ids)) * self.embed_scale  # [rows, hidden]
         h, feats = self._body(h, parts, set(), layers)

@@ -30,7 +30,8 @@ def _check_api_key(key: str | None) -> str | None:
 def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
                   k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20,
-                  loopback_hosts: bool = False, prefix_cache_mb: int = 512, adapt: bool = False, progress: bool = False):
+                  loopback_hosts: bool = False, prefix_cache_mb: int = 512, adapt: bool = False, progress: bool = False,
+                  tree=None, tree_lookup=None):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
@@ -40,9 +41,9 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
     if request_timeout <= 0:
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
     _check_api_key(api_key)
-    # every method of generate, verified as chains; each slot forks this drafter
+    # every method of generate (token trees where the backend verifies them); each slot forks this drafter
     drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path,
-                           adapt=adapt)
+                           adapt=adapt, tree=tree, tree_lookup=tree_lookup)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
                          max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
     engine.prepare_slots()
@@ -78,7 +79,7 @@ def serve(args) -> int:
     import uvicorn
 
     from forerun.models import load_model
-    from forerun.drafters import parse_skip_layers
+    from forerun.drafters import parse_skip_layers, tree_shape
     from forerun.server.app import create_app, is_loopback
     from forerun.server.limits import Limits
 
@@ -86,6 +87,7 @@ def serve(args) -> int:
     from forerun.drafters.adapt import save_adapted
 
     check_adapt_args(args.method, args.adapt, args.adapt_save)
+    tree = tree_shape(args.tree_nodes, args.tree_depth)  # a bad shape fails before the model loads
     api_key = resolve_api_key(args.api_key)
     skip = parse_skip_layers(args.skip_layers)
     if not 0 <= args.port <= 65535:
@@ -105,7 +107,8 @@ def serve(args) -> int:
                             api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
                             skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None,
-                            prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt, progress=True)
+                            prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt, progress=True,
+                            tree=tree, tree_lookup=args.tree_lookup)
     if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)
