@@ -73,6 +73,20 @@ CALIBRATION_PROMPTS = [
 
 
 @torch.inference_mode()
+
+def _greedy(backend, ids: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation of ids (n tokens, one-token steps): what the drafter
+    is measured against."""
+    backend.reset()
+    if len(ids) > 1:  # as the engine runs it: the prompt but its last token, then one-token steps
+        backend.forward(torch.tensor(ids[:-1]), 0, logits=False)
+    tok = int(backend.argmax_forward(torch.tensor(ids[-1:]), len(ids) - 1)[-1])
+    out = [tok]
+    for i in range(n - 1):
+        tok = int(backend.argmax_forward(torch.tensor([tok]), len(ids) + i)[-1])
+        out.append(tok)
+    return out
+
 def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None = None, extra_vocab=(), log=print,
               budget_s: float | None = 120.0, patience: int = 4, progress: bool = False) -> dict:
     """Choose the skipped layers by measurement. Returns a dict with the chosen set and the trace.
@@ -89,14 +103,10 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
-    from forerun.engine import Engine
-
-    eng = Engine(backend)
     seqs = []
     for text in CALIBRATION_PROMPTS:
         ids = tokenizer(text).input_ids
-        res = eng.generate(ids, max_new_tokens=new_tokens)
-        seqs.append((ids, res.token_ids))
+        seqs.append((ids, _greedy(backend, ids, new_tokens)))
 
     # The drafter predicts over the tokens seen so far plus extra_vocab; measure it the same way.
     extra = {int(t) for t in extra_vocab}
