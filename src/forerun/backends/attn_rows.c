@@ -55,7 +55,7 @@ int forerun_attn_rows_multi(const float *q, const int64_t *kp, const int64_t *vp
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1) /* round robin: a causal pass's later rows see more keys */
         for (int job = 0; job < T * H; job++) {
             if (w == NULL || slot == NULL) continue;
             int t = job / H, h = job % H;

@@ -582,7 +582,7 @@ static int attend(const qpass_t *P, int idx, int kind, const float *q, float *ou
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1) /* round robin: a causal pass's later rows see more keys */
         for (int job = 0; job < N * H; job++) {
             if (!w || !slot) continue;
             int t = job / H, h = job % H;
