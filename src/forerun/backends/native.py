@@ -463,7 +463,7 @@ class NativeBackend(BackendBase):
                  integer: bool = True, file_tensors=None):
         """``gguf``: the GGUF file the weights were dequantized from. With ``integer`` (the default)
         every layer then runs in ``qrows.c`` on the file's blocks with 8-bit activations, one native
-        call per layer (see ``qweights``), where every linear weight is of a handled type and the
+        call per pass (see ``qweights``), where every linear weight is of a handled type and the
         kernels build; otherwise the blocks serve the layers' small passes in float32, bit for bit
         as the dequantized weights (see ``block_weights``). A model built by ``gguf_model.skeleton``
         (weights on the meta device, ``file_tensors`` from it) runs on the integer path or not at
@@ -554,7 +554,7 @@ class NativeBackend(BackendBase):
         ``codes_of(gguf_names, weight)`` gives ((Codes, GGUF type) per tensor, stacked as ``weight``
         stacks them, or None); the head is asked for as ``["output"]``. False (nothing changed)
         where one is missing or the kernels cannot run it."""
-        from forerun.backends.qweights import ACT_CODES, QLayer, QLinear, qrows_lib
+        from forerun.backends.qweights import ACT_CODES, QLayer, QLayerC, QLinear, qrows_lib
 
         if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
                 or self.hidden_size % 32 or self.device.type != "cpu" or self.dtype != torch.float32):
@@ -575,6 +575,7 @@ class NativeBackend(BackendBase):
             return False
         self.lm_head.qlin = QLinear(codes)
         self.quant = quant
+        self._qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
         self._exact = None
         # never read again: the layers' float32 weights (stacked copies of the model's) and
         # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
@@ -961,7 +962,7 @@ class NativeBackend(BackendBase):
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     def _qbody(self, h, parts, skip, layers):
-        """``_body`` on the integer path: one ``forerun_q_layer`` call per layer for every row of
+        """``_body`` on the integer path: one ``forerun_q_layers`` call for every layer and every row of
         every sequence (norms, products, rotary embeddings, the cache writes and attention in C)."""
         from forerun.backends.qweights import KIND, QPassC, qrows_lib
 
@@ -999,14 +1000,12 @@ class NativeBackend(BackendBase):
             ps.cos[k], ps.sin[k] = cos.data_ptr(), sin.data_ptr()
             ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = (a.ctypes.data for a in arrays)
         h = h.to(torch.float32).contiguous().clone()
-        want = {l: None for l in layers}
-        for i, q in enumerate(self.quant):
-            if i in skip:
-                continue
-            if lib.forerun_q_layer(ctypes.byref(q.c), ctypes.byref(ps), i, h.data_ptr()) != 0:
-                raise MemoryError("qrows: out of memory in a layer")
-            if i in want:
-                want[i] = h.clone()
+        n = len(self.quant)
+        want = {l: torch.empty_like(h) for l in layers}
+        keep_at = (ctypes.c_void_p * n)(*[want[i].data_ptr() if i in want else None for i in range(n)]) if want else None
+        skips = (ctypes.c_uint8 * n)(*[i in skip for i in range(n)]) if skip else None
+        if lib.forerun_q_layers(self._qlayers, n, skips, keep_at, ctypes.byref(ps), h.data_ptr()) != 0:
+            raise MemoryError("qrows: out of memory in a layer")
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @torch.inference_mode()

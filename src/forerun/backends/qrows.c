@@ -675,3 +675,19 @@ done:
     act_free(&a);
     return rc;
 }
+
+/* Every layer of a pass in one call: layers[i] for i in 0..n-1 unless skip[i]; after layer i,
+ * where keep[i] is not NULL, h is copied there ([N][hidden]: the drafters' feature layers).
+ * 0, or -2 out of memory. */
+int forerun_q_layers(const qlayer_t *layers, int n, const uint8_t *skip, float *const *keep, const qpass_t *P, float *h) {
+    size_t bytes = sizeof(float) * (size_t)P->N * (size_t)P->hidden;
+    for (int i = 0; i < n; i++) {
+        if (!(skip && skip[i])) {
+            int rc = forerun_q_layer(&layers[i], P, i, h);
+            if (rc) return rc;
+        }
+        if (keep && keep[i]) memcpy(keep[i], h, bytes); /* a skipped layer passes h on unchanged */
+    }
+    return 0;
+}
+

@@ -160,6 +160,8 @@ def load_isa(isa: str):
             lib.forerun_q_linear.restype = I
             lib.forerun_q_layer.argtypes = [P, P, I, P]
             lib.forerun_q_layer.restype = I
+            lib.forerun_q_layers.argtypes = [P, I, P, P, P, P]
+            lib.forerun_q_layers.restype = I
             lib.forerun_q_portable.argtypes = [I]
             lib.forerun_q_portable.restype = None
         _LIBS[isa] = lib
