@@ -322,7 +322,9 @@ def run_loadtest(args, log=print) -> dict:
     prompts = load_prompts(args.prompts)
     servers = parse_urls(args.url)  # name -> URL of running servers, or {} to start our own
     methods = list(servers) if servers else [m for m in args.methods.split(",") if m]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "max_tokens": args.max_tokens,
+    # running servers say which model they serve (per server, "served_model" below)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": None if servers else args.model,
+              "max_tokens": args.max_tokens,
               "temperature": args.temperature, "invalid_fraction": args.invalid_fraction, "cpu_count": os.cpu_count(),
               "methods": {}}
     for method in methods:
@@ -332,7 +334,7 @@ def run_loadtest(args, log=print) -> dict:
             code, body = _Client(url, args.api_key).get("/v1/models")
             if code == 200:
                 model = json.loads(body)["data"][0]["id"]
-            out = {"levels": []}
+            out = {"served_model": model, "levels": []}
             for c in levels:
                 n = args.requests or max(26, 4 * c)
                 mem = {}
