@@ -413,3 +413,21 @@ def test_calibration_is_kept_for_the_next_start(gemma, tmp_path, monkeypatch):
     assert second.calibrate(reps=1, keep_as=key) == costs
     other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1)
     assert list(other.calibrate(reps=1, keep_as=key)) == list(range(1, 10))  # another engine shape: timed
+
+
+def test_slots_reserve_a_bounded_cache(gemma, monkeypatch):
+    """A slot allocates its cache up front, at most RESERVE_POSITIONS of it (a long-context model's
+    whole context would be gigabytes per slot); a longer request still decodes as plain decoding."""
+    from forerun.backends.native import NativeBackend
+
+    asked = []
+    real = NativeBackend.reserve
+    monkeypatch.setattr(NativeBackend, "reserve", lambda self, n: (asked.append(n), real(self, n))[1])
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=2)
+    eng.RESERVE_POSITIONS = 40
+    eng.prepare_slots()
+    assert asked == [40, 40]
+    prompt = _prompts(1)[0] * 4  # past the reserved positions
+    out = run_batch(eng, [BatchRequest(prompt=prompt, max_new_tokens=20)])[0]
+    plain = Engine(gemma.backend.fork(), None, gemma.eos_token_ids).generate(prompt, max_new_tokens=20).token_ids
+    assert len(prompt) + 20 > 40 and out == plain

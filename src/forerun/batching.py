@@ -197,6 +197,7 @@ class BatchEngine:
     """Decodes many requests together; drive it with ``run`` on its own thread (or ``step``)."""
 
     HOUSEKEEPING_STEPS = 50
+    RESERVE_POSITIONS = 4096  # cache positions each slot allocates at its start
 
     def __init__(self, target, eos_token_ids=(), *, drafter=None, max_batch: int = 8, max_waiting: int = 64,
                  k_max: int = 8, speculate: bool = True, prefix_cache_bytes: int = 0):
@@ -373,7 +374,10 @@ class BatchEngine:
     def _new_slot(self) -> _Slot:
         self._n_slots += 1
         backend = self.target.fork()
-        backend.reserve(backend.max_context)  # the whole context up front: memory does not creep up with long prompts
+        # the context up front (the server's --max-context), so that memory does not creep up with long
+        # prompts; at most RESERVE_POSITIONS: a long-context model's whole context would cost gigabytes
+        # per slot (Gemma 3: 32,768 positions), and a longer request still grows its own cache
+        backend.reserve(min(backend.max_context, self.RESERVE_POSITIONS))
         return _Slot(backend, None if self.drafter is None else self.drafter.fork())
 
     def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
