@@ -78,7 +78,7 @@ static inline int code_bytes(int kind) { return kind == U4 ? 128 : 256; }
 
 /* ---- activations ---------------------------------------------------------------------------- */
 
-/* Row-wise quantization, the same code in every build (plain loops, no contraction). */
+/* Row-wise quantization: plain loops, or in AVX2 builds 8 lanes at a time with the same values. */
 static void quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) {
     int nb = D / 32;
 #pragma omp parallel for schedule(static) if (N >= 16)
@@ -86,8 +86,10 @@ static void quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) 
         const float *xr = x + (int64_t)r * ldx;
         int8_t *q = a->xq + (int64_t)r * D;
         for (int b = 0; b < nb; b++) {
+            float d;
+            int s0 = 0, s1 = 0;
 #if defined(__AVX2__)
-            if (1) { /* the same values, 8 lanes at a time (max, round to nearest even, clamp are exact) */
+            { /* the same values as the plain loops, 8 lanes at a time (max, round to nearest even, clamp are exact) */
                 const float *xb = xr + b * 32;
                 const __m256 sign = _mm256_set1_ps(-0.0f);
                 __m256 v[4], mx = _mm256_setzero_ps();
@@ -99,7 +101,7 @@ static void quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) 
                 _mm256_storeu_ps(lanes, mx);
                 float amax = 0.0f;
                 for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-                float d = amax / 127.0f;
+                d = amax / 127.0f;
                 float id = d > 0.0f ? 127.0f / amax : 0.0f;
                 __m256i c[4];
                 for (int k = 0; k < 4; k++) {
@@ -107,43 +109,34 @@ static void quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) 
                     y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
                     c[k] = _mm256_cvtps_epi32(y);
                 }
-                __m256i s01 = _mm256_add_epi32(c[0], c[1]), s23 = _mm256_add_epi32(c[2], c[3]);
                 int32_t t0[8], t1[8];
-                _mm256_storeu_si256((__m256i *)t0, s01);
-                _mm256_storeu_si256((__m256i *)t1, s23);
-                int s0 = 0, s1 = 0;
+                _mm256_storeu_si256((__m256i *)t0, _mm256_add_epi32(c[0], c[1]));
+                _mm256_storeu_si256((__m256i *)t1, _mm256_add_epi32(c[2], c[3]));
                 for (int l = 0; l < 8; l++) {
                     s0 += t0[l];
                     s1 += t1[l];
                 }
-                __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
-                __m256i w8 = _mm256_packs_epi16(w16, w16b); /* lanes in 128-bit halves: fix the order */
-                w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                __m256i w8 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+                w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* packs work per 128-bit half */
                 _mm256_storeu_si256((__m256i *)(q + b * 32), w8);
-                int64_t i = (int64_t)r * nb + b;
-                a->dx[i] = d;
-                a->bs[2 * i] = s0;
-                a->bs[2 * i + 1] = s1;
-                a->xs[3 * i] = d * (float)(s0 + s1);
-                a->xs[3 * i + 1] = d * (float)s0;
-                a->xs[3 * i + 2] = d * (float)s1;
-                continue;
+            }
+#else
+            {
+                float amax = 0.0f;
+                for (int j = 0; j < 32; j++) {
+                    float v = fabsf(xr[b * 32 + j]);
+                    amax = v > amax ? v : amax;
+                }
+                d = amax / 127.0f;
+                float id = d > 0.0f ? 127.0f / amax : 0.0f;
+                for (int j = 0; j < 32; j++) {
+                    int c = (int)nearbyintf(xr[b * 32 + j] * id);
+                    c = c > 127 ? 127 : (c < -127 ? -127 : c);
+                    q[b * 32 + j] = (int8_t)c;
+                    if (j < 16) s0 += c; else s1 += c;
+                }
             }
 #endif
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                float v = fabsf(xr[b * 32 + j]);
-                amax = v > amax ? v : amax;
-            }
-            float d = amax / 127.0f;
-            float id = d > 0.0f ? 127.0f / amax : 0.0f;
-            int s0 = 0, s1 = 0;
-            for (int j = 0; j < 32; j++) {
-                int c = (int)nearbyintf(xr[b * 32 + j] * id);
-                c = c > 127 ? 127 : (c < -127 ? -127 : c);
-                q[b * 32 + j] = (int8_t)c;
-                if (j < 16) s0 += c; else s1 += c;
-            }
             int64_t i = (int64_t)r * nb + b;
             a->dx[i] = d;
             a->bs[2 * i] = s0;
