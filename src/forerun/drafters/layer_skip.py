@@ -72,8 +72,6 @@ CALIBRATION_PROMPTS = [
 ]
 
 
-@torch.inference_mode()
-
 def _greedy(backend, ids: list[int], n: int) -> list[int]:
     """The target's own greedy continuation of ids (n tokens, one-token steps): what the drafter
     is measured against."""
@@ -87,6 +85,8 @@ def _greedy(backend, ids: list[int], n: int) -> list[int]:
         out.append(tok)
     return out
 
+
+@torch.inference_mode()
 def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None = None, extra_vocab=(), log=print,
               budget_s: float | None = 120.0, patience: int = 4, progress: bool = False) -> dict:
     """Choose the skipped layers by measurement. Returns a dict with the chosen set and the trace.
