@@ -27,7 +27,7 @@ import torch
 from forerun.draft_length import update_acceptance
 from forerun.drafters.base import Draft, empty_draft
 from forerun.engine import clip_draft, commit_tokens, first_nodes
-from forerun.verify import accept, pass_outputs
+from forerun.verify import accept, kept_rows, pass_outputs
 from forerun.errors import ForerunError
 from forerun.prefix_cache import PrefixCache, prefill
 from forerun.sampling import SamplingParams
@@ -559,8 +559,7 @@ class BatchEngine:
             r.slot.backend.keep_rows(root, path[:n_acc])
         r.slot.backend.truncate(len(r.tokens) - 1)
         if self.layers:  # features of the kept positions: the last committed token and the accepted drafts
-            kept = list(range(n_acc + 1)) if path is None else [0] + path[:n_acc]
-            r.slot.drafter.take_features(root, out_i.layers[kept])
+            r.slot.drafter.take_features(root, out_i.layers[kept_rows(path, n_acc)])
         if r.slot.drafter is not None:
             r.slot.drafter.accepted(r.tokens, n_acc)
         self.policy.observe(d.bucket, d.depth, n_acc)

@@ -38,7 +38,13 @@ class Verdict:
     @property
     def kept_rows(self) -> list[int]:
         """Rows of the pass the cache keeps: the last committed token's, then the accepted drafts'."""
-        return list(range(self.accepted + 1)) if self.rows is None else [0] + self.rows[: self.accepted]
+        return kept_rows(self.rows, self.accepted)
+
+
+def kept_rows(path: list[int] | None, accepted: int) -> list[int]:
+    """The pass rows kept after ``accepted`` drafts: 0.. for a chain (``path`` None), else the root
+    and the first ``accepted`` rows of a tree's accepted ``path``."""
+    return list(range(accepted + 1)) if path is None else [0] + path[:accepted]
 
 
 def feed_of(last_token: int, draft: Draft) -> torch.Tensor:
