@@ -238,21 +238,26 @@ class SequenceRows:
     every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
 
     def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys], positions: Sequence[int]):
-        """``positions``: where each sequence's rows start in its cache."""
-        counts = [len(k.lo) for k in keys]
-        self.pos = torch.cat([torch.arange(p, p + n, dtype=torch.int32) for p, n in zip(positions, counts)])
-        self.lo = torch.cat([k.lo for k in keys])
-        self.hi = torch.cat([k.hi for k in keys])
-        per_row = torch.cat([k.xp[1:] - k.xp[:-1] for k in keys])
-        self.xp = torch.cat([torch.zeros(1, dtype=torch.int32), per_row.cumsum(0, dtype=torch.int32)])
-        self.extra = torch.cat([k.extra[: int(k.xp[-1])] for k in keys] + [torch.zeros(1, dtype=torch.int32)])
-        rep = torch.tensor(counts)
-        self.k_base = torch.tensor([s.k_cache.data_ptr() for s in seqs], dtype=torch.int64).repeat_interleave(rep)
-        self.v_base = torch.tensor([s.v_cache.data_ptr() for s in seqs], dtype=torch.int64).repeat_interleave(rep)
-        caps = torch.tensor([s.k_cache.shape[2] for s in seqs], dtype=torch.int64)
-        self.caps = caps.repeat_interleave(rep)
+        """``positions``: where each sequence's rows start in its cache. Built from plain lists, one
+        tensor per field: a one-token step spends little here."""
+        pos, lo, hi, xp, extra, kb, vb, caps = [], [], [], [0], [], [], [], []
+        for s, k, p in zip(seqs, keys, positions):
+            n = len(k.rows)
+            pos += range(p, p + n)
+            for a, b, e in k.rows:
+                lo.append(a)
+                hi.append(b)
+                extra += e
+                xp.append(xp[-1] + len(e))
+            kb += [s.k_cache.data_ptr()] * n
+            vb += [s.v_cache.data_ptr()] * n
+            caps += [s.k_cache.shape[2]] * n
+        i32 = lambda v: torch.from_numpy(np.array(v, dtype=np.int32))  # noqa: E731  (numpy: cheaper than torch.tensor)
+        i64 = lambda v: torch.from_numpy(np.array(v, dtype=np.int64))  # noqa: E731
+        self.pos, self.lo, self.hi, self.xp, self.extra = i32(pos), i32(lo), i32(hi), i32(xp), i32(extra + [0])
+        self.k_base, self.v_base, self.caps = i64(kb), i64(vb), i64(caps)
         _, self.kv_heads, _, D = seqs[0].k_cache.shape  # [layers, kv_heads, cap, D]
-        self.layer_bytes = (caps * self.kv_heads * D * 4).repeat_interleave(rep)  # one layer of one cache, float32
+        self.layer_bytes = i64([c * self.kv_heads * D * 4 for c in caps])  # one layer of one cache, float32
 
     def store(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> None:
         """Keys and values k, v [rows, kv_heads, D] of every row into layer ``idx`` of its own cache."""
@@ -973,32 +978,19 @@ class NativeBackend(BackendBase):
         ps = QPassC()
         ps.N, ps.hidden, ps.H, ps.KVH, ps.D = h.shape[0], self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
         ps.eps, ps.scale, ps.softcap = self.eps, self.scale, self.arch.attn_softcap or 0.0
-        # every row's cache slot and cache, and the keys it sees per attention type (RowKeys), as
-        # plain arrays: one-token steps spend little here
-        slot, kbase, vbase, cap = [], [], [], []
-        lo, hi, xp, extra = ([], []), ([], []), ([0], [0]), ([], [])
-        for seq, pos, T, _, masks in parts:
-            slot += range(pos, pos + T)
-            kbase += [seq.k_cache.data_ptr()] * T
-            vbase += [seq.v_cache.data_ptr()] * T
-            cap += [seq.k_cache.shape[2]] * T
-            for k in (0, 1):
-                for a, b, e in masks[bool(k)][2].rows:
-                    lo[k].append(a)
-                    hi[k].append(b)
-                    extra[k].extend(e)
-                    xp[k].append(xp[k][-1] + len(e))
-        i32 = lambda v: np.array(v or [0], dtype=np.int32)  # noqa: E731
-        i64 = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
-        keep = [i32(slot), i64(kbase), i64(vbase), i64(cap)]  # read through pointers until the layers have run
-        ps.slot, ps.kbase, ps.vbase, ps.cap = (a.ctypes.data for a in keep)
+        rows = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts], [p[1] for p in parts])
+                for sl in (False, True)}
+        keep = []  # tensors the pass reads through pointers, alive until the layers have run
         for k in (0, 1):
             cos, sin = kinds.get(k) or next(iter(kinds.values()))
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
-            arrays = [i32(lo[k]), i32(hi[k]), i32(xp[k]), i32(extra[k])]
-            keep += [cos, sin, *arrays]
+            r = rows[bool(k)]
+            keep += [cos, sin]
             ps.cos[k], ps.sin[k] = cos.data_ptr(), sin.data_ptr()
-            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = (a.ctypes.data for a in arrays)
+            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = (r.lo.data_ptr(), r.hi.data_ptr(), r.xp.data_ptr(),
+                                                         r.extra.data_ptr())
+        r = rows[False]
+        ps.kbase, ps.vbase, ps.cap, ps.slot = r.k_base.data_ptr(), r.v_base.data_ptr(), r.caps.data_ptr(), r.pos.data_ptr()
         h = h.to(torch.float32).contiguous().clone()
         n = len(self.quant)
         want = {l: torch.empty_like(h) for l in layers}
