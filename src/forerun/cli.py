@@ -1,4 +1,4 @@
-"""Command line: ``forerun generate | bench | serve | loadtest | train-draft | eval-draft | export-draft |
+"""Command line: ``forerun generate | bench | serve | loadtest | build-prompts | train-draft | eval-draft | export-draft |
 calibrate-layerskip``."""
 
 from __future__ import annotations
@@ -126,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="runs/bench")
     _model_args(b)
 
+    bp = sub.add_parser("build-prompts", help="a chat prompt set for train-draft --prompts, from instruction data")
+    bp.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
+                    help="an instruction dataset (JSON list or JSONL: instruction/input, prompt, question or turns); "
+                         "repeatable")
+    bp.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                    help="a benchmark file: prompts sharing 8 consecutive words with it are dropped; repeatable")
+    bp.add_argument("--builtin", type=int, default=0, help="also N prompts of forerun's own task families")
+    bp.add_argument("--limit", type=int, default=0, help="at most N prompts per source (default 0: all)")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--out", required=True, help="JSONL file to write")
+
     t = sub.add_parser("train-draft", help="train an EAGLE-style head or Medusa heads for a target")
     t.add_argument("--kind", required=True, choices=["eagle", "medusa"])
     t.add_argument("--model", default=DEFAULT_MODEL, help="the target: smollm2 (default), bundled, HF hub id, local folder or .gguf")
@@ -134,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distill (default): learn from the target's own answers to seed prompts; corpus: learn the "
                         "corpus text as is; both")
     t.add_argument("--distill-prompts", type=int, default=800, help="seed prompts to answer (default 800)")
+    t.add_argument("--prompts", default=None,
+                   help="prompt-set file (forerun build-prompts, or any instruction JSON/JSONL): the seed prompts, "
+                        "instead of the built-in task families; seed s answers the s-th slice of --distill-prompts")
     t.add_argument("--distill-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    t.add_argument("--distill-batch", type=int, default=8,
+                   help="answers decoded together in one pass where the backend batches (default 8)")
     t.add_argument("--passage-prompts", type=int, default=0,
                    help="also N two-stage prompts: the target writes a passage (German text, a news article, an "
                         "encyclopedia paragraph, reviews), then translates, summarises or answers from it (default 0)")
@@ -355,6 +371,36 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_build_prompts(args) -> int:
+    from pathlib import Path
+
+    from forerun.training.prompt_sets import build_prompt_set
+
+    sources = {}
+    for item in args.source:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ForerunError(f"--source takes NAME=FILE, got {item!r}")
+        sources[name] = path
+    if not sources and args.builtin < 1:
+        raise ForerunError("nothing to build from: give --source NAME=FILE or --builtin N")
+    for name in ("builtin", "limit"):
+        if getattr(args, name) < 0:
+            raise ForerunError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    rows = build_prompt_set(sources, exclude=args.exclude, builtin=args.builtin, limit=args.limit, seed=args.seed,
+                            log=lambda s: print(s, file=sys.stderr))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    by = {}
+    for r in rows:
+        by[r["source"]] = by.get(r["source"], 0) + 1
+    print(json.dumps({"out": str(out), "prompts": len(rows), "by_source": by}))
+    return 0
+
+
 def cmd_train_draft(args) -> int:
     from pathlib import Path
 
@@ -363,7 +409,10 @@ def cmd_train_draft(args) -> int:
     distill_seeds(args)  # a malformed --distill-seeds fails before any model loads
     if args.passage_prompts < 0:
         raise ForerunError(f"--passage-prompts must be >= 0, got {args.passage_prompts}")
-    for name in ("distill_prompts", "distill_tokens", "draft_vocab", "steps_ahead", "epochs", "batch_tokens", "max_len"):
+    if args.prompts and not Path(args.prompts).exists():
+        raise ForerunError(f"prompt set {args.prompts} does not exist")
+    for name in ("distill_prompts", "distill_tokens", "distill_batch", "draft_vocab", "steps_ahead", "epochs",
+                 "batch_tokens", "max_len"):
         if getattr(args, name) < 1:
             raise ForerunError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.data != "distill" and not args.corpus:
@@ -499,7 +548,8 @@ def main(argv=None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="forerun: %(message)s")
     try:
-        cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft, "calibrate-layerskip": cmd_calibrate,
+        cmds = {"generate": cmd_generate, "bench": cmd_bench, "train-draft": cmd_train_draft,
+                "build-prompts": cmd_build_prompts, "calibrate-layerskip": cmd_calibrate,
                 "export-draft": cmd_export_draft,
                 "serve": cmd_serve, "loadtest": cmd_loadtest,
                 "eval-draft": cmd_eval_draft}

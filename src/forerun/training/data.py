@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[s
     return out
 
 
-def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_tokens: int, log=print) -> list[str]:
+def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_tokens: int, log=print,
+                      batch: int = 8) -> list[str]:
     """Stage-1 prompts, then stage-2 prompts over material the target wrote itself (German text to translate, articles to
     summarise, passages to answer from, reviews to rate): stage 1 (answers of up to twice
     ``max_new_tokens``, so that articles are long) is answered and kept as training data first."""
@@ -100,7 +102,7 @@ def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_toke
 
     plan = passage_writer_prompts(n, seed)
     self_distill(target, [p for p, _, _ in plan], out_path, max_new_tokens=2 * max_new_tokens, log=log,
-                 desc="self-distill (passages)")
+                 desc="self-distill (passages)", batch=batch)
     written = {}
     for line in out_path.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
@@ -112,26 +114,70 @@ def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_toke
     return list(dict.fromkeys(out))
 
 
-def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str):
-    """Yield (prompt, prompt ids, the target's greedy answer ids) for each prompt, with a progress bar.
-    An instruct model (a tokenizer with a chat template) answers each prompt as a user turn.
-    n-gram speculation is lossless, so it only makes the answers come faster."""
+def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str, batch: int = 8):
+    """Yield (prompt, prompt ids, the target's greedy answer ids) for each prompt as it finishes, with a
+    progress bar. An instruct model (a tokenizer with a chat template) answers each prompt as a user
+    turn. On a backend that decodes several sequences in one pass, ``batch`` answers are decoded
+    together (the server's batch engine, plain greedy decoding): on batch-invariant backends the
+    answers are the ones a lone sequence gets, only sooner. Elsewhere one at a time, with n-gram
+    speculation (lossless, so it only makes the answers come faster)."""
     from tqdm import tqdm
 
     from forerun.chat import prompt_ids
+
+    tok = target.tokenizer
+    limit = target.backend.max_context - max_new_tokens
+    todo = [(p, prompt_ids(tok, p)[-limit:]) for p in prompts]  # as a user turn where the model has a chat template
+    bar = tqdm(total=len(todo), desc=desc, unit="prompt")
+    if batch > 1 and target.backend.capabilities.batched:
+        from forerun.batching import BatchEngine, BatchRequest
+
+        engine = BatchEngine(target.backend, target.eos_token_ids, max_batch=batch, max_waiting=len(todo) + 1,
+                             speculate=False)
+        done: list[tuple[str, list[int], list[int]]] = []
+        made, t0 = 0, time.perf_counter()
+
+        def listener(p, ids, req):
+            out: list[int] = []
+
+            def on_event(tokens, finish):  # on this thread, inside engine.step()
+                nonlocal made
+                made += len(tokens)
+                out.extend(tokens)
+                if finish == "error":
+                    raise_later.append(f"answering {p[:60]!r} failed: {req.error}")
+                elif finish is not None:
+                    done.append((p, ids, out))
+            return on_event
+
+        raise_later: list[str] = []
+        for p, ids in todo:
+            req = BatchRequest(prompt=ids, max_new_tokens=max_new_tokens)
+            req.on_event = listener(p, ids, req)
+            engine.submit(req)
+        while engine.n_waiting or engine.n_running or done:
+            if raise_later:
+                raise ForerunError(raise_later[0])
+            while done:
+                yield done.pop(0)
+                bar.update(1)
+                bar.set_postfix_str(f"{made / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+            if engine.n_waiting or engine.n_running:
+                engine.step()
+        bar.close()
+        return
     from forerun.drafters.ngram import NgramDrafter
     from forerun.engine import Engine
 
     engine = Engine(target.backend, NgramDrafter(), target.eos_token_ids)
-    tok = target.tokenizer
-    limit = target.backend.max_context - max_new_tokens
-    for p in tqdm(prompts, desc=desc, unit="prompt"):
-        ids = prompt_ids(tok, p)[-limit:]  # as a user turn where the model has a chat template
+    for p, ids in todo:
         yield p, ids, engine.generate(ids, max_new_tokens=max_new_tokens, k="auto").token_ids
+        bar.update(1)
+    bar.close()
 
 
 def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: int, log=print,
-                 desc: str = "self-distill") -> list[Sequence]:
+                 desc: str = "self-distill", batch: int = 8) -> list[Sequence]:
     """The target answers each prompt (greedy); answers are appended to ``out_path`` as JSONL as
     they come, so an interrupted run resumes where it stopped."""
     done: dict[str, dict] = {}
@@ -146,7 +192,7 @@ def self_distill(target, prompts: list[str], out_path: Path, *, max_new_tokens: 
     if done:
         log(f"self-distillation: {len(done)} answers found in {out_path}, {len(todo)} to go")
     with out_path.open("a", encoding="utf-8") as f:
-        for p, ids, out in greedy_answers(target, todo, max_new_tokens=max_new_tokens, desc=desc):
+        for p, ids, out in greedy_answers(target, todo, max_new_tokens=max_new_tokens, desc=desc, batch=batch):
             rec = {"prompt": p, "prompt_ids": ids, "output_ids": out}
             f.write(json.dumps(rec) + "\n")
             f.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shlex
 import sys
 import time
@@ -30,6 +31,7 @@ def train_draft(args, log=print) -> dict:
     from forerun.drafters import load_trained_head, require_hidden_states
     from forerun.models import load_model
     from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
+    from forerun.training.prompt_sets import read_prompt_set
     from forerun.training.trainer import TrainConfig, Trainer, extract_features
 
     t0 = time.time()
@@ -58,14 +60,27 @@ def train_draft(args, log=print) -> dict:
         # Every prompt-set seed adds its own draw of seed prompts (the same seed always draws the same
         # prompts, so answers already in the work folder are reused).
         seeds = distill_seeds(args)
-        prompts = [p for s in seeds for p in distill_prompts(args.corpus, args.distill_prompts, s)]
-        # Answers come from the fastest backend at hand (llama.cpp for a GGUF file): greedy, lossless.
+        if getattr(args, "prompts", None):
+            # A prompt-set file: seed s answers the s-th slice of --distill-prompts prompts of the file in
+            # a fixed shuffled order, so that seeds never repeat each other's prompts.
+            pool = read_prompt_set(args.prompts)
+            random.Random(0).shuffle(pool)
+            prompts = [p for s in seeds for p in pool[s * args.distill_prompts : (s + 1) * args.distill_prompts]]
+            if not prompts:
+                raise ForerunError(f"{args.prompts} holds {len(pool)} prompts: no slice of {args.distill_prompts} "
+                                   f"for seeds {','.join(map(str, seeds))}")
+            log(f"prompts: {len(prompts)} from {args.prompts}")
+        else:
+            prompts = [p for s in seeds for p in distill_prompts(args.corpus, args.distill_prompts, s)]
+        # Answers come from the fastest exact backend (--backend auto), several at once where it batches.
         gen = load_model(args.model, backend="auto", threads=args.threads)
+        batch = getattr(args, "distill_batch", 8)
         for s in seeds if args.passage_prompts else ():
             prompts += two_stage_prompts(gen, args.passage_prompts, work / "distill.jsonl", seed=s,
-                                         max_new_tokens=args.distill_tokens, log=log)
+                                         max_new_tokens=args.distill_tokens, log=log, batch=batch)
         prompts = list(dict.fromkeys(prompts))
-        answers = self_distill(gen, prompts, work / "distill.jsonl", max_new_tokens=args.distill_tokens, log=log)
+        answers = self_distill(gen, prompts, work / "distill.jsonl", max_new_tokens=args.distill_tokens, log=log,
+                               batch=batch)
         del gen
         seqs += [type(s)(s.ids[: args.max_len], s.start) for s in answers if s.start < args.max_len - 2]
         times["distill_s"] = round(time.time() - t, 1)
@@ -88,6 +103,7 @@ def train_draft(args, log=print) -> dict:
     head.cfg.training = {"command": "forerun " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
                          "model": args.model, "data": args.data, "corpus": Path(args.corpus).name if args.corpus else None,
                          "distill_prompts": args.distill_prompts if args.data != "corpus" else 0,
+                         "prompts": Path(args.prompts).name if getattr(args, "prompts", None) else None,
                          "passage_prompts": args.passage_prompts if args.data != "corpus" else 0,
                          "distill_seeds": distill_seeds(args) if args.data != "corpus" else [],
                          "distill_tokens": args.distill_tokens, "max_len": args.max_len,

@@ -35,6 +35,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps
+    eval_seconds: float = 600.0  # validation agreement at least this often (the learning curve)
     depth_decay: float = 0.8  # loss weight of depth j is depth_decay ** (j - 1)
     soft_labels: float = 0.0  # weight of the target's own next-token distribution in the loss (1 - it: its token)
     n_heads: int = 8
@@ -169,6 +170,27 @@ def _batches(examples: list[Example], batch_tokens: int, rng: random.Random | No
     return batches
 
 
+CHECKPOINT_SECONDS = 180  # a checkpoint at least this often, whatever the step count
+
+
+def running_estimate(agree: list[float | None]) -> str:
+    """Progress-bar text: running top-1 agreement per depth on the training batches, and the tokens per
+    target pass a chain of these depths would give if each depth's agreement held given the ones
+    before it (an estimate: teacher-forced agreement is not acceptance)."""
+    known = [a for a in agree if a is not None]
+    if not known:
+        return ""
+    return f"agree {' '.join(f'{a:.2f}' for a in known)} est. tau {_tau(known):.2f}"
+
+
+def _tau(agree) -> float:
+    tau, p = 1.0, 1.0
+    for a in agree:
+        p *= a
+        tau += p
+    return tau
+
+
 class Trainer:
     def __init__(self, tc: TrainConfig, embed: torch.Tensor, embed_scale: float, lm_head: torch.Tensor,
                  final_norm: torch.Tensor | None, num_layers: int, feature_layers: list[int] | None = None,
@@ -296,6 +318,7 @@ class Trainer:
         distribution there (as EAGLE does: the ranking below the top token is what a tree drafts
         from); depth j weighs depth_decay ** (j - 1)."""
         total, parts = 0.0, []
+        self.last_hits = []  # per depth: (top-1 hits, labels) of this batch, for the running estimate
         w = self.tc.soft_labels
         soft = self.target_logprobs(feats, head.draft_to_target) if w > 0 else None
         for j, g in enumerate(self.depth_hidden(head, ids, feats, real), 1):
@@ -305,6 +328,7 @@ class Trainer:
             if sel.any():
                 logq = head.logits(g[sel]).log_softmax(-1)
                 l = F.nll_loss(logq, lab[sel])
+                self.last_hits.append(((logq.argmax(-1) == lab[sel]).sum().item(), int(sel.sum().item())))
                 if soft is not None:
                     # The target's distribution over token i + s comes from its features at i + s - 1;
                     # no label is learned past T - s, so the shifted view covers every selected row.
@@ -385,7 +409,10 @@ class Trainer:
         step, history = 0, []
         if ckpt.exists():
             state = torch.load(ckpt, weights_only=False, map_location="cpu")
-            if state["train_config"] != asdict(tc) or not torch.equal(state["draft_to_target"], d2t):
+            saved = state["train_config"]
+            # settings that do not change what is learned may differ (and older checkpoints lack newer ones)
+            differs = any(saved.get(k, v) != v for k, v in asdict(tc).items() if k != "eval_seconds")
+            if differs or not torch.equal(state["draft_to_target"], d2t):
                 raise ForerunError(f"{ckpt} belongs to a run with other settings or data; remove it or use another --work")
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
@@ -404,7 +431,9 @@ class Trainer:
             log("validation top-1 agreement before training: " + " ".join(f"{a:.3f}" for a in before))
             history.append({"step": 0, "val_agreement": before})
         head.train()
-        t0 = time.time()
+        t0 = saved = evaluated = time.time()
+        spent = max((h.get("train_seconds", 0.0) for h in history), default=0.0)  # before a resume
+        run: list[float | None] = [None] * tc.steps_ahead
         bar = tqdm(total=total_steps, initial=step, desc=f"train {tc.kind}", unit="step")
         for epoch in range(step // per_epoch, tc.epochs):
             batches = _batches(train, tc.batch_tokens, random.Random(tc.seed * 1000 + epoch))
@@ -421,15 +450,28 @@ class Trainer:
                 sched.step()
                 step += 1
                 bar.update(1)
-                bar.set_postfix_str(" ".join(f"{p:.2f}" for p in parts))
-                if step % tc.checkpoint_every == 0 or step == stop_after:
+                for d, (h, n) in enumerate(self.last_hits):  # running top-1 agreement per depth (teacher-forced)
+                    if n:
+                        run[d] = h / n if run[d] is None else 0.95 * run[d] + 0.05 * h / n
+                bar.set_postfix_str(f"loss {' '.join(f'{p:.2f}' for p in parts)} | " + running_estimate(run))
+                due = step % tc.checkpoint_every == 0 or time.time() - saved > CHECKPOINT_SECONDS
+                if due or step == stop_after:
                     save_ckpt()
+                    saved = time.time()
+                if val and time.time() - evaluated > tc.eval_seconds:  # points of the learning curve
+                    agree = self.evaluate(head, val, t2d)
+                    history.append({"step": step, "epoch": round(step / per_epoch, 3), "val_agreement": agree,
+                                    "train_seconds": round(spent + time.time() - t0, 1)})
+                    bar.write(f"step {step}: validation top-1 agreement per position " +
+                              " ".join(f"{a:.3f}" for a in agree) + f" (est. tau {_tau(agree):.2f})")
+                    evaluated = time.time()
                 if step == stop_after:
                     bar.close()
                     return head, {"steps": step, "stopped": True, "history": history}
             if val:
                 agree = self.evaluate(head, val, t2d)
-                history.append({"step": step, "epoch": epoch + 1, "val_agreement": agree})
+                history.append({"step": step, "epoch": epoch + 1, "val_agreement": agree,
+                                "train_seconds": round(spent + time.time() - t0, 1)})
                 log(f"epoch {epoch + 1}: validation top-1 agreement per position " + " ".join(f"{a:.3f}" for a in agree))
             save_ckpt()
         bar.close()
