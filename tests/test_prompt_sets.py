@@ -106,3 +106,11 @@ def test_train_draft_prompt_set_slices_per_seed(capsys, tiny_folder, tmp_path):
     rc, _, err = run(capsys, "train-draft", "--kind", "medusa", "--model", str(tiny_folder), "--prompts",
                      str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "h2"))
     assert rc != 0 and "does not exist" in err
+
+
+def test_running_estimate_text():
+    from forerun.training.trainer import running_estimate
+
+    assert running_estimate([None, None]) == ""
+    # a chain of depths each agreeing half the time: 1 + 0.5 + 0.25 tokens per pass
+    assert running_estimate([0.5, 0.5]) == "agree 0.50 0.50 est. tau 1.75"
