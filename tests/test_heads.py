@@ -552,3 +552,36 @@ def test_head_commands_refuse_a_backend_without_hidden_states():
         load_head_drafter("eagle", blind)
     require_hidden_states(SimpleNamespace(backend=SimpleNamespace(capabilities=Capabilities(hidden_states=True))),
                           "train-draft")  # has them: no error
+
+
+def test_int8_head_layers_track_float_and_fall_back():
+    """CPU drafting reads 8-bit head weights where every layer's input is whole blocks of 32: each
+    layer's output stays within the Q8_0 rounding bound of the float product, and a head with
+    another width keeps its float layers."""
+    import torch.nn as nn
+
+    from forerun.backends.qweights import qrows_lib
+    from forerun.drafters.heads import HeadConfig, _Q8Linear, build_head
+
+    if qrows_lib() is None:
+        pytest.skip("qrows.c did not build here (no C compiler)")
+    torch.manual_seed(0)
+    w = torch.randn(48, 96)
+    x = torch.randn(3, 96)
+    exact = x @ w.T
+    got = _Q8Linear(w)(x)
+    # weights off by at most half a step (max|w|/254 per block), activations likewise
+    bound = (w.abs().amax() / 254 * x.abs().sum(-1, keepdim=True) + x.abs().amax() / 254 * w.abs().sum(-1)) * 1.01
+    assert ((got - exact).abs() <= bound).all() and not torch.equal(got, exact)
+
+    def head(hidden):
+        cfg = HeadConfig(kind="eagle", hidden_size=hidden, vocab_size=100, draft_vocab=50, feature_layers=[0, 1],
+                         target={}, n_heads=2, head_dim=16, intermediate=64)
+        return build_head(cfg, torch.arange(50)).eval()
+
+    packed = head(64).pack_for_inference()
+    assert all(isinstance(k, _Q8Linear) for k in packed._packed.values())
+    assert len(packed._packed) == sum(isinstance(m, nn.Linear) for m in packed.modules())
+    odd = head(48).pack_for_inference()  # 48 is not whole blocks of 32
+    assert not any(isinstance(k, _Q8Linear) for k in odd._packed.values())
+    assert not any(isinstance(k, _Q8Linear) for k in head(64).pack_for_inference(int8=False)._packed.values())

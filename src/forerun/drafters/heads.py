@@ -143,15 +143,25 @@ class DraftHead(nn.Module):
     def logits(self, g):  # [..., hidden] -> [..., draft_vocab]
         return self._lin(self.lm_head, self.norm_out(g))
 
-    def pack_for_inference(self, kernel: str = "onednn", half: bool = True) -> "DraftHead":
+    def pack_for_inference(self, kernel: str = "onednn", half: bool = True, int8: bool | None = None) -> "DraftHead":
         """Use the backend's CPU matrix kernels for every linear layer: PyTorch's own one-row product
         is several times slower on CPU. The LM head takes the fastest kernel per row count; the
         other layers take ``kernel`` (the target's ``body_kernel``: ``onednn`` prepacked weights,
         or ``rows``). With ``half`` (the default), a layer whose weights float16 holds exactly (a
         head loaded from its float16 file) reads them as float16 for drafting passes (half the
-        bytes; the same float32 products, see ``f16w_rows``). Inference only: packed weights do
-        not train."""
+        bytes; the same float32 products, see ``f16w_rows``). With ``int8`` (default: wherever
+        ``qrows.c`` builds and every layer's input is whole blocks of 32), every layer reads 8-bit
+        weights (Q8_0 blocks) with 8-bit activations in the integer kernels the target's GGUF
+        layers use: a quarter of float32's bytes, and drafting is mostly reading weights (a
+        SmolLM2 head step 2.5 -> 1.2 ms). Drafts change a little, never the output: the target
+        verifies every token. Inference only: packed weights do not train."""
         self._half = half
+        if int8 is None:
+            from forerun.backends.qweights import qrows_lib
+
+            int8 = qrows_lib() is not None and all(m.in_features % 32 == 0 for m in self.modules()
+                                                   if isinstance(m, nn.Linear))
+        self._int8 = int8
         self._packed = {id(m): self._pack_layer(m) for m in self.modules() if isinstance(m, nn.Linear)}
         self._kernel = kernel
         return self
@@ -159,6 +169,8 @@ class DraftHead(nn.Module):
     def _pack_layer(self, m: nn.Linear):
         from forerun.backends.native import _Linear
 
+        if getattr(self, "_int8", False):
+            return _Q8Linear(m.weight.detach())
         return _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=self._half)
 
     def refresh_packed(self) -> None:
@@ -201,6 +213,29 @@ class DraftHead(nn.Module):
             h.update(k.encode())
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+class _Q8Linear:
+    """A head layer as Q8_0 blocks (per 32 weights: a float32 scale max|w| / 127 and int8 codes) in
+    ``qrows.c``'s integer kernels: x [n, D] -> [n, V]."""
+
+    def __init__(self, weight: torch.Tensor):
+        import numpy as np
+
+        from forerun.backends.block_weights import Codes
+        from forerun.backends.qweights import QLinear
+        from forerun.gguf_file import Q8_0
+
+        w = weight.detach().float().cpu().numpy()
+        V, D = w.shape
+        blocks = w.reshape(V, D // 32, 32)
+        scale = np.abs(blocks).max(-1) / 127.0
+        scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+        codes = np.rint(blocks / scale[..., None]).astype(np.int8).reshape(V, D)
+        self.q = QLinear([(Codes(codes, scale, None, 32), Q8_0)])
+
+    def __call__(self, x: torch.Tensor, kernel=None) -> torch.Tensor:
+        return self.q(x)
 
 
 class EagleHead(DraftHead):
