@@ -9,13 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def tau(agree):
-    t, p = 1.0, 1.0
-    for a in agree:
-        p *= a
-        t += p
-    return t
+from forerun.training.trainer import chain_tau
 
 
 def main(argv):
@@ -35,7 +29,7 @@ def main(argv):
         cfg = json.loads((h / "config.json").read_text())
         hist = [p for p in cfg.get("training", {}).get("history", []) if "train_seconds" in p or p["step"] == 0]
         xs = [p.get("train_seconds", 0.0) / 60 for p in hist]
-        ys = [tau(p["val_agreement"]) for p in hist]
+        ys = [chain_tau(p["val_agreement"]) for p in hist]
         ax.plot(xs, ys, marker="o", label=h.name)
         for p, x, y in zip(hist, xs, ys):
             print(f"| {h.name} | {x:.1f} | {p['step']} | {' '.join(f'{a:.3f}' for a in p['val_agreement'])} | {y:.2f} |")

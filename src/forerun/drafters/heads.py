@@ -216,23 +216,19 @@ class DraftHead(nn.Module):
 
 
 class _Q8Linear:
-    """A head layer as Q8_0 blocks (per 32 weights: a float32 scale max|w| / 127 and int8 codes) in
-    ``qrows.c``'s integer kernels: x [n, D] -> [n, V]."""
+    """A head layer as Q8_0 blocks (ggml's quantizer, ``quantize_q8_0``) in ``qrows.c``'s integer
+    kernels: x [n, D] -> [n, V]."""
 
     def __init__(self, weight: torch.Tensor):
-        import numpy as np
-
         from forerun.backends.block_weights import Codes
+        from forerun.backends.greedy_head import quantize_q8_0
         from forerun.backends.qweights import QLinear
         from forerun.gguf_file import Q8_0
 
-        w = weight.detach().float().cpu().numpy()
-        V, D = w.shape
-        blocks = w.reshape(V, D // 32, 32)
-        scale = np.abs(blocks).max(-1) / 127.0
-        scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-        codes = np.rint(blocks / scale[..., None]).astype(np.int8).reshape(V, D)
-        self.q = QLinear([(Codes(codes, scale, None, 32), Q8_0)])
+        V, D = weight.shape
+        q, d = quantize_q8_0(weight.detach().cpu())
+        codes = q.to(torch.int8).reshape(V, D).numpy()
+        self.q = QLinear([(Codes(codes, d.numpy(), None, 32), Q8_0)])
 
     def __call__(self, x: torch.Tensor, kernel=None) -> torch.Tensor:
         return self.q(x)

@@ -180,10 +180,11 @@ def running_estimate(agree: list[float | None]) -> str:
     known = [a for a in agree if a is not None]
     if not known:
         return ""
-    return f"agree {' '.join(f'{a:.2f}' for a in known)} est. tau {_tau(known):.2f}"
+    return f"agree {' '.join(f'{a:.2f}' for a in known)} est. tau {chain_tau(known):.2f}"
 
 
-def _tau(agree) -> float:
+def chain_tau(agree) -> float:
+    """Tokens per pass of a chain whose depth i is right with probability agree[i] given the ones before."""
     tau, p = 1.0, 1.0
     for a in agree:
         p *= a
@@ -463,7 +464,7 @@ class Trainer:
                     history.append({"step": step, "epoch": round(step / per_epoch, 3), "val_agreement": agree,
                                     "train_seconds": round(spent + time.time() - t0, 1)})
                     bar.write(f"step {step}: validation top-1 agreement per position " +
-                              " ".join(f"{a:.3f}" for a in agree) + f" (est. tau {_tau(agree):.2f})")
+                              " ".join(f"{a:.3f}" for a in agree) + f" (est. tau {chain_tau(agree):.2f})")
                     evaluated = time.time()
                 if step == stop_after:
                     bar.close()
