@@ -7,7 +7,8 @@ import torch
 from forerun.errors import ForerunError
 
 from conftest import run_batch
-from forerun.batching import BatchEngine, BatchRequest, LoadAwareK, QueueFull
+from forerun.batching import BatchEngine, BatchRequest, QueueFull
+from forerun.draft_length import DraftLength
 from forerun.drafters.ngram import NgramDrafter
 from forerun.engine import Engine
 from forerun.sampling import SamplingParams
@@ -158,47 +159,58 @@ def test_a_cancelled_waiting_request_leaves_the_queue_at_once(gemma):
     assert events == {1: "cancelled", 0: "length", 2: "length"}
 
 
+def _load_aware(**kw) -> DraftLength:
+    return DraftLength(k_max=4, decay=0.95, margin=0.03, **kw)
+
+
 def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
-    pol = LoadAwareK(k_max=4)
+    pol = _load_aware()
     pol.buckets[None] = [5.0, 5.0]  # acceptance 0.5
-    pol.costs = {r: 0.010 for r in range(1, 6)}  # flat: drafts are free at batch 1
-    assert pol.choose([4], [None], charge_drafting=False) == [4]
-    pol.costs = {r: 0.010 * r for r in range(1, 100)}  # every row costs a full step: never pays
-    assert pol.choose([4] * 8, [None] * 8, charge_drafting=False) == [0] * 8
+    pol.costs["pass"] = {r: 0.010 for r in range(1, 6)}  # flat: drafts are free at batch 1
+    assert pol.choose([4], [None]) == [4]
+    pol.costs["pass"] = {r: 0.010 * r for r in range(1, 100)}  # every row costs a full step: never pays
+    assert pol.choose([4] * 8, [None] * 8) == [0] * 8
     # a trusted bucket keeps its drafts when an untrusted one loses them
-    pol.costs = {r: 0.010 + 0.004 * r for r in range(1, 100)}
+    pol.costs["pass"] = {r: 0.010 + 0.004 * r for r in range(1, 100)}
     pol.buckets[3] = [19.0, 1.0]
     pol.buckets[1] = [1.0, 19.0]
-    ks = pol.choose([4, 4], [3, 1], charge_drafting=False)
+    ks = pol.choose([4, 4], [3, 1])
     assert ks[0] > 0 and ks[1] == 0
+    # sequential backends: a step costs one pass per sequence, so a second sequence's drafts are
+    # priced on its own pass
+    seq = _load_aware(sequential=True)
+    seq.buckets[None] = [5.0, 5.0]
+    seq.costs["pass"] = {1: 0.010, 2: 0.010, 3: 0.030, 4: 0.050, 5: 0.070}
+    assert seq.choose([4, 4], [None, None]) == [1, 1]
 
 
 def test_load_aware_k_reads_per_token_confidences():
     """A draft's own per-token estimates (Draft.conf) replace its bucket's: a chain is cut where
     its tokens turn unlikely, and a sure chain keeps its drafts beside an unsure one."""
-    pol = LoadAwareK(k_max=4)
-    pol.costs = {r: 0.010 + 0.004 * r for r in range(1, 100)}
+    pol = _load_aware()
+    pol.costs["pass"] = {r: 0.010 + 0.004 * r for r in range(1, 100)}
     pol.buckets[None] = [1.0, 19.0]  # the bucket alone would say: never draft
-    assert pol.choose([4], [None], charge_drafting=False) == [0]
-    assert pol.choose([4], [None], charge_drafting=False, confs=[[0.99, 0.98, 0.05, 0.99]]) == [2]
-    ks = pol.choose([4, 4], [None, None], charge_drafting=False, confs=[[0.99] * 4, [0.05] * 4])
-    assert ks == [4, 0]
-    assert pol.choose([4, 4], [None, None], charge_drafting=False, confs=[None, [0.99] * 4]) == [0, 4]
+    assert pol.choose([4], [None]) == [0]
+    assert pol.choose([4], [None], [[0.99, 0.98, 0.05, 0.99]]) == [2]
+    assert pol.choose([4, 4], [None, None], [[0.99] * 4, [0.05] * 4]) == [4, 0]
+    assert pol.choose([4, 4], [None, None], [None, [0.99] * 4]) == [0, 4]
 
 
 def test_load_aware_k_probes_a_bucket_it_stopped_drafting_for():
     """An acceptance estimate that fell too low is measured again: after probe_every choices with
     drafts on offer and none kept, the bucket gets one draft token; good results bring drafting back."""
-    pol = LoadAwareK(k_max=4, probe_every=5)
-    pol.costs = {r: 0.010 + 0.004 * r for r in range(1, 100)}
+    pol = _load_aware(probe_every=5)
+    pol.costs["pass"] = {r: 0.010 + 0.004 * r for r in range(1, 100)}
     pol.buckets[1] = [0.1, 19.0]  # acceptance ~0: drafting does not pay
-    picks = [pol.choose([4, 4], [1, 1], charge_drafting=False) for _ in range(10)]
+    picks = [pol.choose([4, 4], [1, 1]) for _ in range(10)]
     assert [p for p in picks if any(p)] == [[1, 0], [1, 0]]  # one probe every 5 choices, one sequence
     assert picks[4] == [1, 0] and picks[9] == [1, 0]
     for _ in range(20):
         pol.observe(1, 1, 1)  # the probes are accepted
-    assert sum(pol.choose([4, 4], [1, 1], charge_drafting=False)) >= 2  # both sequences draft again
-    assert pol.choose([0, 0], [1, 1], charge_drafting=False) == [0, 0]  # nothing on offer: no probe
+    assert sum(pol.choose([4, 4], [1, 1])) >= 2  # both sequences draft again
+    assert pol.choose([0, 0], [1, 1]) == [0, 0]  # nothing on offer: no probe
+    # a chain with its own confidences is never probed: its drafter learns from every committed token
+    assert all(pol.choose([4], [7], [[0.01] * 4]) == [0] for _ in range(12))
 
 
 def test_draft_model_batches_equal_plain(gemma, gemma_draft):
@@ -245,7 +257,7 @@ def test_failures_end_only_their_own_request(gemma, monkeypatch):
     """A drafter failing, a pass failing for one sequence, a slot that cannot be made, failing
     housekeeping: each ends (with "error") only the request it belongs to; the others finish with
     plain decoding's tokens."""
-    import forerun.batching as batching
+    import forerun.decode as decode
 
     prompts = _prompts(3)
     ref = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=12).token_ids for p in prompts]
@@ -269,7 +281,7 @@ def test_failures_end_only_their_own_request(gemma, monkeypatch):
     # 2. the batched pass fails because of one sequence, which fails again on its own
     eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=4)
     bad = BatchRequest(prompt=prompts[0], max_new_tokens=12)
-    real_batch, real_alone = gemma.backend.forward_batch, batching.pass_outputs
+    real_batch, real_alone = gemma.backend.forward_batch, decode.verify
 
     def forward_batch(seqs, *a, **kw):
         if bad.slot is not None and any(s is bad.slot.backend for s in seqs) and bad.produced >= 3:
@@ -282,7 +294,7 @@ def test_failures_end_only_their_own_request(gemma, monkeypatch):
         return real_alone(be, *a, **kw)
 
     monkeypatch.setattr(gemma.backend, "forward_batch", forward_batch)
-    monkeypatch.setattr(batching, "pass_outputs", alone)
+    monkeypatch.setattr(decode, "verify", alone)
     toks, finish = run(eng, [bad] + [BatchRequest(prompt=p, max_new_tokens=12) for p in prompts[1:]])
     assert finish == {0: "error", 1: "length", 2: "length"} and [toks[1], toks[2]] == ref[1:]
     assert bad.error == "RuntimeError: pass broke again"
@@ -373,7 +385,7 @@ def test_tree_drafters_verify_trees_in_the_batch_engine(gemma, integer):
     refs = [(p, r) for p, r in zip(prompts, plain)]
     for drafter in (_OracleTree(refs), make_drafter("suffix", lm, tree=(8, None))):
         eng = BatchEngine(lm.backend, lm.eos_token_ids, drafter=drafter, max_batch=3)
-        eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
+        eng.policy.costs["pass"] = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
         eng.policy.margin = -1.0
         reqs = [BatchRequest(prompt=p, max_new_tokens=14) for p in prompts]
         assert run_batch(eng, reqs) == plain, drafter.name

@@ -79,7 +79,7 @@ def test_batch_engine_samples_the_target_distribution(spread, copy_model, method
     tree = (8, None) if method.endswith("-tree") else None
     drafter = make_drafter(method.removesuffix("-tree"), spread, draft_model=copy_model, tree=tree)
     eng = BatchEngine(spread.backend, (), drafter=drafter, max_batch=16)
-    eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts K
+    eng.policy.costs["pass"] = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts K
     eng.policy.margin = -1.0
     eng.policy.k_max = K
     counts = torch.zeros(NEW, VOCAB, dtype=torch.float64)

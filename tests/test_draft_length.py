@@ -1,77 +1,99 @@
-"""Adaptive draft length: the cost/acceptance model, globally and per trust bucket."""
+"""The draft-length policy: the cost/acceptance model, globally, per trust bucket, per token, and
+the tree-or-lookup choice."""
 
 import random
 
 from forerun.bench import _predicted_speedup
-from forerun.draft_length import (AcceptanceTable, AdaptiveK, FixedK, TreeOrLookup, chain_yield, expected_tokens,
-                                  make_policy)
+from forerun.draft_length import AcceptanceTable, DraftLength, chain_yield, expected_tokens, interpolate
 from forerun.stats import GenerationStats
 from forerun.drafters.ngram import NgramDrafter, lookup_match
 
 
-def _feed(pol, steps, k, accepted, bucket=None, base=0.010, per_token=0.003):
-    for _ in range(steps):
-        pol.observe(k, accepted, 1e-5 * k, base + per_token * k, bucket=bucket)
+def _measured(pol, base=0.010, per_row=0.003, rows=range(1, 20)):
+    """A machine where a pass costs 10 ms plus 3 ms per row beyond the first (each row seen twice:
+    the first of a row count is not a sample)."""
+    for r in rows:
+        for _ in range(2):
+            pol.observe_pass(r, base + per_row * (r - 1))
 
 
-def test_make_policy():
-    assert isinstance(make_policy("auto"), AdaptiveK)
-    assert isinstance(make_policy(3), FixedK) and make_policy(3).next_k() == 3
+def _one(pol, avail, bucket=None, conf=None, charge=False):
+    return pol.choose([avail], [bucket], [conf], charge_drafting=charge)[0]
+
+
+def test_fixed_k():
+    pol = DraftLength(3)
+    assert pol.fixed == 3 and pol.choose([5, 2, 0], [None] * 3) == [3, 2, 0]
 
 
 def test_adaptive_k_follows_acceptance():
-    always = AdaptiveK()
-    for k in (1, 2, 4, 8):  # measured verify costs grow 0.3 steps per drafted token
-        _feed(always, 6, k, k)
-    assert always.next_k() >= 8  # everything accepted: long drafts pay
-    never = AdaptiveK()
-    for k in (0, 1, 2, 4):
-        _feed(never, 6, k, 0)
-    assert never.k == 0  # nothing accepted: plain decoding
-    probes = [never.next_k() for _ in range(never.probe_every)]
-    assert probes.count(1) == 1 and probes.count(0) == never.probe_every - 1  # it still probes now and then
+    pol = DraftLength()
+    assert _one(pol, 16) == pol.k_start  # nothing measured yet
+    _measured(pol)
+    pol.buckets[None] = [20.0, 0.1]  # everything accepted: long drafts pay
+    assert _one(pol, 16) >= 8
+    assert _one(pol, 3) == 3  # never more than the drafter has
+    pol.buckets[None] = [0.1, 20.0]  # nothing accepted: plain decoding, with a probe now and then
+    picks = [_one(pol, 16) for _ in range(pol.probe_every)]
+    assert picks.count(1) == 1 and picks.count(0) == pol.probe_every - 1
+    for _ in range(30):  # probes that succeed bring drafting back
+        pol.observe(None, 1, 1)
+    assert _one(pol, 16) >= 2
 
 
-def test_adaptive_k_per_bucket():
-    pol = AdaptiveK()
-    for k in (0, 1, 2, 4, 8):
-        _feed(pol, 4, k, k, bucket=4)  # long matches: always right
-        _feed(pol, 4, k, 0, bucket=1)  # one-token matches: always wrong
-    assert pol.choose(4, 16) >= 8
-    assert pol.choose(4, 3) == 3  # never more than the drafter has
-    picks = [pol.choose(1, 16) for _ in range(pol.probe_every)]
-    assert picks.count(0) == pol.probe_every - 1 and picks.count(1) == 1
+def test_adaptive_k_per_bucket_and_drafting_cost():
+    pol = DraftLength()
+    _measured(pol)
+    for _ in range(20):
+        pol.observe(4, 8, 8)  # long matches: always right
+        pol.observe(1, 4, 0)  # one-token matches: always wrong
+    assert _one(pol, 16, bucket=4) >= 8
+    assert _one(pol, 16, bucket=1) == 0
     # an unseen bucket starts from acceptance 0.5: 1.5 tokens for 1.3 steps' cost beats 1.75 for 1.6
-    assert pol.choose(2, 5) == 1
+    assert _one(pol, 5, bucket=2) == 1
+    # a drafter that is not cheap is charged per drafted token: at a full step per token, no drafts
+    assert _one(pol, 16, bucket=4, charge=True) == pol.k_start  # its cost not measured yet
+    pol.observe_draft(4, 0.040)
+    assert _one(pol, 16, bucket=4, charge=True) < _one(pol, 16, bucket=4)
 
 
 def test_chain_yield_and_confidence_cut():
     assert chain_yield([]) == [1.0]
     assert chain_yield([0.5, 0.5]) == [1.0, 1.5, 1.75]
     assert chain_yield([1.0, 0.0, 1.0]) == [1.0, 2.0, 2.0, 2.0]
-    pol = AdaptiveK()
-    assert pol.choose_by_confidence([0.9] * 9) == pol.k_start  # nothing measured yet
-    for k in (0, 1, 2, 4, 8):
-        _feed(pol, 4, k, 0)  # a pass costs 10 ms + 3 ms per drafted token
-    assert pol.choose_by_confidence([]) == 0
-    assert pol.choose_by_confidence([0.99] * 20) == pol.k_max  # sure tokens: as many as allowed
-    assert pol.choose_by_confidence([0.1] * 8) == 0  # 0.1 more tokens for 30% more time: no draft
-    assert pol.choose_by_confidence([0.95, 0.9, 0.1, 0.99, 0.99]) == 2  # cut where the chain turns unlikely
-    # drafting is charged per round (the chain was proposed whole), never per kept token
-    pol.observe(0, 0, 0.050, 0.010)
-    assert pol.round_draft > 0 and pol.choose_by_confidence([0.99] * 20) == pol.k_max
+    pol = DraftLength()
+    _measured(pol, per_row=0.003)
+    assert _one(pol, 0, conf=[]) == 0
+    assert _one(pol, 20, conf=[0.99] * 20) == pol.k_max  # sure tokens: as many as allowed
+    assert _one(pol, 8, conf=[0.1] * 8) == 0  # 0.1 more tokens for 30% more time: no draft
+    assert _one(pol, 5, conf=[0.95, 0.9, 0.1, 0.99, 0.99]) == 2  # cut where the chain turns unlikely
 
 
 def test_measured_costs_carry_over_to_the_next_request():
-    first = AdaptiveK()
-    for k in (0, 1, 4):
-        _feed(first, 3, k, k)
-    first.buckets[3] = [9.0, 1.0, 0]
-    nxt = make_policy("auto", first)
-    assert nxt.verify == first.verify and nxt.verify is not first.verify
-    assert (nxt.draft_cost, nxt.round_draft) == (first.draft_cost, first.round_draft)
-    assert nxt.buckets == {} and (nxt.acc, nxt.rej) == (2.0, 2.0)  # acceptance belongs to the request
-    assert isinstance(make_policy(4, first), FixedK)
+    first = DraftLength(k_max=12)
+    _measured(first, rows=(1, 2, 5))
+    first.observe_draft(2, 0.004)
+    first.observe(3, 4, 4)
+    first.choices["tree"] = 2
+    nxt = first.renewed("auto")
+    assert nxt.costs == first.costs and nxt.costs["pass"] is not first.costs["pass"]
+    assert nxt.draft_cost == first.draft_cost and nxt.k_max == 12
+    assert nxt.buckets == {} and nxt.choices["tree"] == 0  # acceptance belongs to the request
+    fixed = first.renewed(4)
+    assert fixed.fixed == 4 and fixed.renewed("auto").k_max == 12
+
+
+def test_interpolate():
+    pts = {1: 0.010, 3: 0.016}
+    assert abs(interpolate(pts, 2) - 0.013) < 1e-12 and interpolate(pts, 1) == 0.010
+    assert abs(interpolate(pts, 5) - 0.022) < 1e-12  # the measured line, extended
+    assert interpolate({4: 0.02}, 9) == 0.02  # one point: flat
+    assert interpolate({2: 0.010, 3: 0.030}, 1) == 0.010  # never below the cheapest measured
+    pol = DraftLength()
+    pol.observe_pass(3, 0.5)
+    assert pol.cost(3) is None  # the first pass of a row count is not a sample
+    pol.observe_pass(3, 0.02)
+    assert pol.cost(3) == 0.02 and pol.cost(3, "tree") is None
 
 
 def test_acceptance_table():
@@ -105,48 +127,39 @@ def test_ngram_reports_match_length():
     assert d.tokens.tolist() == [8, 9] and d.bucket == 3
 
 
-def _rounds(pol, n, bucket, *, tree, chain_acc=0, chain_len=4, accepted=0, rows=5):
-    # One machine throughout: a round costs 10 ms plus 1 ms per verified row, plus 20 ms of head time.
-    for _ in range(n):
-        pol.observe(bucket, chain_acc, chain_len, tree, accepted, rows, 0.010 + 0.001 * rows + (0.020 if tree else 0))
-
-
-def test_tree_or_lookup_learns_what_pays():
-    pol = TreeOrLookup()
-    assert pol.choose(3, 4, 21) is None  # nothing measured: the tree first
-    _rounds(pol, 1, 3, tree=True, chain_acc=4, accepted=5, rows=21)
-    assert pol.choose(3, 4, 21) == 4  # then the chain once, to measure a round without the head
-    for rows in (1, 2, 3, 5):
-        _rounds(pol, 3, 3, tree=False, chain_acc=rows - 1, chain_len=rows - 1, rows=rows)
-    # Long matches always right: the chain's 5 tokens in 15 ms beat the tree's 6 in 51 ms.
-    _rounds(pol, 6, 3, tree=True, chain_acc=4, accepted=5, rows=21)
-    assert pol.choose(3, 4, 21) == 4
-    assert pol.choose(3, 2, 19) == 2  # never more than the chain has
-    # A bucket where the chain is always wrong but the head's tree yields 5 tokens in 51 ms: the
-    # tree beats a plain step (1 token in 11 ms).
-    _rounds(pol, 6, 1, tree=True, chain_acc=0, chain_len=4, accepted=4, rows=21)
-    assert pol.choose(1, 4, 21) is None
+def test_tree_or_chain_learns_what_pays():
+    pol = DraftLength()
+    assert pol.tree_or_chain(3, [0.5] * 4, 21) is None  # nothing measured: the tree first
+    pol.observe_pass(21, 0.051, "tree")
+    pol.observe_pass(21, 0.051, "tree")
+    pol.observe_tree(3, 5)
+    assert pol.tree_or_chain(3, [0.5] * 4, 21) == 4  # then the chain, to measure a round without the head
+    _measured(pol, per_row=0.001, rows=range(1, 6))  # a chain round: 10 ms + 1 ms per row
+    # A sure chain's 5 tokens in 14 ms beat the tree's 6 in 51 ms.
+    for _ in range(6):
+        pol.observe_tree(3, 6)
+    assert pol.tree_or_chain(3, [0.999] * 4, 21) == 4
+    assert pol.tree_or_chain(3, [0.999] * 2, 19) == 2  # never more than the chain has
+    # A bucket where the chain is always wrong but the head's tree yields 6 tokens in 51 ms: the
+    # tree beats a plain step (1 token in 10 ms).
+    for _ in range(6):
+        pol.observe_tree(1, 6)
+    assert pol.tree_or_chain(1, [0.01] * 4, 21) is None
     # Where the tree yields no more than a plain step, nothing is drafted (chain cut to 0).
-    _rounds(pol, 20, 0, tree=True, chain_acc=None, chain_len=0, accepted=0, rows=17)
-    picks = [pol.choose(0, 0, 17) for _ in range(pol.probe_every)]
-    assert picks.count(0) == pol.probe_every - 1 and picks.count(None) == 1  # it still probes the tree
+    for _ in range(20):
+        pol.observe_tree(0, 1)
+    picks = [pol.tree_or_chain(0, [], 21) for _ in range(pol.tree_probe_every)]
+    assert picks.count(0) == pol.tree_probe_every - 1 and picks.count(None) == 1  # it still probes the tree
     # Probes that change nothing become rarer: the next windows are 32, 64, 128 choices.
-    picks = [pol.choose(0, 0, 17) for _ in range(32 + 64 + 128)]
+    picks = [pol.tree_or_chain(0, [], 21) for _ in range(32 + 64 + 128)]
     assert [i for i, p in enumerate(picks) if p is None] == [31, 32 + 63, 32 + 64 + 127]
-    # Once the tree yields more (6 tokens in 47 ms against 1 in 11 ms), the tree is chosen; the choice
-    # after the last probe changed, so probing starts again at probe_every and thins out again.
-    _rounds(pol, 30, 0, tree=True, chain_acc=None, chain_len=0, accepted=5, rows=17)
-    picks = [pol.choose(0, 0, 17) for _ in range(300)]
+    # Once the tree yields more (6 tokens in 51 ms against 1 in 10 ms), the tree is chosen; the choice
+    # after the last probe changed, so probing starts again at tree_probe_every and thins out again.
+    for _ in range(30):
+        pol.observe_tree(0, 6)
+    picks = [pol.tree_or_chain(0, [], 21) for _ in range(300)]
     assert [i for i, p in enumerate(picks) if p is not None] == [15, 15 + 32, 15 + 32 + 64, 15 + 32 + 64 + 128]
-
-
-def test_tree_or_lookup_cost_line():
-    pol = TreeOrLookup()
-    assert pol._cost("chain", 3) is None
-    for rows, sec in ((1, 0.010), (3, 0.016)):
-        pol.observe(0, None, 0, False, 0, rows, sec)
-    assert abs(pol._cost("chain", 5) - 0.022) < 1e-9  # the measured line, extended
-    assert pol._cost("chain", 1) == 0.010 and pol._cost("tree", 1) is None
+    assert pol.choices["tree"] + pol.choices["chain"] + pol.choices["none"] == 2 + 2 + 1 + 16 + 224 + 300
 
 
 def test_alpha_estimate_recovers_iid_acceptance():

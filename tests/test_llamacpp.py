@@ -266,8 +266,8 @@ def test_batch_engine_on_llamacpp(lc):
     def engine():
         eng = BatchEngine(lc.backend, lc.eos_token_ids, drafter=make_drafter("ngram", lc), max_batch=4)
         # a fixed cost model: measured costs on a noisy machine could price drafting out of this short run
-        eng.policy.costs.update({1: 0.010, 2: 0.0125, 3: 0.014, 4: 0.0155, 5: 0.018})
-        eng.policy.observe_pass = lambda rows, seconds: None
+        eng.policy.costs["pass"].update({1: 0.010, 2: 0.0125, 3: 0.014, 4: 0.0155, 5: 0.018})
+        eng.policy.observe_pass = lambda rows, seconds, kind="pass": None
         return eng
 
     def requests():

@@ -70,7 +70,7 @@ def test_hf_backend_rollback():
     from conftest import run_batch
 
     eng = BatchEngine(be, lm.eos_token_ids, drafter=make_drafter("ngram", lm), max_batch=2)
-    eng.policy.costs = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
+    eng.policy.costs["pass"] = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
     eng.policy.margin = -1.0
     reqs = [BatchRequest(prompt=prompt, max_new_tokens=24), BatchRequest(prompt=[2, 9, 4, 9, 4, 9], max_new_tokens=24)]
     outs = run_batch(eng, reqs)

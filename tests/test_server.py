@@ -376,13 +376,13 @@ def test_metrics_present_and_moving(live):
 
 def test_disconnect_mid_stream_frees_the_slot(gemma):
     service = build_service(gemma, method="ngram", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
-    slow = service.engine._pass
+    slow = service.engine.decoder.step
 
     def slow_pass(*a, **kw):  # make generation outlast the client
         time.sleep(0.03)
         return slow(*a, **kw)
 
-    service.engine._pass = slow_pass
+    service.engine.decoder.step = slow_pass
     srv = Live(service)
     try:
         c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
@@ -407,14 +407,14 @@ def test_disconnect_mid_stream_frees_the_slot(gemma):
 def test_disconnect_without_streaming_frees_the_slot(gemma):
     """A client that leaves a non-streaming request while tokens keep coming stops its generation."""
     service = build_service(gemma, method="none", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
-    slow, submit = service.engine._pass, service.engine.submit
+    slow, submit = service.engine.decoder.step, service.engine.submit
     submitted = []
 
     def slow_pass(*a, **kw):  # a token every ~20 ms: events keep coming, so no idle check would look
         time.sleep(0.02)
         return slow(*a, **kw)
 
-    service.engine._pass = slow_pass
+    service.engine.decoder.step = slow_pass
     service.engine.submit = lambda req: submitted.append(req) or submit(req)
     srv = Live(service)
     try:
@@ -442,13 +442,13 @@ def test_disconnect_without_streaming_frees_the_slot(gemma):
 def test_auth_queue_and_timeout(gemma):
     service = build_service(gemma, method="none", name="tiny", api_key="s3cret", max_batch=1, max_waiting=0,
                             max_tokens=200, request_timeout=0.6, calibrate=False)
-    slow = service.engine._pass
+    slow = service.engine.decoder.step
 
     def slow_pass(*a, **kw):
         time.sleep(0.02)
         return slow(*a, **kw)
 
-    service.engine._pass = slow_pass
+    service.engine.decoder.step = slow_pass
     srv = Live(service)
     try:
         assert srv.request("GET", "/health")[0] == 200  # no key needed

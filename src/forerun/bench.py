@@ -481,7 +481,7 @@ def default_peers(spec: str) -> str:
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
-    from forerun.draft_length import AdaptiveK
+    from forerun.draft_length import DraftLength
     from forerun.drafters import HEAD_METHODS, METHODS, TREE_METHODS, make_drafter, parse_skip_layers
     from forerun.engine import Engine
     from forerun.models import load_model
@@ -593,7 +593,7 @@ def run_bench(args) -> dict:
     for t in targets.values():
         head = getattr(t.backend, "lm_head", None)
         if getattr(head, "autotune", False):
-            longest = max(AdaptiveK().k_max if k == "auto" else k for k in method_k.values())
+            longest = max(DraftLength().k_max if k == "auto" else k for k in method_k.values())
             widest = longest + 1
             if tree_methods:  # a tree pass: its nodes and the root, plus up to k rows of a lookup branch
                 widest = max(widest, tree[0] + 1 + longest)
@@ -639,12 +639,10 @@ def run_bench(args) -> dict:
         for name in names:  # every method on the same prompt back to back: machine noise hits all alike
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name in engines:
-                policy = getattr(drafters[name], "policy", None)  # eagle-tree+auto: what each step verified
-                before = dict(policy.choices) if policy else None
                 res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
                 out, rec = res.token_ids, res.stats.to_dict()
-                if policy:
-                    rec["steps_by_choice"] = {c: n - before[c] for c, n in policy.choices.items()}
+                if drafters[name] is not None and drafters[name].offers_tree_or_chain:  # eagle-tree+auto: what each step verified
+                    rec["steps_by_choice"] = dict(engines[name].policy.choices)
             else:
                 out, wall, prefill = _peer_generate(name, hf_model, llama_peer, ids, args.max_new_tokens, target.eos_token_ids)
                 rec = {"new_tokens": len(out), "wall_s": wall}

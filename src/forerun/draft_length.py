@@ -1,4 +1,10 @@
-"""Draft length K: fixed, or chosen each step from measured acceptance and measured cost."""
+"""How many drafted tokens to verify: one policy for one sequence or a batch.
+
+Drafters offer what they can propose (a chain with a trust bucket or per-token confidences, a
+token tree, a prompt-lookup chain beside a tree); ``DraftLength`` chooses, every step, from one
+record of measured acceptance and measured costs kept by the decode core (``forerun.decode``),
+which times every pass itself. Drafters never time the engine.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,16 @@ def expected_tokens(a: float, k: float) -> float:
 
 def update_acceptance(b: list[float], decay: float, accepted: int, drafted: int) -> None:
     """One round into a decayed acceptance estimate ``b`` = [accepted, rejections] (per-token
-    acceptance ~ b[0] / (b[0] + b[1])): ``accepted`` of ``drafted`` tokens passed, and a rejection
-    ended the run unless all passed."""
+    acceptance ~ b[0] / (b[0] + b[1]), the maximum-likelihood estimate for geometric runs cut off
+    at the draft length): ``accepted`` of ``drafted`` tokens passed, and a rejection ended the run
+    unless all passed."""
     b[0] = decay * b[0] + accepted
     b[1] = decay * b[1] + (1 if accepted < drafted else 0)
+
+
+def ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    """The running average every measured cost and yield keeps."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def chain_yield(conf: list[float]) -> list[float]:
@@ -33,7 +45,8 @@ def chain_yield(conf: list[float]) -> list[float]:
 class AcceptanceTable:
     """How often the target took a drafted token, per trust key, given that every token before it
     in the draft was taken: decayed counts with a prior (``prior_hits`` of ``prior_seen``), so an
-    estimate follows the workload and a key seen rarely stays near the prior."""
+    estimate follows the workload and a key seen rarely stays near the prior. Drafters keep one to
+    offer per-token confidences (``Draft.conf``)."""
 
     def __init__(self, decay: float = 0.99, prior_hits: float = 1.0, prior_seen: float = 2.0):
         if not 0.0 < decay <= 1.0 or not 0.0 <= prior_hits <= prior_seen or prior_seen <= 0:
@@ -59,223 +72,186 @@ class AcceptanceTable:
                 break
 
 
-def measured_cost(points: dict[int, float], x: int) -> float:
+def interpolate(points: dict[int, float], x: int) -> float:
     """Seconds at size ``x`` from averages measured at some sizes (at least one): the measured
-    value itself, else the least-squares line through the points (flat while only one is known),
-    never below the cheapest measured."""
+    value, else the line between the nearest measured sizes around it, else that through the two
+    nearest on one side (flat while only one is known), never below the cheapest measured."""
     if x in points:
         return points[x]
     xs = sorted(points)
     if len(xs) == 1:
         return points[xs[0]]
-    n = len(xs)
-    mx = sum(xs) / n
-    my = sum(points[v] for v in xs) / n
-    sxx = sum((v - mx) ** 2 for v in xs)
-    b = sum((v - mx) * (points[v] - my) for v in xs) / sxx
-    return max(my + b * (x - mx), min(points.values()))
+    lo = max((v for v in xs if v < x), default=None)
+    hi = min((v for v in xs if v > x), default=None)
+    if lo is None:
+        lo, hi = xs[0], xs[1]
+    elif hi is None:
+        lo, hi = xs[-2], xs[-1]
+    y = points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return max(y, min(points.values()))
 
 
-class FixedK:
-    def __init__(self, k: int):
-        self.k = k
+class DraftLength:
+    """Draft lengths for one step of one sequence or many.
 
-    def next_k(self) -> int:
-        return self.k
+    ``k``: a fixed draft length, or ``"auto"``: every step, the tokens to verify are chosen to
+    maximise the predicted tokens per second of the whole step. A target pass over R rows costs
+    what passes of R rows measured (``costs["pass"]``, averaged; interpolated between row counts;
+    the first pass of a row count may include one-time kernel tuning and is not a sample). The
+    j-th drafted token of a sequence adds the chance that the run reaches it: the product of the
+    drafter's own per-token confidences where it offers them (``Draft.conf``), else the measured
+    acceptance of its trust bucket to the power j (decayed counts per bucket). Candidates are
+    taken in order of expected gain and the prefix with the best predicted rate wins, which must
+    beat a step without drafts by ``margin``. Drafters that are not cheap are charged their
+    measured seconds per drafted token. A bucket that had drafts on offer but kept none for
+    ``probe_every`` choices gets one draft token once (a probe), so that an estimate that fell too
+    low is measured again. ``sequential``: the backend runs the sequences of a step one after
+    another, so a step costs one pass per sequence.
 
-    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float, bucket: int | None = None) -> None:
-        pass
-
-
-class AdaptiveK:
-    """Pick K maximising expected tokens per second under the Leviathan et al. model.
-
-    With per-token acceptance a, a step drafting k tokens yields (1 - a^(k+1)) / (1 - a)
-    tokens and costs k * c_draft + c_verify(k). a is estimated as accepted / (accepted +
-    rejections) with exponential forgetting (the maximum-likelihood estimate for geometric
-    acceptance runs cut off at k); c_draft is the measured time per drafted token and
-    c_verify(k) a line a + b*k fitted to measured verify passes. K = 0 (plain decoding) is
-    allowed when nothing pays; a probe at K = 1 every few steps keeps the estimates fresh.
-
-    Drafters that say how much to trust each proposal (``Draft.bucket``, e.g. the length of
-    the n-gram that matched) get one acceptance estimate per bucket: the draft is proposed
-    at full length, then cut to the K that pays for that bucket (``choose``).
+    Drafters that offer a token tree or a prompt-lookup chain (``tree_or_chain``) get the option
+    with more tokens per second for this round's bucket: the tree's measured yield over its
+    measured round cost (head drafting and pass, ``costs["tree"]``), or the chain cut where it
+    pays. A bucket tries the option it has not been choosing after ``tree_probe_every`` rounds;
+    each such probe that changes nothing doubles that interval (up to ``max_tree_probe_every``).
     """
 
-    def __init__(self, k_min: int = 0, k_max: int = 16, k_start: int = 4, decay: float = 0.9, probe_every: int = 8):
-        self.k_min, self.k_max = k_min, k_max
-        self.k = k_start
-        self.k_start = k_start
-        self.decay = decay
-        self.probe_every = probe_every
-        self.acc = 2.0  # prior: acceptance 0.5 (2 accepted per 2 rejections)
-        self.rej = 2.0
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [accepted, rejections, steps chosen at zero]
-        self.draft_cost = None  # seconds per drafted token
-        self.round_draft = 0.0  # seconds of drafting per round, whatever was kept (cheap proposals)
-        self.verify = {}  # k -> EMA seconds of a verify pass over k + 1 tokens
-        self.steps_at_zero = 0
+    def __init__(self, k: int | str = "auto", *, k_max: int = 16, k_start: int = 4, decay: float = 0.9,
+                 margin: float = 0.0, probe_every: int = 8, sequential: bool = False, tree_probe_every: int = 16,
+                 max_tree_probe_every: int = 256):
+        self.fixed = None if k == "auto" else int(k)
+        self.auto_k_max = k_max
+        self.k_max = k_max if self.fixed is None else self.fixed
+        self.k_start, self.decay, self.margin = k_start, decay, margin
+        self.probe_every, self.sequential = probe_every, sequential
+        self.tree_probe_every, self.max_tree_probe_every = tree_probe_every, max_tree_probe_every
+        # What the machine and model cost (kept across requests by ``renewed``):
+        self.costs: dict[str, dict[int, float | None]] = {"pass": {}, "tree": {}}  # kind -> rows -> seconds
+        self.draft_cost: float | None = None  # seconds per drafted token (drafters that are not cheap)
+        # What this workload accepts:
+        self.buckets: dict[object, list[float]] = {}  # bucket -> [accepted, rejections]
+        self.tree_yield: dict[object, float] = {}  # bucket -> average tokens per tree round
+        self.idle: dict[object, int] = {}  # bucket -> choices in a row with drafts on offer and none kept
+        self.tree_probes: dict[object, dict] = {}  # bucket -> probe interval, rounds since the last, choice before it
+        self.choices = {"tree": 0, "chain": 0, "none": 0}  # tree-or-chain rounds by what they verified
 
-    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float, bucket: int | None = None) -> None:
-        if k > 0:
-            missed = 1 if accepted < k else 0
-            self.acc = self.decay * self.acc + accepted
-            self.rej = self.decay * self.rej + missed
-            if bucket is not None:
-                update_acceptance(self.buckets.setdefault(bucket, [2.0, 2.0, 0]), self.decay, accepted, k)
-            per_tok = draft_s / k
-            self.draft_cost = per_tok if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_tok
-        self.round_draft = 0.8 * self.round_draft + 0.2 * draft_s
-        old = self.verify.get(k)
-        self.verify[k] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
-        self.k = self._choose(self.acc, self.rej)
+    def renewed(self, k: int | str) -> "DraftLength":
+        """A policy for the next request on the same target: the measured costs carry over (they
+        belong to the machine and the model); acceptance starts afresh."""
+        new = DraftLength(k, k_max=self.auto_k_max, k_start=self.k_start, decay=self.decay,
+                          margin=self.margin, probe_every=self.probe_every, sequential=self.sequential,
+                          tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every)
+        new.costs = {kind: dict(c) for kind, c in self.costs.items()}
+        new.draft_cost = self.draft_cost
+        return new
 
-    def _verify_cost(self, k: int) -> float:
-        return measured_cost(self.verify, k)
+    # -- measurements ----------------------------------------------------------------------
+    def observe_pass(self, rows: int, seconds: float, kind: str = "pass") -> None:
+        """A target pass over ``rows`` rows (``kind`` "tree": a whole tree round, head included)."""
+        pts = self.costs[kind]
+        if rows not in pts:  # the first of a row count may include one-time kernel tuning
+            pts[rows] = None
+        else:
+            pts[rows] = ema(pts[rows], seconds)
 
-    def _choose(self, acc: float, rej: float, k_max: int | None = None) -> int:
-        k_max = self.k_max if k_max is None else k_max
-        if not self.verify or self.draft_cost is None:
-            return min(self.k, k_max)
-        a = min(acc / (acc + rej), 0.999)
-        best_k, best = 0, 1.0 / self._verify_cost(0) if 0 in self.verify else 0.0
-        for k in range(max(1, self.k_min), k_max + 1):
-            rate = expected_tokens(a, k) / (k * self.draft_cost + self._verify_cost(k))
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.draft_cost = ema(self.draft_cost, seconds / tokens)
+
+    def observe(self, bucket, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            update_acceptance(self.buckets.setdefault(bucket, [2.0, 2.0]), self.decay, accepted, drafted)
+
+    def observe_tree(self, bucket, tokens: int) -> None:
+        """Tokens a tree round yielded (accepted drafts and the target's own)."""
+        self.tree_yield[bucket] = ema(self.tree_yield.get(bucket), tokens)
+
+    def acceptance(self, bucket) -> float:
+        b = self.buckets.get(bucket) or self.buckets.get(None) or [2.0, 2.0]
+        return min(b[0] / (b[0] + b[1]), 0.98)
+
+    def cost(self, rows: int, kind: str = "pass") -> float | None:
+        """Predicted seconds of a pass of ``rows`` rows (None: nothing measured yet)."""
+        known = {r: t for r, t in self.costs[kind].items() if t is not None}
+        return interpolate(known, rows) if known else None
+
+    # -- choice ----------------------------------------------------------------------------
+    def choose(self, available: list[int], buckets: list, confs: list | None = None,
+               charge_drafting: bool = False) -> list[int]:
+        """Draft tokens to keep per sequence, of ``available[i]`` proposed (or proposable) ones."""
+        if self.fixed is not None:
+            return [min(a, self.fixed) for a in available]
+        n = len(available)
+        confs = confs or [None] * n
+        if n == 0:
+            return []
+        if self.cost(1) is None or (charge_drafting and self.draft_cost is None):  # nothing measured yet
+            return [min(a, self.k_start, self.k_max) for a in available]
+        cands = []
+        for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
+            a, reach = self.acceptance(bucket), 1.0
+            for j in range(min(avail, self.k_max)):
+                reach *= conf[j] if conf is not None else a
+                cands.append((reach, i))
+        if not cands:
+            return [0] * n
+        cands.sort(key=lambda c: -c[0])
+        one = self.cost(1)
+        base = n / (n * one if self.sequential else self.cost(n))
+        best, best_m, tokens = base * (1 + self.margin), 0, float(n)
+        per_draft = self.draft_cost if charge_drafting else 0.0
+        rows, total = [1] * n, n * one  # sequential: the sum of the sequences' passes
+        for m, (gain, i) in enumerate(cands, 1):
+            tokens += gain
+            if self.sequential:
+                total += self.cost(rows[i] + 1) - self.cost(rows[i])
+                rows[i] += 1
+            rate = tokens / ((total if self.sequential else self.cost(n + m)) + m * per_draft)
             if rate > best:
-                best_k, best = k, rate
-        if best_k < self.k_min:
-            best_k = min(self.k_min, k_max)
-        return best_k
+                best, best_m = rate, m
+        ks = [0] * n
+        for _, i in cands[:best_m]:
+            ks[i] += 1
+        return self._probe(available, buckets, confs, ks)
 
-    def next_k(self) -> int:
-        if self.k == 0:
-            self.steps_at_zero += 1
-            if self.steps_at_zero % self.probe_every == 0:
-                return 1
-        return self.k
+    def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int]) -> list[int]:
+        first: dict[object, int] = {}  # bucket -> its first sequence with drafts on offer
+        kept: set = set()
+        for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
+            if avail > 0 and conf is None:  # a drafter with confidences learns from every committed token
+                first.setdefault(bucket, i)
+                if ks[i] > 0:
+                    kept.add(bucket)
+        for bucket, i in first.items():
+            idle = 0 if bucket in kept else self.idle.get(bucket, 0) + 1
+            if idle >= self.probe_every:
+                ks[i], idle = 1, 0
+            self.idle[bucket] = idle
+        return ks
 
-    def choose_by_confidence(self, conf: list[float]) -> int:
-        """K for a chain whose drafter estimates, per token, the chance the target accepts it once
-        the tokens before it were (``Draft.conf``): the prefix with the most expected tokens per
-        second. The chain was proposed whole before this choice, so drafting costs a round the
-        same whatever K is kept (its measured average per round). Such a drafter learns from the
-        committed tokens even when nothing was verified, so K = 0 needs no probes."""
-        if not conf:
-            return 0
-        if not self.verify:
-            return min(self.k_start, len(conf))
-        gain = chain_yield(conf[: self.k_max])
-        d = self.round_draft
-        best_k, best = 0, 1.0 / (d + self._verify_cost(0)) if 0 in self.verify else 0.0
-        for k in range(1, len(gain)):
-            rate = gain[k] / (d + self._verify_cost(k))
-            if rate > best:
-                best_k, best = k, rate
-        return best_k
-
-    def choose(self, bucket: int, available: int) -> int:
-        """K for a draft of ``available`` tokens whose trust bucket is ``bucket``."""
-        b = self.buckets.setdefault(bucket, [2.0, 2.0, 0])
-        if not self.verify or self.draft_cost is None:
-            return min(self.k_start, available)
-        k = self._choose(b[0], b[1], available)
-        if k == 0 and available:
-            b[2] += 1
-            if b[2] % self.probe_every == 0:
-                return 1  # probe: keep this bucket's estimate fresh
-        return k
-
-
-def make_policy(k: int | str, measured: AdaptiveK | None = None):
-    """The draft-length policy for ``k``; ``measured``: an earlier request's adaptive policy on the
-    same target, whose measured costs (verify passes, drafting) the new one starts from: they
-    belong to the machine and the model, while acceptance starts afresh with each request."""
-    if k == "auto":
-        policy = AdaptiveK()
-        if isinstance(measured, AdaptiveK):
-            policy.verify = dict(measured.verify)
-            policy.draft_cost = measured.draft_cost
-            policy.round_draft = measured.round_draft
-        return policy
-    return FixedK(int(k))
-
-
-class TreeOrLookup:
-    """Per round, for a head's token tree that can also carry a prompt-lookup chain: verify the
-    tree (head tree with the chain grafted on), or the chain alone cut to the K that pays (K = 0:
-    a plain step, the head not even run) — whichever the measured yields and costs say gives
-    more tokens per second for this round's trust bucket (the length of the n-gram that matched).
-
-    The chain's acceptance per bucket is a geometric estimate as in ``AdaptiveK``, updated in
-    every round that had a chain: in a tree round the committed tokens show how far the chain
-    alone would have been accepted. The tree's yield (tokens per round) is an average per bucket
-    over tree rounds. Costs are whole rounds as the drafter sees them (drafting, verify pass,
-    acceptance), averaged per number of verified rows, separately for rounds with and without
-    the head. A bucket tries the option it has not been choosing once after ``probe_every``
-    rounds; each probe that changes nothing doubles that interval (up to ``max_probe_every``), one
-    that changes the choice resets it: on hardware where one option costs several times the
-    other, probes must stay rare.
-    """
-
-    def __init__(self, decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
-        self.decay = decay
-        self.probe_every = probe_every
-        self.max_probe_every = max_probe_every
-        self.chain_acc: dict[int, list[float]] = {}  # bucket -> [accepted, rejections]
-        self.tree_yield: dict[int, float] = {}  # bucket -> average tokens per tree round
-        self.probes: dict[int, dict] = {}  # bucket -> probe interval, rounds since the last, choice before it
-        self.cost = {"chain": {}, "tree": {}}  # kind -> rows -> average seconds per round
-        self.choices = {"tree": 0, "chain": 0, "none": 0}  # steps that verified each, for reports
-
-    def _cost(self, kind: str, rows: int) -> float | None:
-        return measured_cost(self.cost[kind], rows) if self.cost[kind] else None
-
-    def best_chain(self, bucket: int, available: int) -> tuple[int, float | None]:
-        """(K, expected tokens per second) for verifying the chain alone, K <= available."""
-        acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
-        a = min(acc / (acc + rej), 0.999)
-        best_k, best = 0, None
-        for k in range(available + 1):
-            c = self._cost("chain", k + 1)
-            if c is None:
-                continue
-            rate = expected_tokens(a, k) / c
-            if best is None or rate > best:
-                best_k, best = k, rate
-        return best_k, best
-
-    def choose(self, bucket: int, available: int, tree_rows: int) -> int | None:
-        """None: verify the tree; else the number of chain tokens to verify alone (maybe 0)."""
-        cut = self._choose(bucket, available, tree_rows)
+    def tree_or_chain(self, bucket, chain_conf: list[float], tree_rows: int) -> int | None:
+        """None: verify the drafter's tree this round; else how many tokens of its lookup chain
+        (confidences ``chain_conf``) to verify alone (0: a plain step, the head not even run)."""
+        cut = self._tree_or_chain(bucket, chain_conf, tree_rows)
         self.choices["tree" if cut is None else "chain" if cut else "none"] += 1
         return cut
 
-    def _choose(self, bucket: int, available: int, tree_rows: int) -> int | None:
-        k, chain_rate = self.best_chain(bucket, available)
-        tree_cost = self._cost("tree", tree_rows)
-        if chain_rate is None:  # nothing measured without the head yet: try the chain once
-            return available if tree_cost is not None else None
+    def _tree_or_chain(self, bucket, chain_conf: list[float], tree_rows: int) -> int | None:
+        chain_conf = chain_conf[: self.k_max]
+        tree_cost = self.cost(tree_rows, "tree")
+        if self.cost(1) is None:  # nothing measured without the head yet: the chain once
+            return len(chain_conf) if tree_cost is not None else None
+        gain = chain_yield(chain_conf)
+        k, chain_rate = max(((j, gain[j] / self.cost(j + 1)) for j in range(len(gain))), key=lambda x: x[1])
         if tree_cost is None or bucket not in self.tree_yield:
             return None
         tree_better = self.tree_yield[bucket] / tree_cost > chain_rate
-        st = self.probes.setdefault(bucket, {"every": self.probe_every, "since": 0, "before": None})
-        if st["before"] is not None:  # first choice after a probe: probe less often while probes change nothing
-            st["every"] = min(2 * st["every"], self.max_probe_every) if tree_better == st["before"] else self.probe_every
+        st = self.tree_probes.setdefault(bucket, {"every": self.tree_probe_every, "since": 0, "before": None})
+        if st["before"] is not None:  # the first choice after a probe: rarer probes while they change nothing
+            st["every"] = (min(2 * st["every"], self.max_tree_probe_every) if tree_better == st["before"]
+                           else self.tree_probe_every)
             st["before"] = None
         st["since"] += 1
         if st["since"] >= st["every"]:
             st["since"], st["before"] = 0, tree_better
             tree_better = not tree_better
         return None if tree_better else k
-
-    def observe(self, bucket: int, chain_accepted: int | None, chain_len: int, tree: bool, accepted: int,
-                rows: int, seconds: float) -> None:
-        """One finished round. ``chain_accepted``: how many of the chain's ``chain_len`` tokens the
-        committed tokens confirm (None: no chain this round); ``accepted``: drafts accepted."""
-        if chain_accepted is not None and chain_len:
-            update_acceptance(self.chain_acc.setdefault(bucket, [2.0, 2.0]), self.decay, chain_accepted, chain_len)
-        if tree:
-            old = self.tree_yield.get(bucket)
-            self.tree_yield[bucket] = accepted + 1 if old is None else 0.8 * old + 0.2 * (accepted + 1)
-        pts = self.cost["tree" if tree else "chain"]
-        pts[rows] = seconds if rows not in pts else 0.8 * pts[rows] + 0.2 * seconds

@@ -18,7 +18,7 @@ class Draft:
     # The drafter's estimate per token (a tree: per node) that the target accepts it once its
     # parent is reached (None: unknown). Trees: steers which rows a lazy greedy walk asks the LM
     # head for together (``forerun.tree.greedy_tree_walk``). Chains of cheap drafters: adaptive K
-    # cuts the chain where it stops paying (``AdaptiveK.choose_by_confidence``). Acceptance itself
+    # cuts the chain where it stops paying (``DraftLength.choose``). Acceptance itself
     # never reads it.
     conf: list[float] | None = None
 
@@ -46,6 +46,9 @@ class Drafter:
     name = "base"
     cheap_proposals = False  # True: proposing k_max tokens costs next to nothing, so adaptive K may cut after
     feature_layers: tuple = ()  # target layers whose outputs the drafter reads (take_features after every pass)
+    # True: every round the drafter offers a token tree or a prompt-lookup chain (``lookup_chain``,
+    # then ``propose`` builds the tree only if the draft-length policy chooses it)
+    offers_tree_or_chain = False
 
     @property
     def proposes_trees(self) -> bool:
@@ -60,6 +63,14 @@ class Drafter:
         self.generator = generator
 
     def propose(self, tokens: list[int], k: int) -> Draft:
+        raise NotImplementedError
+
+    def lookup_chain(self, tokens: list[int], k: int) -> Draft:
+        """(``offers_tree_or_chain``) this round's lookup chain, with its trust bucket and confidences."""
+        raise NotImplementedError
+
+    def tree_rows(self, chain_len: int) -> int:
+        """(``offers_tree_or_chain``) the rows this round's tree would take in the verify pass."""
         raise NotImplementedError
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:

@@ -10,24 +10,24 @@ path probability); Medusa fills a static tree shape with each head's top-ranked 
 With ``lookup=(max_ngram, min_ngram)`` a tree also carries the prompt-lookup continuation
 (see ``drafters.ngram``) as one more branch: text the answer copies from the prompt or repeats
 is what a small head predicts worst and lookup predicts best. Verification treats every node
-alike, so the result stays exactly the target's. With ``adaptive=True`` each round first asks a
-``TreeOrLookup`` policy whether the tree pays at all this round, or whether the lookup chain alone
-(or a plain step) gives more tokens per second: on hardware where verify rows are costly a head
-tree only pays when the lookup has nothing good to offer.
+alike, so the result stays exactly the target's. With ``adaptive=True`` the drafter offers, each
+round, its lookup chain before building a tree (``offers_tree_or_chain``): the draft-length policy
+decides whether the tree pays at all this round, or whether the lookup chain alone (or a plain
+step) gives more tokens per second; on hardware where verify rows are costly a head tree only pays
+when the lookup has nothing good to offer.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import time
 
 import torch
 
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
-from forerun.draft_length import TreeOrLookup, update_acceptance
+from forerun.draft_length import update_acceptance
 from forerun.drafters.ngram import lookup_match
 from forerun.tree import graft_chain
 
@@ -50,14 +50,10 @@ class FeatureDrafter(Drafter):
             raise ValueError("choosing between tree and lookup chain needs a lookup branch")
         self.lookup = lookup  # (max_ngram, min_ngram): graft the prompt-lookup continuation onto every tree
         self.adaptive = adaptive
-        # Learned costs and acceptance outlive one generation (they describe the machine and the
-        # head); a fork starts afresh.
-        self.policy = TreeOrLookup() if adaptive else None
-        self._round = None  # this round's lookup chain and what the policy chose
-        self._chain = None  # without a policy: this round's lookup chain, to measure how far it would have gone
-        # n-gram length -> decayed [accepted, rejections] of the lookup chain (the policy keeps the same
-        # estimate, from every round, where there is one)
-        self.chain_acc: dict[int, list[float]] = self.policy.chain_acc if self.policy is not None else {}
+        self.offers_tree_or_chain = adaptive
+        self._chain = None  # this round's lookup chain, to measure how far it would have gone
+        # n-gram length -> decayed [accepted, rejections] of the lookup chain: its offered confidence
+        self.chain_acc: dict[int, list[float]] = {}
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -69,7 +65,7 @@ class FeatureDrafter(Drafter):
         super().begin(prompt, params, generator)
         self.feat_pos = 0  # target position of the first row of self.feats
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
-        self._round = self._chain = None
+        self._chain = None
         if self.adapter is not None:
             if self.log is not None:
                 self.adapter.retire(self.log)
@@ -84,16 +80,19 @@ class FeatureDrafter(Drafter):
         self._drafted = len(draft)
         return draft
 
-    def _lookup_only(self, tokens: list[int], k: int) -> Draft | None:
-        """Adaptive rounds: the lookup chain alone (cut to the K that pays; maybe empty) when the
-        policy prefers it to the tree this round, else None (build the tree)."""
+    def lookup_chain(self, tokens: list[int], k: int) -> Draft:
+        """This round's prompt-lookup chain (bucket: the n-gram length that matched), offered beside
+        the tree; each token's confidence is the chain's measured acceptance for that bucket."""
         chain, n = lookup_match(tokens, k, *self.lookup)
-        self._round = {"t0": time.perf_counter(), "chain": chain, "bucket": n, "base": len(tokens), "tree": False}
-        cut = self.policy.choose(n, len(chain), self.tree_nodes + 1 + len(chain))
-        if cut is None:
-            return None
-        self._round["rows"] = cut + 1
-        return Draft(tokens=torch.tensor(chain[:cut], dtype=torch.long))
+        self._chain = {"base": len(tokens), "chain": chain, "bucket": n}
+        return Draft(tokens=torch.tensor(chain, dtype=torch.long), bucket=n, conf=[self._chain_rate(n)] * len(chain))
+
+    def tree_rows(self, chain_len: int) -> int:
+        return self.tree_nodes + 1 + chain_len
+
+    def _chain_rate(self, bucket: int) -> float:
+        acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
+        return acc / (acc + rej)
 
     def _tree_draft(self, tree: Draft | None, tokens: list[int], k: int) -> Draft:
         """The head's tree (None: no head tree this round) with the lookup branch, if any, grafted on.
@@ -103,27 +102,21 @@ class FeatureDrafter(Drafter):
         (a node both propose: the larger of the two)."""
         if tree is None:
             tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long), conf=[])
-        elif self._round is not None:
-            self._round["tree"] = len(tree) > 0
         if self.lookup:
-            if self._round is not None:
-                chain, bucket = self._round["chain"], self._round["bucket"]
-            else:
-                chain, bucket = lookup_match(tokens, k, *self.lookup)
-            if self.policy is None:
-                self._chain = {"base": len(tokens), "chain": chain, "bucket": bucket}
+            c = self._chain
+            if c is None or c["base"] != len(tokens):  # not offered this round yet
+                self.lookup_chain(tokens, k)
+                c = self._chain
+            chain, bucket = c["chain"][:k], c["bucket"]
             if chain:
                 t, p, path = graft_chain(tree.tokens, tree.parents, chain)
                 conf = None
                 if tree.conf is not None:
-                    acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
-                    a = acc / (acc + rej)
+                    a = self._chain_rate(bucket)
                     conf = list(tree.conf) + [a] * (len(t) - len(tree))
                     for node in path:
                         conf[node] = max(conf[node], a)
                 tree = Draft(tokens=t, parents=p, conf=conf)
-        if self._round is not None:
-            self._round["rows"] = len(tree) + 1
         return tree
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
@@ -137,12 +130,6 @@ class FeatureDrafter(Drafter):
             confirmed = _common_prefix(chain, new)
             update_acceptance(self.chain_acc.setdefault(c["bucket"], [2.0, 2.0]), 0.9, confirmed,
                               min(len(chain), len(new)))
-        r, self._round = self._round, None
-        if r is None or "rows" not in r:
-            return
-        new, chain = tokens[r["base"]:], r["chain"]
-        self.policy.observe(r["bucket"], _common_prefix(chain, new), min(len(chain), len(new)), r["tree"], num_accepted, r["rows"],
-                            time.perf_counter() - r["t0"])
 
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
         """Features of target positions pos..pos+rows-1 (committed positions only)."""
@@ -178,8 +165,6 @@ class EagleDrafter(FeatureDrafter):
     @torch.inference_mode()
     def _propose(self, tokens: list[int], k: int) -> Draft:
         head = self.head
-        if self.policy is not None and (chain := self._lookup_only(tokens, k)) is not None:
-            return chain  # the head catches up on the features later
         if self.feats is None or len(self.feats) == 0:
             return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
         # 1. Entries for the newly verified positions: (token after position i, target features at i).
@@ -309,8 +294,6 @@ class MedusaDrafter(FeatureDrafter):
     def _propose(self, tokens: list[int], k: int) -> Draft:
         # Head j reads the features of the newest verified position (which predicted the last
         # committed token) and guesses j tokens further.
-        if self.policy is not None and (chain := self._lookup_only(tokens, k)) is not None:
-            return chain
         last = len(tokens) - 2 - self.feat_pos
         if self.feats is None or not 0 <= last < len(self.feats):
             return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))

@@ -95,7 +95,7 @@ def replay_generation(drafter, ids: list[int], start: int, feats: torch.Tensor, 
     features come from one target pass over the whole sequence (``feats`` [len(ids), ...]) instead
     of the verify passes. Greedy only; a fixed draft length ``k``."""
     from forerun.drafters.base import empty_draft
-    from forerun.engine import clip_draft
+    from forerun.decode import clip_draft
     from forerun.sampling import SamplingParams
     from forerun.tree import children_lists
 

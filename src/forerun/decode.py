@@ -1,0 +1,290 @@
+"""The decode step, written once: draft, verify, accept and roll back for one sequence or many.
+
+Invariant between steps, per sequence: ``tokens`` holds the committed sequence; the sequence's
+backend (its KV cache) holds every position except the last token, which the next verify pass runs
+together with the drafts. Plain decoding is the same step with empty drafts. ``Engine`` drives it
+with one sequence, ``BatchEngine`` (and so the server) with every active request; bench and the
+CLI go through ``Engine``.
+
+A step: 1. the drafters offer, the one draft-length policy (``DraftLength``) chooses what each
+sequence verifies; 2. every draft is verified, in one batched target pass where the backend
+batches and several sequences step together, else one pass per sequence (``verify.verify``, with
+its greedy fast paths); 3. each sequence accepts the longest agreeing prefix plus one token of the
+target's own, 4. its cache keeps the accepted positions only, and its drafter hears the outcome
+(and the kept rows' features). Every pass is timed here, and only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from forerun.draft_length import DraftLength
+from forerun.drafters.base import Draft, Drafter, empty_draft
+from forerun.errors import ForerunError
+from forerun.prefix_cache import prefill
+from forerun.sampling import SamplingParams
+from forerun.stats import GenerationStats
+from forerun.verify import Verdict, accept, kept_rows, verify
+
+log = logging.getLogger("forerun")
+
+
+@dataclass
+class Sequence:
+    """One sequence being decoded: what it has committed, its budget, cache and drafter."""
+
+    tokens: list[int]
+    max_new_tokens: int
+    backend: object  # a Backend holding this sequence's cache
+    drafter: Drafter | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    generator: torch.Generator | None = None
+    produced: int = 0
+    t_start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Outcome:
+    """What one step did for one sequence."""
+
+    seq: Sequence
+    tokens: list[int]  # committed by this step
+    finish: str | None  # "stop" (EOS), "length", "context" or None
+    drafted: int  # the draft's depth (its length for a chain)
+    accepted: int
+    rows: int  # rows it had in the verify pass
+
+
+def _raise(seq: Sequence, error: Exception) -> None:
+    raise error
+
+
+class Decoder:
+    """The step function for one target, one kind of drafter and one draft-length policy.
+
+    ``on_fail(seq, error)`` (per ``step``): where a failure touching one sequence (its drafter, its
+    pass, its acceptance) goes; that sequence takes no further part in the step. Without it, the
+    error is raised."""
+
+    def __init__(self, target, drafter: Drafter | None, eos_token_ids, policy: DraftLength):
+        if drafter is not None and drafter.proposes_trees and not target.capabilities.token_trees:
+            raise ForerunError(f"this {drafter.name} drafter proposes token trees, which this backend cannot verify: "
+                               "build it without a tree (no tree=..., no --tree-nodes), or use --backend torch")
+        self.target = target
+        self.drafter = drafter  # the kind of drafter every sequence has (None: plain decoding)
+        self.eos = set(int(i) for i in eos_token_ids)
+        self.policy = policy
+        # trained heads read the target's hidden states at some layers, sent after the prefill and every pass
+        self.layers = tuple(drafter.feature_layers) if drafter is not None else ()
+        self.batched = target.capabilities.batched
+        self.cuda = getattr(target, "device", torch.device("cpu")).type == "cuda"
+
+    def start(self, seq: Sequence, prefix_cache=None) -> None:
+        """Prefill everything but the last token (the first verify pass runs it)."""
+        t0 = time.perf_counter()
+        seq.stats.prompt_tokens = len(seq.tokens)
+        if seq.generator is None and not seq.params.greedy:
+            seq.generator = seq.params.generator(getattr(seq.backend, "device", torch.device("cpu")))
+        seq.backend.reset()
+        if seq.drafter is not None:
+            seq.drafter.begin(seq.tokens, seq.params, seq.generator)
+        take = seq.drafter.take_features if self.layers else None
+        prefill(seq.backend, seq.tokens[:-1], self.layers, take, prefix_cache)
+        seq.stats.prefill_s = time.perf_counter() - t0
+
+    def step(self, seqs: list[Sequence], on_fail: Callable[[Sequence, Exception], None] | None = None) -> list[Outcome]:
+        """One draft / verify / accept / roll-back round for every sequence."""
+        fail = on_fail or _raise
+        alive = list(range(len(seqs)))
+        drafts, rounds, draft_s = self._draft(seqs, alive, fail)
+        verdicts, pass_s = self._verify(seqs, drafts, alive, fail)
+        rows = sum(len(drafts[i]) + 1 for i in alive) or 1
+        out = []
+        for i in alive:
+            s, d = seqs[i], drafts[i]
+            share = pass_s * (len(d) + 1) / rows  # this sequence's share of the step's passes
+            try:
+                out.append(self._commit(s, d, verdicts[i], draft_s[i], share))
+            except Exception as e:  # noqa: BLE001 - this sequence only
+                fail(s, e)
+                continue
+            if d.parents is not None:  # a tree round, timed whole: its drafting and its share of the pass
+                self.policy.observe_pass(len(d) + 1, draft_s[i] + share, kind="tree")
+                if rounds[i] is not None:
+                    self.policy.observe_tree(rounds[i], out[-1].accepted + 1)
+        for o in out:
+            o.seq.stats.wall_s = time.perf_counter() - o.seq.t_start
+        return out
+
+    # -- 1. draft ----------------------------------------------------------------------------
+    def _draft(self, seqs, alive, fail):
+        """Every sequence's draft; ``rounds[i]``: the trust bucket of a round where the policy chose
+        the drafter's tree over its lookup chain (None otherwise)."""
+        n, pol, proto = len(seqs), self.policy, self.drafter
+        drafts: list[Draft] = [empty_draft() for _ in range(n)]
+        rounds: list = [None] * n
+        secs = [0.0] * n
+        if proto is None:
+            return drafts, rounds, secs
+        limit = self.target.max_context
+        caps = [max(0, min(s.max_new_tokens - s.produced, limit - len(s.tokens)) - 1) for s in seqs]
+
+        def timed(i, fn):
+            t = time.perf_counter()
+            try:
+                d = fn()
+                if d.parents is not None and not self.target.capabilities.token_trees:
+                    raise ForerunError(f"the {seqs[i].drafter.name} drafter proposed a token tree, which this "
+                                       "backend cannot verify")
+            except Exception as e:  # noqa: BLE001 - a drafter failing ends its own sequence only
+                fail(seqs[i], e)
+                alive.remove(i)
+                d = empty_draft()
+            secs[i] += time.perf_counter() - t
+            return d
+
+        def propose(i, k):
+            return timed(i, lambda: seqs[i].drafter.propose(seqs[i].tokens, k) if k > 0 else empty_draft())
+
+        if proto.offers_tree_or_chain:  # per round: the drafter's tree, or its lookup chain alone
+            for i in list(alive):
+                s, want = seqs[i], min(pol.k_max, caps[i])
+                chain = timed(i, lambda: s.drafter.lookup_chain(s.tokens, want)) if want > 0 else None
+                if chain is None or i not in alive:
+                    continue
+                cut = pol.tree_or_chain(chain.bucket, chain.conf or [], s.drafter.tree_rows(len(chain)))
+                if cut is None:
+                    drafts[i], rounds[i] = propose(i, want), chain.bucket
+                else:
+                    drafts[i] = clip_draft(chain, cut)
+        elif pol.fixed is not None:
+            for i in list(alive):
+                want = min(pol.fixed, caps[i])
+                drafts[i] = clip_draft(propose(i, want), want)
+        elif proto.cheap_proposals:  # proposed at full length, then cut where it stops paying
+            for i in list(alive):
+                drafts[i] = propose(i, min(pol.k_max, caps[i]))
+            live = [drafts[i] for i in alive]
+            ks = pol.choose([len(d) if d.parents is None else 0 for d in live], [d.bucket for d in live],
+                            [d.conf if d.parents is None else None for d in live])
+            for i, k in zip(alive, ks):
+                if drafts[i].parents is None:  # a tree's size is its drafter's
+                    drafts[i] = clip_draft(drafts[i], k)
+        else:  # lengths planned first: drafting costs per token
+            ks = pol.choose([caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
+            for i, k in zip(list(alive), ks):
+                drafts[i] = clip_draft(propose(i, k), k)
+            pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
+        for i in alive:  # a tree's pass needs a cache position per node
+            d, room = drafts[i], limit - len(seqs[i].tokens)
+            if d.parents is not None and len(d) > room:
+                drafts[i] = first_nodes(d, room)
+        return drafts, rounds, secs
+
+    # -- 2. verify ---------------------------------------------------------------------------
+    def _verify(self, seqs, drafts, alive, fail) -> tuple[dict[int, Verdict], float]:
+        """Every live sequence's verdict, and the seconds its passes took."""
+        t = time.perf_counter()
+        if self.batched and len(alive) > 1:
+            try:
+                return self._verify_batched(seqs, drafts, alive), time.perf_counter() - t
+            except Exception as e:  # noqa: BLE001 - find which sequences fail: each one again on its own
+                log.warning("a batched pass of %d sequences failed (%s: %s): each one again on its own", len(alive),
+                            type(e).__name__, e)
+        verdicts = {}
+        for i in list(alive):
+            s, d = seqs[i], drafts[i]
+            t_i = time.perf_counter()
+            try:
+                verdicts[i] = verify(s.backend, d, s.tokens[-1], len(s.tokens) - 1, s.params, s.generator, self.layers)
+                if self.cuda:  # kernels run asynchronously: time the pass, not its launch
+                    torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                fail(s, e)
+                alive.remove(i)
+                continue
+            if d.parents is None:
+                self.policy.observe_pass(len(d) + 1, time.perf_counter() - t_i)
+        return verdicts, time.perf_counter() - t
+
+    def _verify_batched(self, seqs, drafts, alive) -> dict[int, Verdict]:
+        feeds = [torch.cat([torch.tensor(seqs[i].tokens[-1:], dtype=torch.long), drafts[i].tokens.cpu()]) for i in alive]
+        trees = [drafts[i].parents for i in alive]
+        tree_kw = {"trees": trees} if any(x is not None for x in trees) else {}
+        layer_kw = {"layers": self.layers} if self.layers else {}
+        t = time.perf_counter()
+        outs = self.target.forward_batch([seqs[i].backend for i in alive], feeds, [len(seqs[i].tokens) - 1 for i in alive],
+                                         greedy=[seqs[i].params.greedy for i in alive], **layer_kw, **tree_kw)
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.policy.observe_pass(sum(f.numel() for f in feeds), time.perf_counter() - t)
+        verdicts = {}
+        for i, f, out in zip(alive, feeds, outs):
+            rows, tokens, n = accept(drafts[i], out, seqs[i].params, seqs[i].generator)
+            verdicts[i] = Verdict(tokens, n, rows, out.layers, f.numel(), 1)
+        return verdicts
+
+    # -- 3. accept, 4. roll back ----------------------------------------------------------------
+    def _commit(self, s: Sequence, d: Draft, v: Verdict, draft_s: float, verify_s: float) -> Outcome:
+        limit = self.target.max_context
+        root = len(s.tokens) - 1
+        new, n_acc, finish = commit_tokens(v.tokens, v.accepted, self.eos, s.max_new_tokens - s.produced,
+                                           limit - len(s.tokens))
+        s.tokens.extend(new)
+        s.produced += len(new)
+        if v.rows is not None:  # the cache keeps the accepted path's rows, right after the root
+            s.backend.keep_rows(root, v.rows[:n_acc])
+        if self.layers:  # features of the kept positions: the last committed token and the accepted drafts
+            s.drafter.take_features(root, v.features[kept_rows(v.rows, n_acc)])
+        s.backend.truncate(len(s.tokens) - 1)
+        if s.drafter is not None:
+            s.drafter.accepted(s.tokens, n_acc)
+        self.policy.observe(d.bucket, d.depth, n_acc)
+        st = s.stats
+        st.record_step(d.depth, n_acc)
+        st.draft_s += draft_s
+        st.verify_s += verify_s
+        st.head_rows += v.head_rows
+        st.head_calls += v.head_calls
+        st.verified_rows += len(d) + 1
+        st.new_tokens = s.produced
+        return Outcome(s, new, finish, d.depth, n_acc, len(d) + 1)
+
+
+def commit_tokens(out: list[int], n_acc: int, eos: set[int], left_new: int, left_context: int
+                  ) -> tuple[list[int], int, str | None]:
+    """What a step commits: the accepted drafts plus one token, cut after an EOS inside the run.
+    ``left_new`` / ``left_context``: room left under max_new_tokens / the context limit before
+    this step. Returns (tokens, accepted drafts among them, finish reason: "stop" (EOS),
+    "length", "context" or None)."""
+    new = out[: n_acc + 1]
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[: i + 1], min(n_acc, i), "stop"
+    if len(new) >= left_new:
+        return new, n_acc, "length"
+    return new, n_acc, "context" if len(new) >= left_context else None
+
+
+def clip_draft(draft: Draft, k: int) -> Draft:
+    if draft.parents is not None:  # a tree's depth is bounded by the drafter itself
+        if draft.depth > k:
+            raise ForerunError(f"drafter returned a tree of depth {draft.depth}, more than the {k} asked for")
+        return draft
+    if len(draft) <= k:
+        return draft
+    return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket,
+                 conf=None if draft.conf is None else draft.conf[:k])
+
+
+def first_nodes(draft: Draft, n: int) -> Draft:
+    """The tree's first ``n`` nodes (parents come first, so they form a tree)."""
+    n = max(0, n)
+    return Draft(tokens=draft.tokens[:n], q=None, bucket=draft.bucket, parents=draft.parents[:n],
+                 conf=None if draft.conf is None else draft.conf[:n])
