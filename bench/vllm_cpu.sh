@@ -31,8 +31,8 @@ serve)
     spec=${4:-}
     if [ ! -d "$model" ]; then
         # forerun's converted folder for a named model (dequantized float32 weights + tokenizer)
-        model=$(python -c "from forerun.models import resolve_source, _converted_dir; from pathlib import Path; \
-k, loc = resolve_source('$model'); print(_converted_dir(Path(loc)))")
+        model=$(python -c "from forerun.models import resolve_source, converted_dir; from pathlib import Path; \
+k, loc = resolve_source('$model'); print(converted_dir(Path(loc)))")
         [ -f "$model/forerun.json" ] || { echo "convert it first: forerun generate --model $2 --backend torch hi" >&2; exit 2; }
     fi
     args=(--model "$model" --dtype float32 --port "$port" --host 127.0.0.1 --max-model-len 4096

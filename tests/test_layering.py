@@ -7,7 +7,8 @@ from pathlib import Path
 import forerun
 
 ROOT = Path(forerun.__file__).parent
-DRIVERS = ("forerun.engine", "forerun.batching", "forerun.server", "forerun.cli", "forerun.bench")
+DRIVERS = ("forerun.engine", "forerun.batching", "forerun.decode", "forerun.build", "forerun.server", "forerun.cli",
+           "forerun.bench")
 
 
 def _module(path: Path) -> str:
@@ -57,3 +58,36 @@ def test_no_import_cycles_at_load_time():
     for m in sorted(graph):
         visit(m)
     assert not cycles, cycles
+
+
+def test_no_private_imports_across_modules():
+    """No module reaches into another's private names (``from forerun.x import _y``)."""
+    bad = []
+    for f in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("forerun"):
+                bad += [(_module(f), node.module, a.name) for a in node.names
+                        if a.name.startswith("_") and not a.name.endswith("__")]
+    assert not bad, bad
+
+
+def test_importing_the_package_changes_no_global_state():
+    """Importing every module leaves warnings filters, environment variables and torch's thread
+    count as they were: the library sets nothing behind its caller's back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, warnings, torch, pkgutil, importlib\n"
+        "before = (list(warnings.filters), dict(os.environ), torch.get_num_threads())\n"
+        "import forerun\n"
+        "for m in pkgutil.walk_packages(forerun.__path__, 'forerun.'):\n"
+        "    if m.name != 'forerun.__main__':\n"
+        "        importlib.import_module(m.name)\n"
+        "after = (list(warnings.filters), dict(os.environ), torch.get_num_threads())\n"
+        "changed = [name for name, a, b in zip(('warnings', 'environment', 'threads'), before, after) if a != b]\n"
+        "print(changed)\n"
+        "raise SystemExit(1 if changed else 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

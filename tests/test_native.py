@@ -173,7 +173,7 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
     float32 rounding, for vector-sized and odd shapes, and the LM head's autotuner offers it."""
     import pytest
 
-    from forerun.backends.native import _Linear, f32_rows, f32_rows_kernel
+    from forerun.backends.native import PackedLinear, f32_rows, f32_rows_kernel
 
     if f32_rows_kernel() is None:
         pytest.skip("no C compiler for the f32_rows kernel")
@@ -190,7 +190,7 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
         assert all(torch.equal(f32_rows(w, x[i: i + 1])[0], out[i]) for i in range(n))
     with pytest.raises(ValueError):
         f32_rows(w.double(), x)
-    lin = _Linear(torch.randn(500, 64, generator=g), pack=True, autotune=True)
+    lin = PackedLinear(torch.randn(500, 64, generator=g), pack=True, autotune=True)
     if lin.packed is None:
         pytest.skip("no oneDNN in this torch build")
     assert "rows" in lin.kernels
@@ -204,7 +204,7 @@ def test_f16_weight_rows_kernel_matches_float64_and_is_used_only_where_exact():
     alone; a layer takes the float16 copy only when float16 holds its weights exactly."""
     import pytest
 
-    from forerun.backends.native import _Linear, f16w_rows, f32_rows_kernel
+    from forerun.backends.native import PackedLinear, f16w_rows, f32_rows_kernel
 
     if f32_rows_kernel() is None:
         pytest.skip("no C compiler for the f32_rows kernel")
@@ -218,13 +218,13 @@ def test_f16_weight_rows_kernel_matches_float64_and_is_used_only_where_exact():
         bound = 4 * D * 2.0 ** -24 * (x.double().abs() @ w16.double().abs().T) + 1e-30
         assert out.shape == (n, V) and ((out.double() - ref).abs() <= bound).all()
         assert all(torch.equal(f16w_rows(w16, x[i: i + 1])[0], out[i]) for i in range(n))
-    exact = _Linear(torch.randn(64, 32, generator=g).half().float(), pack=True, half=True)
+    exact = PackedLinear(torch.randn(64, 32, generator=g).half().float(), pack=True, half=True)
     if exact.packed is None:
         pytest.skip("no oneDNN in this torch build")
     assert exact.half is not None
     x = torch.randn(3, 32, generator=g)
     assert torch.allclose(exact(x), x @ exact.weight.T, atol=1e-5)
-    assert _Linear(torch.randn(64, 32, generator=g), pack=True, half=True).half is None  # float16 would round it
+    assert PackedLinear(torch.randn(64, 32, generator=g), pack=True, half=True).half is None  # float16 would round it
 
 
 def test_body_kernel_is_chosen_once_and_both_kernels_agree():

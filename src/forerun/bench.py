@@ -413,7 +413,7 @@ def write_markdown(results: dict, path: Path) -> None:
     pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
     if pred:
         lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
-        tree_rows = [n for n in pred if _tree_suffix(_base(n))]
+        tree_rows = [n for n in pred if _is_tree(n)]
         for n, p in pred.items():
             m = methods[n]
             app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
@@ -427,23 +427,14 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-_TREE_SUFFIXES = {"-tree": None, "-tree+lookup": "always", "-tree+auto": "auto"}  # -> make_drafter's tree_lookup
+def _is_tree(name: str) -> bool:
+    """Whether a bench method name (or a reference like none@llama.cpp) verifies token trees."""
+    from forerun.build import parse_method
 
-
-def _base(method: str) -> str:
-    """The method name of a bench method without its draft length and +adapt: eagle:auto+adapt -> eagle."""
-    return method.removesuffix("+adapt").partition(":")[0]
-
-
-def _tree_suffix(base: str) -> str | None:
-    """"-tree", "-tree+lookup" or "-tree+auto" when a bench method name ends with one, else None."""
-    return next((s for s in _TREE_SUFFIXES if base.endswith(s)), None)
-
-
-def _method_kind(base: str) -> str:
-    """The drafting method behind a bench method name: eagle-tree, eagle-tree+lookup, eagle-tree+auto -> eagle."""
-    suffix = _tree_suffix(base)
-    return base.removesuffix(suffix) if suffix else base
+    try:
+        return parse_method(name).tree is not None
+    except ForerunError:
+        return False
 
 
 def _tree_pricing(summary: dict, tree_methods: list, backend):
@@ -481,26 +472,18 @@ def default_peers(spec: str) -> str:
 def run_bench(args) -> dict:
     from tqdm import tqdm
 
-    from forerun.draft_length import DraftLength
-    from forerun.drafters import HEAD_METHODS, METHODS, TREE_METHODS, make_drafter, parse_skip_layers
-    from forerun.engine import Engine
-    from forerun.models import load_model
-    from forerun.sampling import SamplingParams
+    from dataclasses import replace
 
-    from forerun.engine import check_k
+    from forerun.build import Options, backend_for, drafter_for, load_draft_model, load_target, parse_method
+    from forerun.draft_length import DraftLength
+    from forerun.drafters import HEAD_METHODS
+    from forerun.engine import Engine
+    from forerun.sampling import SamplingParams
 
     # A method may carry its own draft length: "ngram:6", "layerskip:auto"; else --k applies. A head
     # method may end in "+adapt": its head keeps learning over the run (online adaptation).
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    method_k = {}
-    for m in methods:
-        base, _, k = m.removesuffix("+adapt").partition(":")
-        if m.endswith("+adapt") and _method_kind(base) not in HEAD_METHODS:
-            raise ForerunError(f"{m}: +adapt trains eagle and medusa heads only")
-        if _method_kind(base) not in METHODS or (base != _method_kind(base) and _method_kind(base) not in TREE_METHODS):
-            raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
-                               "eagle-tree, eagle-tree+lookup or eagle-tree+auto; suffix as suffix-tree)")
-        method_k[m] = check_k(k) if k else args.k
+    parsed = {m: parse_method(m) for m in methods}
     peers = [p.strip() for p in (default_peers(args.model) if args.peers == "auto" else args.peers or "").split(",")
              if p.strip()]
     for p in peers:
@@ -510,37 +493,35 @@ def run_bench(args) -> dict:
         raise ForerunError("--max-new-tokens must be >= 1")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference for speedups and greedy equality
-        method_k["none"] = args.k
-    skip = parse_skip_layers(args.skip_layers)  # before the slow load: a typo fails at once
+        parsed["none"] = parse_method("none")
+    method_k = {m: p.k if p.k is not None else args.k for m, p in parsed.items()}
+    if getattr(args, "tree_lookup", False):
+        raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
+                           "medusa-tree+...) in --methods instead of --tree-lookup")
+    options = Options.from_args(args, method="none")
+    skip = options.skip  # before the slow load: a typo fails at once
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = load_prompts(args.prompts, cats, args.limit_per_category)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    needs_draft = any(_base(m) == "draft" for m in methods)
+    needs_draft = any(p.kind == "draft" for p in parsed.values())
     if needs_draft and not args.draft:
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     threads = getattr(args, "threads", None)
-    from forerun.drafters import tree_shape
 
     # "eagle-tree" (a head method + "-tree"): the same head verifying trees of --tree-nodes (default 32);
     # "eagle-tree+lookup": those trees plus the prompt-lookup branch; "eagle-tree+auto": that tree or
     # the lookup chain alone, chosen per step.
-    tree_methods = {m for m in methods if _tree_suffix(_base(m))}
-    tree = tree_shape(args.tree_nodes, args.tree_depth)  # validated whether or not a tree method asks for it
-    if getattr(args, "tree_lookup", False):
-        raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
-                           "medusa-tree+...) in --methods instead of --tree-lookup")
+    tree_methods = {m for m in methods if parsed[m].tree}
+    tree = options.tree  # validated whether or not a tree method asks for it
     tree = (tree or (32, None)) if tree_methods else None
     # --backend auto picks per method (llama.cpp where a method runs there, torch where it needs
     # layers or hidden states); plain decoding then runs on every backend used, as each one's reference.
-    from forerun.models import load_for_methods, method_backend, resolve_source
+    from forerun.models import resolve_source
 
-    kinds = {m: _method_kind(_base(m)) for m in methods}
-    if args.backend == "auto":
-        backend_of = {m: method_backend(kinds[m], args.model, args.device) for m in methods}
-    else:
-        backend_of = {m: args.backend for m in methods}
+    kinds = {m: parsed[m].kind for m in methods}
+    backend_of = {m: backend_for(options, [kinds[m]]) for m in methods}
     primary = backend_of["none"]
     for b in sorted(set(backend_of.values()) - {primary}):  # right after none: each prompt's references run first
         methods.insert(methods.index("none") + 1, f"none@{b}")
@@ -548,28 +529,25 @@ def run_bench(args) -> dict:
         kinds[f"none@{b}"] = "none"
         backend_of[f"none@{b}"] = b
     ref_of = {m: "none" if b == primary else f"none@{b}" for m, b in backend_of.items()}
-    if len(set(backend_of.values())) == 1:
-        targets = {primary: load_for_methods(args.model, [kinds[m] for m in methods], dtype=args.dtype,
-                                             device=args.device, backend=args.backend, threads=threads)}
-        backend_of = {m: primary for m in methods}
-    else:
-        targets = {b: load_model(args.model, dtype=args.dtype, device=args.device, backend=b, threads=threads)
-                   for b in sorted(set(backend_of.values()))}
+    targets = {b: load_target(options, backend=b) for b in sorted(set(backend_of.values()))}
     target = targets[primary]
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=threads) if needs_draft else None
+    draft_method = next((m for m in methods if kinds[m] == "draft"), None)
+    draft = load_draft_model(replace(options, method="draft"), backend_of[draft_method]) if draft_method else None
     hf_model = None
     if any(p.startswith("hf") for p in peers):  # the transformers peers need a torch model (built on first use)
         hf_model = next((t.hf_model for t in targets.values() if t.hf_model is not None), None)
         if hf_model is None:
-            hf_model = load_model(args.model, dtype=args.dtype, device=args.device, backend="hf", threads=threads).hf_model
+            hf_model = load_target(options, backend="hf").hf_model
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
     def build(m):
-        base = _base(m)
-        return make_drafter(kinds[m], targets[backend_of[m]], draft_model=draft, skip_layers=skip,
-                            head_path=heads.get(kinds[m]), tree=tree if m in tree_methods else None,
-                            tree_lookup=_TREE_SUFFIXES.get(_tree_suffix(base)), adapt=m.endswith("+adapt"))
+        tree_m = tree if m in tree_methods else None
+        opts = replace(options, method=kinds[m], draft=heads.get(kinds[m]) if kinds[m] in HEAD_METHODS else args.draft,
+                       tree_nodes=tree_m[0] if tree_m else 0, tree_depth=tree_m[1] if tree_m else None,
+                       tree_lookup=parsed[m].lookup if m in parsed else None, adapt=m in parsed and parsed[m].adapt,
+                       skip_layers=skip)
+        return drafter_for(opts, targets[backend_of[m]], draft)
 
     drafters = {m: build(m) for m in methods}
     engines = {m: Engine(targets[backend_of[m]].backend, d, targets[backend_of[m]].eos_token_ids)

@@ -286,19 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args, methods=()):
-    """The target for ``methods`` (see ``models.load_for_methods``)."""
-    from forerun.models import load_for_methods
+    """The target for ``methods`` (see ``build.backend_for``)."""
+    from forerun.build import Options, load_target
 
-    return load_for_methods(args.model, methods, dtype=args.dtype, device=args.device, backend=args.backend,
-                            threads=args.threads)
+    return load_target(Options.from_args(args), methods, backend=None if methods else args.backend)
 
 
 def cmd_generate(args) -> int:
+    from forerun.build import Options, build
     from forerun.chat import prompt_ids, uses_chat
-    from forerun.drafters import check_adapt_args, check_method, make_drafter, parse_skip_layers
     from forerun.drafters.adapt import save_adapted
-    from forerun.engine import Engine
-    from forerun.models import load_model
     from forerun.sampling import SamplingParams
 
     # Validate everything cheap before loading any model.
@@ -306,24 +303,14 @@ def cmd_generate(args) -> int:
         raise ForerunError("empty prompt")
     if args.max_new_tokens < 1:
         raise ForerunError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    check_method(args.method, bool(args.draft))
-    check_adapt_args(args.method, args.adapt, args.adapt_save)
+    options = Options.from_args(args).check()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.threads is not None and args.threads < 1:
-        raise ForerunError(f"--threads must be >= 1, got {args.threads}")
-    skip = parse_skip_layers(args.skip_layers)
-
-    target = _load(args, [args.method])
-    draft = None
-    if args.method == "draft":
-        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
-    head = args.draft if args.method in ("eagle", "medusa") else None
-    drafter = make_drafter(args.method, target, draft_model=draft, skip_layers=skip, head_path=head,
-                           tree=_tree(args), tree_lookup=args.tree_lookup, adapt=args.adapt)
+    setup = build(options)
+    target, drafter = setup.target, setup.drafter
     tok = target.tokenizer
     chat = uses_chat(tok, args.chat)
     ids = prompt_ids(tok, args.prompt, args.chat)
-    engine = Engine(target.backend, drafter, target.eos_token_ids)
+    engine = setup.engine()
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
     save_adapted(drafter, args.adapt_save)
     text = tok.decode(res.token_ids, skip_special_tokens=True)
@@ -425,23 +412,20 @@ def cmd_train_draft(args) -> int:
 
 
 def _replay_plan(args) -> dict:
-    """eval-draft --replay, checked before any model loads: method name -> (tree suffix, draft length)."""
-    from forerun.bench import _method_kind, _tree_suffix
-    from forerun.engine import check_k
+    """eval-draft --replay, checked before any model loads: method name -> (lookup branch, tree, draft length)."""
+    from forerun.build import parse_method
 
     plan = {}
     for m in (m.strip() for m in args.replay.split(",") if m.strip()):
-        base, _, k = m.partition(":")
-        suffix = _tree_suffix(base)
-        if _method_kind(base) != args.kind:
+        method = parse_method(m if ":" in m else m + ":4")
+        if method.kind != args.kind:
             raise ForerunError(f"--replay {m}: not a method of the {args.kind} head (e.g. {args.kind}:4, "
                                f"{args.kind}-tree:6, {args.kind}-tree+lookup:6)")
-        if suffix == "-tree+auto":
+        if method.lookup == "auto":
             raise ForerunError(f"--replay {m}: +auto chooses by measured time per step, which a replay has not")
-        k = check_k(k or 4)
-        if k == "auto":
+        if method.k == "auto":
             raise ForerunError(f"--replay {m}: give a fixed draft length (a replay has no timings for 'auto')")
-        plan[m] = (suffix, k)
+        plan[m] = (method.lookup, method.tree is not None, method.k)
     if not plan:
         raise ForerunError("--replay names no method")
     _tree(args)  # a bad --tree-nodes or --tree-depth fails now too
@@ -454,7 +438,7 @@ def cmd_export_draft(args) -> int:
     import torch
 
     from forerun.drafters import load_trained_head, require_hidden_states
-    from forerun.models import _converted_dir, load_model, resolve_source
+    from forerun.models import converted_dir, load_model, resolve_source
     from forerun.training.export import export_head
 
     if args.k < 1:
@@ -478,7 +462,7 @@ def cmd_export_draft(args) -> int:
     config = target.config.to_dict()
     verifier = args.verifier
     if verifier is None:
-        verifier = str(_converted_dir(Path(loc))) if kind == "gguf" else (
+        verifier = str(converted_dir(Path(loc))) if kind == "gguf" else (
             str(Path(loc).resolve()) if kind == "folder" else loc)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     out = export_head(head, args.out, fmt=args.format, target=config, verifier=verifier, k=args.k, dtype=dtype)
@@ -490,7 +474,7 @@ def cmd_export_draft(args) -> int:
 def cmd_eval_draft(args) -> int:
     from pathlib import Path
 
-    from forerun.bench import _TREE_SUFFIXES, load_prompts
+    from forerun.bench import load_prompts
     from forerun.drafters import load_trained_head, make_drafter, require_hidden_states
     from forerun.models import load_model
     from forerun.training.evaluate import evaluate_head, format_report
@@ -504,8 +488,8 @@ def cmd_eval_draft(args) -> int:
     require_hidden_states(target, "eval-draft")
     head = load_trained_head(args.kind, target, args.head, flag="--head")
     tree = _tree(args) or (32, args.tree_depth)
-    replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if suffix else None,
-                               tree_lookup=_TREE_SUFFIXES.get(suffix)), k) for m, (suffix, k) in plan.items()}
+    replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if is_tree else None,
+                               tree_lookup=lookup), k) for m, (lookup, is_tree, k) in plan.items()}
     report = evaluate_head(target, head, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                            top_k=args.top_k, replay=replay, log=lambda s: print(s, file=sys.stderr))
     report["prompts_file"] = Path(args.prompts).name

@@ -155,7 +155,7 @@ def _check_gguf(path: Path) -> None:
         raise ForerunError(f"{path} is not a GGUF file (bad magic bytes)")
 
 
-def _converted_dir(path: Path) -> Path:
+def converted_dir(path: Path) -> Path:
     import transformers
 
     st = path.stat()
@@ -193,7 +193,7 @@ def check_gguf_tokenizer(tok, path: Path) -> None:
 
 def _convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file once into an HF folder (config, safetensors, tokenizer)."""
-    out = _converted_dir(path)  # the path was checked by resolve_source
+    out = converted_dir(path)  # the path was checked by resolve_source
     if (out / "forerun.json").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -229,7 +229,7 @@ def _gguf_folder(path: Path) -> Path:
     """A folder with the tokenizer of a GGUF file, converted once (the weights are not converted)."""
     from transformers import AutoTokenizer
 
-    full = _converted_dir(path)
+    full = converted_dir(path)
     if (full / "forerun.json").exists():
         return full
     folder = full.with_name(full.name + "-tokenizer")
@@ -254,7 +254,7 @@ def _gguf_config(path: Path):
     metadata value, seconds for a large vocabulary) and kept beside the converted files."""
     from transformers import AutoConfig
 
-    full = _converted_dir(path)
+    full = converted_dir(path)
     folder = full if (full / "forerun.json").exists() else full.with_name(full.name + "-config")
     try:
         with warnings.catch_warnings():

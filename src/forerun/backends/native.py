@@ -32,7 +32,7 @@ INVARIANT_ROWS = 64
 ROWS_ANY = "rows-any"
 
 
-class _Linear:
+class PackedLinear:
     """y = x @ W.T, with the fastest measured kernel for each row count on CPU.
 
     Measured on a 2-core AVX-512 CPU, float32, the 640 x 262,144 LM head: plain
@@ -348,7 +348,7 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = True) -> torch.Tensor:
     """RMS norm with the norm's effective weight (Gemma's ``1 + w`` folded in). ``weight_in_float``:
     Gemma multiplies by the weight before casting back to x's dtype, Llama-style norms after."""
     xf = x.float()
@@ -413,14 +413,14 @@ class _Layer:
         a, m = hf_layer.self_attn, hf_layer.mlp
         self.n_q = a.q_proj.out_features
         self.n_kv = a.k_proj.out_features
-        self.qkv = _Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), pack)
+        self.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), pack)
         self.qkv_bias = _bias(a.q_proj, a.k_proj, a.v_proj)  # Qwen2
-        self.o = _Linear(a.o_proj.weight.detach(), pack)
+        self.o = PackedLinear(a.o_proj.weight.detach(), pack)
         self.o_bias = _bias(a.o_proj)
         self.inter = m.gate_proj.out_features
-        self.gate_up = _Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), pack)
+        self.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), pack)
         self.gate_up_bias = _bias(m.gate_proj, m.up_proj)
-        self.down = _Linear(m.down_proj.weight.detach(), pack)
+        self.down = PackedLinear(m.down_proj.weight.detach(), pack)
         self.down_bias = _bias(m.down_proj)
         self.act = _ACTIVATIONS[arch.act]
         names = (("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -500,7 +500,7 @@ class NativeBackend(BackendBase):
         if file_tensors is not None:
             head_source = ((lambda: self.embed) if file_tensors.head_name is None
                            else (lambda: file_tensors.full(file_tensors.head_name)))
-        self.lm_head = _Linear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True, source=head_source)
+        self.lm_head = PackedLinear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True, source=head_source)
         self.softcap = arch.final_softcap
         self.layers = [_Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
         self.quant = None  # QLayer per layer: the integer path (``_qbody``)
@@ -639,7 +639,7 @@ class NativeBackend(BackendBase):
         return F.embedding(tokens, t)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, weight, self.eps, self.arch.gemma_norms)
+        return rms_norm(x, weight, self.eps, self.arch.gemma_norms)
 
     # -- cache -----------------------------------------------------------------------------
     @property
@@ -749,9 +749,9 @@ class NativeBackend(BackendBase):
                  best, times["onednn"] * 1000, times["rows"] * 1000)
         return best
 
-    def sub_head(self, rows: torch.Tensor) -> _Linear:
+    def sub_head(self, rows: torch.Tensor) -> PackedLinear:
         """An LM head over the vocabulary rows ``rows`` only (logits come back in that order)."""
-        return _Linear(self.lm_head.weight[rows.to(self.device)].contiguous(), self._pack)
+        return PackedLinear(self.lm_head.weight[rows.to(self.device)].contiguous(), self._pack)
 
     # -- forward ---------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, start: int | None = None):
@@ -798,7 +798,7 @@ class NativeBackend(BackendBase):
         skip_layers: Sequence[int] = (),
         return_hidden: bool = False,
         last_only: bool = False,
-        head: "_Linear | None" = None,
+        head: "PackedLinear | None" = None,
         layers: Sequence[int] = (),
         logits: bool = True,
         tree: torch.Tensor | None = None,
@@ -897,7 +897,7 @@ class NativeBackend(BackendBase):
         ids = self.argmax_hidden(passed.hidden)
         return (ids, passed.layers) if layers else ids
 
-    def _logits(self, h: torch.Tensor, head: "_Linear | None" = None) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None) -> torch.Tensor:
         """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""
         out = (head or self.lm_head)(h).float()
         if self.softcap:

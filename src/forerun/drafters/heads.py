@@ -167,11 +167,11 @@ class DraftHead(nn.Module):
         return self
 
     def _pack_layer(self, m: nn.Linear):
-        from forerun.backends.native import _Linear
+        from forerun.backends.native import PackedLinear
 
         if getattr(self, "_int8", False):
             return _Q8Linear(m.weight.detach())
-        return _Linear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=self._half)
+        return PackedLinear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=self._half)
 
     def refresh_packed(self) -> None:
         """After the weights changed (online adaptation): repack every layer but the output layer

@@ -6,9 +6,9 @@ import logging
 import os
 
 from forerun.batching import BatchEngine
-from forerun.drafters import check_adapt_args, check_method, make_drafter
+from forerun.build import Options, backend_for, drafter_for, load_draft_model, load_target
 from forerun.errors import ForerunError
-from forerun.models import method_backend, model_key
+from forerun.models import model_key
 
 log = logging.getLogger("forerun")
 
@@ -42,8 +42,9 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
     _check_api_key(api_key)
     # every method of generate (token trees where the backend verifies them); each slot forks this drafter
-    drafter = make_drafter(method, model, draft_model=draft_model, skip_layers=skip_layers, head_path=head_path,
-                           adapt=adapt, tree=tree, tree_lookup=tree_lookup)
+    options = Options(model.name, method=method, draft=head_path, skip_layers=skip_layers, tree_nodes=tree[0] if tree else 0,
+                      tree_depth=tree[1] if tree else None, tree_lookup=tree_lookup, adapt=adapt, serving=True)
+    drafter = drafter_for(options, model, draft_model)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
                          max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
     engine.prepare_slots()
@@ -78,37 +79,25 @@ def _heap_trimmer():
 def serve(args) -> int:
     import uvicorn
 
-    from forerun.models import load_model
-    from forerun.drafters import parse_skip_layers, tree_shape
+    from forerun.drafters.adapt import save_adapted
     from forerun.server.app import create_app, is_loopback
     from forerun.server.limits import Limits
 
-    check_method(args.method, bool(args.draft))
-    from forerun.drafters.adapt import save_adapted
-
-    check_adapt_args(args.method, args.adapt, args.adapt_save)
-    tree = tree_shape(args.tree_nodes, args.tree_depth)  # a bad shape fails before the model loads
+    options = Options.from_args(args, serving=True).check()  # every option fails before the model loads
     api_key = resolve_api_key(args.api_key)
-    skip = parse_skip_layers(args.skip_layers)
     if not 0 <= args.port <= 65535:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
-    backend = method_backend(args.method, args.model, args.device, serving=True) if args.backend == "auto" else args.backend
     limits = Limits(keep_alive_s=args.keep_alive_timeout, read_timeout_s=args.read_timeout,
                     max_connections=args.max_connections, max_header_bytes=args.max_header_bytes).check()
-    if args.max_context < 2:
-        raise ForerunError(f"--max-context must be >= 2, got {args.max_context}")
-    model = load_model(args.model, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
-                       max_context=args.max_context)
-    draft = None
-    if args.method == "draft":
-        draft = load_model(args.draft, dtype=args.dtype, device=args.device, backend=backend, threads=args.threads,
-                           max_context=args.max_context)
+    backend = backend_for(options)
+    model = load_target(options, backend=backend)
+    draft = load_draft_model(options, backend)
     service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name,
                             api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
-                            skip_layers=skip, head_path=args.draft if args.method in ("eagle", "medusa") else None,
+                            skip_layers=options.skip, head_path=options.head_path,
                             prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt, progress=True,
-                            tree=tree, tree_lookup=args.tree_lookup)
+                            tree=options.tree, tree_lookup=args.tree_lookup)
     if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)

@@ -305,9 +305,9 @@ class Trainer:
         exactly as it computes them (renormalised over the draft vocabulary)."""
         if self.extract_layers[-1] != self.num_layers - 1 or self.final_norm is None:
             raise ForerunError("soft labels need the target's last layer among the feature layers")
-        from forerun.backends.native import _rms_norm
+        from forerun.backends.native import rms_norm
 
-        h = _rms_norm(feats[..., -self.embed.shape[1]:].float(), self.final_norm.float(), self.eps)
+        h = rms_norm(feats[..., -self.embed.shape[1]:].float(), self.final_norm.float(), self.eps)
         logits = h @ self.lm_head[d2t].float().T
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

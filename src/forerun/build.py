@@ -1,0 +1,184 @@
+"""One way to build a generation setup from options: the target model behind its backend, the
+drafter, and the engine that drives them.
+
+``forerun generate``, ``forerun bench``, ``forerun serve`` and ``eval-draft`` all build through
+here: a method runs on the same backend with the same checks however it is asked for, and every
+option is checked before a model loads. Which backend runs which method is
+``models.method_backend``'s answer, asked only from here.
+
+Bench method names (also ``eval-draft --replay``): ``METHOD[-tree[+lookup|+auto]][:K][+adapt]``,
+e.g. ``ngram:auto``, ``eagle-tree+lookup:8``, ``medusa:3+adapt``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from forerun.errors import ForerunError
+
+# bench's tree suffixes -> the drafter's lookup branch: none, on every tree, or chosen per step
+TREE_SUFFIXES = {"-tree": None, "-tree+lookup": "always", "-tree+auto": "auto"}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A bench method name, parsed: ``eagle-tree+lookup:8`` -> kind eagle, tree "-tree+lookup", k 8."""
+
+    name: str
+    kind: str  # the drafting method (METHODS)
+    tree: str | None  # "-tree", "-tree+lookup", "-tree+auto" or None (a chain)
+    k: int | str | None  # its own draft length, if it names one
+    adapt: bool  # the head keeps learning over the run
+
+    @property
+    def lookup(self) -> str | None:
+        return TREE_SUFFIXES.get(self.tree) if self.tree else None
+
+
+def parse_method(name: str) -> Method:
+    """A bench method name, checked (an unknown name is a clear error)."""
+    from forerun.drafters import HEAD_METHODS, METHODS, TREE_METHODS
+    from forerun.engine import check_k
+
+    base, _, k = name.removesuffix("+adapt").partition(":")
+    tree = next((s for s in TREE_SUFFIXES if base.endswith(s)), None)
+    kind = base.removesuffix(tree) if tree else base
+    if kind not in METHODS or (tree and kind not in TREE_METHODS):
+        raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
+                           "eagle-tree, eagle-tree+lookup or eagle-tree+auto; suffix as suffix-tree)")
+    if tree and tree != "-tree" and kind not in HEAD_METHODS:
+        raise ForerunError(f"{name}: the lookup branch is grafted onto a head's tree (eagle or medusa)")
+    adapt = name.endswith("+adapt")
+    if adapt and kind not in HEAD_METHODS:
+        raise ForerunError(f"{name}: +adapt trains eagle and medusa heads only")
+    return Method(name, kind, tree, check_k(k) if k else None, adapt)
+
+
+@dataclass
+class Options:
+    """What a user asks for (the command line's options, or a library caller's)."""
+
+    model: str
+    method: str = "none"
+    draft: str | None = None  # method draft: the draft model; eagle/medusa: a trained head folder
+    backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int | None = None
+    max_context: int | None = None
+    skip_layers: str | list | None = None  # layerskip: "1,2,3" or a list (default: the calibrated choice)
+    tree_nodes: int = 0  # eagle/medusa/suffix: a token tree of this many nodes (0: a chain)
+    tree_depth: int | None = None
+    tree_lookup: str | None = None  # None, "always" or "auto"
+    adapt: bool = False
+    adapt_save: str | None = None
+    serving: bool = False  # for the server: a backend that batches sequences
+
+    @classmethod
+    def from_args(cls, args, **override) -> "Options":
+        """From an argparse namespace: the fields it has (others keep their defaults)."""
+        kw = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**(kw | override))
+
+    def check(self) -> "Options":
+        """Everything that can be checked before a model loads; returns itself."""
+        from forerun.drafters import check_adapt_args, check_method
+
+        check_method(self.method, bool(self.draft))
+        check_adapt_args(self.method, self.adapt, self.adapt_save)
+        self.tree  # noqa: B018 - a bad shape fails now
+        self.skip  # noqa: B018
+        if self.threads is not None and self.threads < 1:
+            raise ForerunError(f"--threads must be >= 1, got {self.threads}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
+        return self
+
+    @property
+    def tree(self):
+        from forerun.drafters import tree_shape
+
+        return tree_shape(self.tree_nodes, self.tree_depth)
+
+    @property
+    def skip(self):
+        from forerun.drafters import parse_skip_layers
+
+        return self.skip_layers if isinstance(self.skip_layers, list) else parse_skip_layers(self.skip_layers)
+
+    @property
+    def head_path(self):
+        from forerun.drafters import HEAD_METHODS
+
+        return self.draft if self.method in HEAD_METHODS else None
+
+
+def backend_for(options: Options, methods=()) -> str:
+    """The backend that runs ``methods`` (default: the options' method): ``--backend`` as given,
+    else ``models.method_backend``'s choice (torch where the methods differ)."""
+    from forerun.models import method_backend
+
+    if options.backend != "auto":
+        return options.backend
+    chosen = {method_backend(m, options.model, options.device, serving=options.serving)
+              for m in (methods or (options.method,))}
+    return chosen.pop() if len(chosen) == 1 else "torch"
+
+
+def load_target(options: Options, methods=(), backend: str | None = None):
+    """The target model, on ``backend`` (default: ``backend_for(options, methods)``)."""
+    from forerun.models import load_model
+
+    return load_model(options.model, dtype=options.dtype, device=options.device,
+                      backend=backend or backend_for(options, methods), threads=options.threads,
+                      max_context=options.max_context)
+
+
+def load_draft_model(options: Options, backend: str):
+    """Method draft's draft model, on the target's ``backend`` (None for other methods)."""
+    from forerun.models import load_model
+
+    if options.method != "draft":
+        return None
+    return load_model(options.draft, dtype=options.dtype, device=options.device, backend=backend,
+                      threads=options.threads, max_context=options.max_context)
+
+
+def drafter_for(options: Options, target, draft_model=None):
+    """The drafter the options ask for, over ``target`` (None for plain decoding)."""
+    from forerun.drafters import make_drafter
+
+    return make_drafter(options.method, target, draft_model=draft_model, skip_layers=options.skip,
+                        head_path=options.head_path, tree=options.tree, tree_lookup=options.tree_lookup,
+                        adapt=options.adapt)
+
+
+@dataclass
+class Setup:
+    """A target, its drafter and what built them, ready to decode."""
+
+    options: Options
+    target: object  # a models.LoadedModel
+    drafter: object | None
+    draft_model: object | None = None
+
+    def engine(self):
+        """One sequence at a time (``Engine``)."""
+        from forerun.engine import Engine
+
+        return Engine(self.target.backend, self.drafter, self.target.eos_token_ids)
+
+    def batch_engine(self, **kw):
+        """Many sequences per step (``BatchEngine``; keyword options as its own)."""
+        from forerun.batching import BatchEngine
+
+        return BatchEngine(self.target.backend, self.target.eos_token_ids, drafter=self.drafter, **kw)
+
+
+def build(options: Options) -> Setup:
+    """Check the options, load the target (and a draft model), build the drafter."""
+    options.check()
+    backend = backend_for(options)
+    target = load_target(options, backend=backend)
+    draft = load_draft_model(options, backend=backend)
+    return Setup(options, target, drafter_for(options, target, draft), draft)
