@@ -17,7 +17,10 @@ import time
 
 import torch
 
+from forerun.backends.base import Capabilities, ForwardOutput
 from forerun.errors import ForerunError
+from forerun.stats import GenerationStats
+from forerun.tree import tree_layout
 
 
 def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 128, steps: int = 4, top_k: int = 8,
@@ -88,39 +91,56 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def replay_generation(drafter, ids: list[int], start: int, feats: torch.Tensor, k: int) -> tuple[list[int], list[int]]:
-    """Tokens the engine would commit per verify pass (accepted drafts + 1), and the drafted depth
-    per pass, when the target's greedy answer is ``ids[start:]``: the drafter proposes exactly as in
-    a generation (same code, same calls), but acceptance is read off the known answer and the
-    features come from one target pass over the whole sequence (``feats`` [len(ids), ...]) instead
-    of the verify passes. Greedy only; a fixed draft length ``k``."""
-    from forerun.drafters.base import empty_draft
-    from forerun.decode import clip_draft
-    from forerun.sampling import SamplingParams
-    from forerun.tree import children_lists
+class RecordedTarget:
+    """A target that answers from a recording: its greedy answer ``ids`` (prompt included) and the
+    outputs of its feature layers in one pass over them (``feats`` [len(ids), ...]).
 
-    drafter.begin(list(ids[:start]), SamplingParams(), None)
-    if start > 1:  # the prefill: every prompt position but the last
-        drafter.take_features(0, feats[: start - 1])
-    t, commits, depths = start, [], []
-    while t < len(ids):
-        want = min(k, len(ids) - t - 1)
-        draft = clip_draft(drafter.propose(list(ids[:t]), want), want) if want > 0 else empty_draft()
-        toks = draft.tokens.tolist()
-        n = 0
-        if draft.parents is None:
-            while n < len(toks) and toks[n] == ids[t + n]:
-                n += 1
-        else:  # walk down while a child holds the answer's next token
-            kids, row = children_lists(draft.parents), 0
-            while (row := next((c for c in kids[row] if toks[c - 1] == ids[t + n]), None)) is not None:
-                n += 1
-        drafter.take_features(t - 1, feats[t - 1 : t + n])  # the last committed position and the accepted drafts
-        t += n + 1
-        drafter.accepted(list(ids[:t]), n)
-        commits.append(n + 1)
-        depths.append(draft.depth)
-    return commits, depths
+    Its argmax at a verify row is the recorded token after that row's position, and the row's
+    features are the recorded position's: exact on the recorded path, which is all that greedy
+    acceptance and the kept rows ever read. Driven by the ordinary engine, a drafter is replayed
+    exactly as in a generation whose target gave this answer (same drafting, same acceptance, same
+    rollback), without running the target again."""
+
+    capabilities = Capabilities(exact_argmax=True, argmax_features=True, argmax_tree=True, token_trees=True)
+    device = torch.device("cpu")
+
+    def __init__(self, ids: list[int], feats: torch.Tensor | None):
+        self.ids = torch.tensor(ids, dtype=torch.long)
+        self.feats = feats
+        self.max_context = len(ids) + (1 << 20)  # no cache to fill: trees are never cut for room
+        self.vocab_size = int(self.ids.max()) + 1
+
+    def reset(self) -> None:
+        pass
+
+    def truncate(self, length: int) -> None:
+        pass
+
+    def keep_rows(self, root: int, rows) -> None:
+        pass
+
+    def forward(self, tokens: torch.Tensor, pos: int, *, layers=(), **kw) -> ForwardOutput:
+        """The prefill: only the recorded features are read."""
+        return ForwardOutput(logits=None, layers=self.feats[pos: pos + len(tokens)] if layers else None)
+
+    def argmax_forward(self, tokens: torch.Tensor, pos: int, *, layers=(), tree=None):
+        depth = torch.arange(len(tokens)) if tree is None else tree_layout(tree)[0]
+        at = (pos + depth).clamp(max=len(self.ids) - 1)  # each row's position on the recorded path
+        ids = self.ids[(at + 1).clamp(max=len(self.ids) - 1)]
+        return (ids, self.feats[at]) if layers else ids
+
+
+def replay_generation(drafter, ids: list[int], start: int, feats: torch.Tensor | None, k: int
+                      ) -> tuple[list[int], list[int]]:
+    """Tokens committed per verify pass, and the drafted depth per pass, of a greedy generation with
+    draft length ``k`` whose target answers ``ids[start:]``: the engine runs as in any generation
+    (``forerun.decode``), on a ``RecordedTarget`` instead of the model."""
+    from forerun.engine import Engine
+
+    stats = GenerationStats()
+    steps = Engine(RecordedTarget(ids, feats), drafter, ()).stream(
+        list(ids[:start]), max_new_tokens=len(ids) - start, k=k, stats=stats)
+    return [len(s.tokens) for s in steps], stats.k_history
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:
