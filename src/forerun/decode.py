@@ -153,16 +153,21 @@ class Decoder:
             return timed(i, lambda: seqs[i].drafter.propose(seqs[i].tokens, k) if k > 0 else empty_draft())
 
         if proto.offers_tree_or_chain:  # per round: the drafter's tree, or its lookup chain alone
-            for i in list(alive):
-                s, want = seqs[i], min(pol.k_max, caps[i])
+            # how far each sequence drafts at all (under load: maybe not), then tree or chain
+            wants = [min(pol.fixed, caps[i]) for i in alive] if pol.fixed is not None else pol.choose(
+                [caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
+            for i, want in zip(list(alive), wants):
+                s = seqs[i]
                 chain = timed(i, lambda: s.drafter.lookup_chain(s.tokens, want)) if want > 0 else None
                 if chain is None or i not in alive:
                     continue
                 cut = pol.tree_or_chain(chain.bucket, chain.conf or [], s.drafter.tree_rows(len(chain)))
                 if cut is None:
                     drafts[i], rounds[i] = propose(i, want), chain.bucket
-                else:
-                    drafts[i] = clip_draft(chain, cut)
+                else:  # its acceptance counts with the drafter's other rounds, as a tree's does
+                    drafts[i] = Draft(tokens=chain.tokens[:cut])
+            if pol.fixed is None:
+                pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
         elif pol.fixed is not None:
             for i in list(alive):
                 want = min(pol.fixed, caps[i])
