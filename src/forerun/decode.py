@@ -101,6 +101,7 @@ class Decoder:
     def step(self, seqs: list[Sequence], on_fail: Callable[[Sequence, Exception], None] | None = None) -> list[Outcome]:
         """One draft / verify / accept / roll-back round for every sequence."""
         fail = on_fail or _raise
+        t0 = time.perf_counter()
         alive = list(range(len(seqs)))
         drafts, rounds, draft_s = self._draft(seqs, alive, fail)
         verdicts, pass_s = self._verify(seqs, drafts, alive, fail)
@@ -118,8 +119,11 @@ class Decoder:
                 self.policy.observe_pass(len(d) + 1, draft_s[i] + share, kind="tree")
                 if rounds[i] is not None:
                     self.policy.observe_tree(rounds[i], out[-1].accepted + 1)
+        t = time.perf_counter()
         for o in out:
-            o.seq.stats.wall_s = time.perf_counter() - o.seq.t_start
+            o.seq.stats.wall_s = t - o.seq.t_start
+        if out:
+            self.policy.observe_overhead((t - t0 - pass_s - sum(draft_s)) / len(out))
         return out
 
     # -- 1. draft ----------------------------------------------------------------------------
