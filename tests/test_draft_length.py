@@ -9,12 +9,12 @@ from forerun.stats import GenerationStats
 from forerun.drafters.ngram import NgramDrafter, lookup_match
 
 
-def _measured(pol, base=0.010, per_row=0.003, rows=range(1, 20)):
+def _measured(pol, base=0.010, per_row=0.003, rows=range(1, 20), kind="pass"):
     """A machine where a pass costs 10 ms plus 3 ms per row beyond the first (each row seen twice:
-    the first of a row count is not a sample)."""
+    the first pass of a row count is not a sample)."""
     for r in rows:
         for _ in range(2):
-            pol.observe_pass(r, base + per_row * (r - 1))
+            pol.observe_pass(r, base + per_row * (r - 1), kind)
 
 
 def _one(pol, avail, bucket=None, conf=None, charge=False):
@@ -134,7 +134,7 @@ def test_tree_or_chain_learns_what_pays():
     pol.observe_pass(21, 0.051, "tree")
     pol.observe_tree(3, 5)
     assert pol.tree_or_chain(3, [0.5] * 4, 21) == 4  # then the chain, to measure a round without the head
-    _measured(pol, per_row=0.001, rows=range(1, 6))  # a chain round: 10 ms + 1 ms per row
+    _measured(pol, per_row=0.001, rows=range(1, 6), kind="chain")  # a chain round: 10 ms + 1 ms per row
     # A sure chain's 5 tokens in 14 ms beat the tree's 6 in 51 ms.
     for _ in range(6):
         pol.observe_tree(3, 6)

@@ -106,30 +106,30 @@ class Decoder:
         drafts, rounds, draft_s = self._draft(seqs, alive, fail)
         verdicts, pass_s = self._verify(seqs, drafts, alive, fail)
         rows = sum(len(drafts[i]) + 1 for i in alive) or 1
-        out = []
+        done = []
         for i in alive:
             s, d = seqs[i], drafts[i]
             share = pass_s * (len(d) + 1) / rows  # this sequence's share of the step's passes
             try:
-                out.append(self._commit(s, d, verdicts[i], draft_s[i], share))
+                done.append((i, self._commit(s, d, verdicts[i], draft_s[i], share)))
             except Exception as e:  # noqa: BLE001 - this sequence only
                 fail(s, e)
-                continue
-            if d.parents is not None:  # a tree round, timed whole: its drafting and its share of the pass
-                self.policy.observe_pass(len(d) + 1, draft_s[i] + share, kind="tree")
-                if rounds[i] is not None:
-                    self.policy.observe_tree(rounds[i], out[-1].accepted + 1)
         t = time.perf_counter()
-        for o in out:
+        other = (t - t0 - pass_s - sum(draft_s)) / max(len(done), 1)  # a sequence's share of the step's other work
+        for i, o in done:
             o.seq.stats.wall_s = t - o.seq.t_start
-        if out:
-            self.policy.observe_overhead((t - t0 - pass_s - sum(draft_s)) / len(out))
-        return out
+            if rounds[i] is not None:  # a tree-or-chain round, timed whole
+                kind, bucket = rounds[i]
+                n = len(drafts[i]) + 1
+                self.policy.observe_pass(n, draft_s[i] + pass_s * n / rows + other, kind=kind)
+                if kind == "tree":
+                    self.policy.observe_tree(bucket, o.accepted + 1)
+        return [o for _, o in done]
 
     # -- 1. draft ----------------------------------------------------------------------------
     def _draft(self, seqs, alive, fail):
-        """Every sequence's draft; ``rounds[i]``: the trust bucket of a round where the policy chose
-        the drafter's tree over its lookup chain (None otherwise)."""
+        """Every sequence's draft; ``rounds[i]``: for a tree-or-chain drafter, ("tree" or "chain",
+        this round's trust bucket) (None otherwise)."""
         n, pol, proto = len(seqs), self.policy, self.drafter
         drafts: list[Draft] = [empty_draft() for _ in range(n)]
         rounds: list = [None] * n
@@ -167,9 +167,11 @@ class Decoder:
                     continue
                 cut = pol.tree_or_chain(chain.bucket, chain.conf or [], s.drafter.tree_rows(len(chain)))
                 if cut is None:
-                    drafts[i], rounds[i] = propose(i, want), chain.bucket
+                    drafts[i] = propose(i, want)
+                    rounds[i] = ("tree", chain.bucket)
                 else:  # its acceptance counts with the drafter's other rounds, as a tree's does
                     drafts[i] = Draft(tokens=chain.tokens[:cut])
+                    rounds[i] = ("chain", chain.bucket)
             if pol.fixed is None:
                 pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
         elif pol.fixed is not None:

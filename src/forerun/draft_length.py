@@ -110,8 +110,9 @@ class DraftLength:
 
     Drafters that offer a token tree or a prompt-lookup chain (``tree_or_chain``) get the option
     with more tokens per second for this round's bucket: the tree's measured yield over its
-    measured round cost (head drafting and pass, ``costs["tree"]``), or the chain cut where it
-    pays; both also pay the step's measured time outside drafting and passes (``overhead``). A bucket tries the option it has not been choosing after ``tree_probe_every`` rounds;
+    measured round cost, or the chain cut where it pays, priced by measured rounds without the
+    head (``costs["tree"]`` / ``costs["chain"]``: whole rounds as the decode step timed them,
+    drafting, the sequence's share of the pass and of the step's other work). A bucket tries the option it has not been choosing after ``tree_probe_every`` rounds;
     each such probe that changes nothing doubles that interval (up to ``max_tree_probe_every``).
     """
 
@@ -125,9 +126,10 @@ class DraftLength:
         self.probe_every, self.sequential = probe_every, sequential
         self.tree_probe_every, self.max_tree_probe_every = tree_probe_every, max_tree_probe_every
         # What the machine and model cost (kept across requests by ``renewed``):
-        self.costs: dict[str, dict[int, float | None]] = {"pass": {}, "tree": {}}  # kind -> rows -> seconds
+        # kind -> rows -> seconds: target passes ("pass"); whole rounds of a tree-or-chain drafter that
+        # verified its tree ("tree") or its chain ("chain"), drafting and the step's other work included
+        self.costs: dict[str, dict[int, float | None]] = {"pass": {}, "tree": {}, "chain": {}}
         self.draft_cost: float | None = None  # seconds per drafted token (drafters that are not cheap)
-        self.overhead: float | None = None  # seconds per sequence and step outside drafting and passes
         # What this workload accepts:
         self.buckets: dict[object, list[float]] = {}  # bucket -> [accepted, rejections]
         self.tree_yield: dict[object, float] = {}  # bucket -> average tokens per tree round
@@ -142,22 +144,18 @@ class DraftLength:
                           margin=self.margin, probe_every=self.probe_every, sequential=self.sequential,
                           tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every)
         new.costs = {kind: dict(c) for kind, c in self.costs.items()}
-        new.draft_cost, new.overhead = self.draft_cost, self.overhead
+        new.draft_cost = self.draft_cost
         return new
 
     # -- measurements ----------------------------------------------------------------------
     def observe_pass(self, rows: int, seconds: float, kind: str = "pass") -> None:
-        """A target pass over ``rows`` rows (``kind`` "tree": a whole tree round, head included)."""
+        """A target pass over ``rows`` rows (``kind`` "tree" / "chain": a whole round of a
+        tree-or-chain drafter)."""
         pts = self.costs[kind]
         if rows not in pts and kind == "pass":  # the first pass of a row count may include one-time kernel tuning
             pts[rows] = None
         else:
             pts[rows] = ema(pts.get(rows), seconds)
-
-    def observe_overhead(self, seconds: float) -> None:
-        """A sequence's share of a step's time outside drafting and target passes (acceptance,
-        rollback, bookkeeping): the same for every option, so it weighs against short rounds."""
-        self.overhead = ema(self.overhead, max(0.0, seconds))
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -244,13 +242,13 @@ class DraftLength:
     def _tree_or_chain(self, bucket, chain_conf: list[float], tree_rows: int) -> int | None:
         chain_conf = chain_conf[: self.k_max]
         tree_cost = self.cost(tree_rows, "tree")
-        if self.cost(1) is None:  # nothing measured without the head yet: the chain once
+        if self.cost(1, "chain") is None:  # no round without the head measured yet: the chain once
             return len(chain_conf) if tree_cost is not None else None
-        gain, extra = chain_yield(chain_conf), self.overhead or 0.0
-        k, chain_rate = max(((j, gain[j] / (self.cost(j + 1) + extra)) for j in range(len(gain))), key=lambda x: x[1])
+        gain = chain_yield(chain_conf)
+        k, chain_rate = max(((j, gain[j] / self.cost(j + 1, "chain")) for j in range(len(gain))), key=lambda x: x[1])
         if tree_cost is None or bucket not in self.tree_yield:
             return None
-        tree_better = self.tree_yield[bucket] / (tree_cost + extra) > chain_rate
+        tree_better = self.tree_yield[bucket] / tree_cost > chain_rate
         st = self.tree_probes.setdefault(bucket, {"every": self.tree_probe_every, "since": 0, "before": None})
         if st["before"] is not None:  # the first choice after a probe: rarer probes while they change nothing
             st["every"] = (min(2 * st["every"], self.max_tree_probe_every) if tree_better == st["before"]
