@@ -75,7 +75,9 @@ def test_measured_costs_carry_over_to_the_next_request():
     first.observe_draft(2, 0.004)
     first.observe(3, 4, 4)
     first.choices["tree"] = 2
+    first.observe_tree(3, 4)
     nxt = first.renewed("auto")
+    assert nxt.tree_yield == {3: 4} and nxt.tree_yield is not first.tree_yield
     assert nxt.costs == first.costs and nxt.costs["pass"] is not first.costs["pass"]
     assert nxt.draft_cost == first.draft_cost and nxt.k_max == 12
     assert nxt.buckets == {} and nxt.choices["tree"] == 0  # acceptance belongs to the request

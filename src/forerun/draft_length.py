@@ -138,13 +138,17 @@ class DraftLength:
         self.choices = {"tree": 0, "chain": 0, "none": 0}  # tree-or-chain rounds by what they verified
 
     def renewed(self, k: int | str) -> "DraftLength":
-        """A policy for the next request on the same target: the measured costs carry over (they
-        belong to the machine and the model); acceptance starts afresh."""
+        """A policy for the next request on the same target: the measured costs and tree yields
+        carry over (they belong to the machine, the model and its head); acceptance starts afresh."""
         new = DraftLength(k, k_max=self.auto_k_max, k_start=self.k_start, decay=self.decay,
                           margin=self.margin, probe_every=self.probe_every, sequential=self.sequential,
                           tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every)
         new.costs = {kind: dict(c) for kind, c in self.costs.items()}
         new.draft_cost = self.draft_cost
+        # what a head's tree yields per bucket, and how often that was probed, describe the head and
+        # the target as much as the machine: a tree-or-chain drafter's next request starts from them
+        new.tree_yield = dict(self.tree_yield)
+        new.tree_probes = {b: dict(st) for b, st in self.tree_probes.items()}
         return new
 
     # -- measurements ----------------------------------------------------------------------
