@@ -73,7 +73,7 @@ def test_passes_are_batch_invariant(lc):
         be.truncate(base)
         one = torch.cat([be.forward(extra[k: k + 1], base + k).logits for k in range(len(extra))])
         assert torch.equal(together, one), start
-        assert torch.equal(be.argmax_forward(extra, base)[0], one[0].argmax())
+        assert torch.equal(be.argmax_forward(extra, base).ids[0], one[0].argmax())
 
 
 @pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", "auto")])
@@ -115,7 +115,7 @@ def test_fast_greedy_head_matches_llamacpp_head(lc, certified):
         be.forward(ids[:start], 0, last_only=True)
         ref = be.forward(ids[start: start + 9], start).logits.argmax(-1)
         be.truncate(start)
-        h_ids = be.argmax_forward(ids[start: start + 9], start)
+        h_ids = be.argmax_forward(ids[start: start + 9], start).ids
         # rows up to the first one disagreeing with the next input are what greedy verification uses
         n = 9
         for i in range(8):
@@ -190,10 +190,11 @@ def _check_layer_outputs(lc, be):
     verify = be.forward(ids[30:], 30, layers=layers)
     assert verify.logits.shape[0] == 10 and torch.equal(verify.layers, prompt.layers[30:])
     be.truncate(30)
-    am, feats = be.argmax_forward(ids[30:], 30, layers=layers)
+    out = be.argmax_forward(ids[30:], 30, layers=layers)
+    am, feats = out.ids, out.layers
     assert torch.equal(feats, prompt.layers[30:]) and torch.equal(am, verify.logits.argmax(-1))
     be.truncate(35)
-    assert torch.equal(be.argmax_forward(ids[35:36], 35, layers=layers)[1], prompt.layers[35:36])
+    assert torch.equal(be.argmax_forward(ids[35:36], 35, layers=layers).layers, prompt.layers[35:36])
     # past 256 positions (where llama.cpp's attention over an f16 cache changed kernels)
     long = torch.tensor(lc.tokenizer(" ".join(spec_bench_prompts("rag", 2))).input_ids[:260])
     assert len(long) == 260
@@ -201,7 +202,7 @@ def _check_layer_outputs(lc, be):
     be.forward(long[:250], 0, last_only=True)
     full = be.forward(long[250:], 250, layers=layers).layers  # a 10-row pass (prompt passes of >= 64 rows differ)
     be.truncate(250)
-    assert torch.equal(be.argmax_forward(long[250:251], 250, layers=layers)[1], full[:1])
+    assert torch.equal(be.argmax_forward(long[250:251], 250, layers=layers).layers, full[:1])
     assert torch.equal(be.forward(long[251:252], 251, layers=layers).layers, full[1:2])
     with pytest.raises(ValueError, match="out of range"):
         be.forward(ids[:2], 0, layers=(18,))

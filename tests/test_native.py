@@ -159,12 +159,13 @@ def test_argmax_forward_matches_logits_for_chains_and_trees():
     be.forward(ids[:16], 0)
     ref = be.forward(ids[16:], 16).logits.double().argmax(-1)
     be.truncate(16)
-    assert torch.equal(be.argmax_forward(ids[16:], 16), ref)
+    assert torch.equal(be.argmax_forward(ids[16:], 16).ids, ref)
     parents = torch.tensor([-1, 0, 0, 1])  # rows 1..4 hang off the root and each other
     be.truncate(16)
     tree_logits = be.forward(ids[16:21], 16, tree=parents).logits
     be.truncate(16)
-    ids_tree, feats = be.argmax_forward(ids[16:21], 16, layers=[1, 3], tree=parents)
+    out = be.argmax_forward(ids[16:21], 16, layers=[1, 3], tree=parents)
+    ids_tree, feats = out.ids, out.layers
     assert torch.equal(ids_tree, tree_logits.argmax(-1)) and feats.shape == (5, 128)
 
 
@@ -266,7 +267,7 @@ def test_greedy_head_auto_decides_once_and_matches_float_argmax():
     be.reset()
     ref = be.forward(ids, 0).logits.double().argmax(-1)
     be.reset()
-    assert torch.equal(be.argmax_forward(ids, 0), ref)
+    assert torch.equal(be.argmax_forward(ids, 0).ids, ref)
     h = be.forward(ids[:3], 0, logits=False, return_hidden=True).hidden
     assert torch.equal(be.argmax_hidden(h), ref[:3])
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forerun.backends.base import ArgmaxOutput, Capabilities
+from forerun.backends.base import Capabilities
 from forerun.drafters.base import Draft
 from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
 from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept
@@ -86,9 +86,7 @@ def pass_outputs(backend, feed: torch.Tensor, root: int, *, greedy: bool, layers
     serves (greedy), else a ``ForwardOutput`` with logits."""
     tree_kw = {} if tree is None else {"tree": tree}
     if uses_argmax(backend.capabilities, greedy, layers, tree):
-        if layers:
-            return ArgmaxOutput(*backend.argmax_forward(feed, root, layers=layers, **tree_kw))
-        return ArgmaxOutput(backend.argmax_forward(feed, root, **tree_kw))
+        return backend.argmax_forward(feed, root, **({"layers": layers} if layers else {}), **tree_kw)
     return backend.forward(feed, root, **({"layers": layers} if layers else {}), **tree_kw)
 
 

@@ -82,10 +82,10 @@ class Backend(Protocol):
     # What a backend has where its ``capabilities`` say so (each flag names its methods):
 
     def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
-                       tree: torch.Tensor | None = None):
-        """``exact_argmax``: the greedy token [T] of every row, decided from that row alone;
-        with ``layers`` (``argmax_features``) also those layers' outputs; with ``tree``
-        (``argmax_tree``) over a token tree."""
+                       tree: torch.Tensor | None = None) -> ArgmaxOutput:
+        """``exact_argmax``: the greedy token [T] of every row, decided from that row alone
+        (``ids``); with ``layers`` (``argmax_features``) also those layers' outputs (``layers``);
+        with ``tree`` (``argmax_tree``) over a token tree."""
 
     def argmax_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """``lazy_tree_head``: greedy tokens of final normed hidden states, for the rows a tree

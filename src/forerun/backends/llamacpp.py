@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from forerun.backends.base import BackendBase, Capabilities, ForwardOutput
+from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.errors import ForerunError
 
 DEFAULT_CONTEXT = 8192
@@ -636,14 +636,18 @@ class LlamaCppBackend(BackendBase):
             raise AttributeError("embed")
         return head.embedding_rows()
 
-    @torch.inference_mode()
-    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = ()):
-        """Greedy targets of a verify pass: argmax [T] at every position, exactly as llama.cpp's head gives.
+    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = ()) -> ArgmaxOutput:
+        """Greedy targets of a verify pass: argmax [T] at every position, exactly as llama.cpp's head
+        gives, and the outputs of ``layers`` [T, len(layers) * hidden].
 
         Rows after the first row whose argmax differs from the next input token are not needed
-        by greedy verification and may be -1. With ``layers``, returns (argmax, layer outputs
-        [T, len(layers) * hidden]).
-        """
+        by greedy verification and may be -1."""
+        out = self._argmax_ids(tokens, pos, tuple(layers))
+        return ArgmaxOutput(*out) if layers else ArgmaxOutput(out)
+
+    @torch.inference_mode()
+    def _argmax_ids(self, tokens: torch.Tensor, pos: int, layers: tuple):
+        """``argmax_forward``'s work: the argmax, or (argmax, layer outputs) with ``layers``."""
         T = tokens.numel()
         layers = tuple(layers)
         use = self.fast_greedy and self.ctx.tap is not None and 0 < T <= self.ctx.n_batch

@@ -889,13 +889,12 @@ class NativeBackend(BackendBase):
 
     @torch.inference_mode()
     def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
-                       tree: torch.Tensor | None = None):
+                       tree: torch.Tensor | None = None) -> ArgmaxOutput:
         """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
-        decided from each row's own hidden state alone; with ``layers``, (argmax, layer outputs)."""
+        decided from each row's own hidden state alone, and the outputs of ``layers``."""
         tree_kw = {} if tree is None else {"tree": tree}
         passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
-        ids = self.argmax_hidden(passed.hidden)
-        return (ids, passed.layers) if layers else ids
+        return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
 
     def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None) -> torch.Tensor:
         """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""

@@ -78,10 +78,10 @@ def _greedy(backend, ids: list[int], n: int) -> list[int]:
     backend.reset()
     if len(ids) > 1:  # as the engine runs it: the prompt but its last token, then one-token steps
         backend.forward(torch.tensor(ids[:-1]), 0, logits=False)
-    tok = int(backend.argmax_forward(torch.tensor(ids[-1:]), len(ids) - 1)[-1])
+    tok = int(backend.argmax_forward(torch.tensor(ids[-1:]), len(ids) - 1).ids[-1])
     out = [tok]
     for i in range(n - 1):
-        tok = int(backend.argmax_forward(torch.tensor([tok]), len(ids) + i)[-1])
+        tok = int(backend.argmax_forward(torch.tensor([tok]), len(ids) + i).ids[-1])
         out.append(tok)
     return out
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from forerun.backends.base import Capabilities, ForwardOutput
+from forerun.backends.base import ArgmaxOutput, Capabilities, ForwardOutput
 from forerun.errors import ForerunError
 from forerun.stats import GenerationStats
 from forerun.tree import tree_layout
@@ -126,8 +126,7 @@ class RecordedTarget:
     def argmax_forward(self, tokens: torch.Tensor, pos: int, *, layers=(), tree=None):
         depth = torch.arange(len(tokens)) if tree is None else tree_layout(tree)[0]
         at = (pos + depth).clamp(max=len(self.ids) - 1)  # each row's position on the recorded path
-        ids = self.ids[(at + 1).clamp(max=len(self.ids) - 1)]
-        return (ids, self.feats[at]) if layers else ids
+        return ArgmaxOutput(self.ids[(at + 1).clamp(max=len(self.ids) - 1)], self.feats[at] if layers else None)
 
 
 def replay_generation(drafter, ids: list[int], start: int, feats: torch.Tensor | None, k: int
