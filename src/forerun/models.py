@@ -503,16 +503,6 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
                        eos_token_ids=eos_ids(hf_model, tokenizer))
 
 
-def load_for_methods(spec: str, methods=(), *, dtype: str = "auto", device: str = "auto", backend: str = "auto",
-                     threads: int | None = None) -> LoadedModel:
-    """The target for ``methods``: with ``backend="auto"`` the backend they all run on (see
-    ``method_backend``; torch where they differ), else ``backend``."""
-    if backend == "auto" and methods:
-        chosen = {method_backend(m, spec, device) for m in methods}
-        backend = chosen.pop() if len(chosen) == 1 else "torch"
-    return load_model(spec, dtype=dtype, device=device, backend=backend, threads=threads)
-
-
 def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:
     from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
 
