@@ -105,7 +105,6 @@ class BatchEngine:
         # the server's draft lengths: slower to forget, and drafting must beat plain batched decoding by 3%
         self.policy = DraftLength(k_max=k_max, decay=0.95, margin=0.03, probe_every=32, sequential=not self.batched)
         self.decoder = Decoder(target, self.drafter, eos_token_ids, self.policy)
-        self.eos = self.decoder.eos
         self.waiting: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self._free: list[_Slot] = []

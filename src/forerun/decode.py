@@ -29,7 +29,7 @@ from forerun.errors import ForerunError
 from forerun.prefix_cache import prefill
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
-from forerun.verify import Verdict, accept, kept_rows, verify
+from forerun.verify import Verdict, feed_of, judge, kept_rows, verify
 
 log = logging.getLogger("forerun")
 
@@ -106,22 +106,20 @@ class Decoder:
         drafts, rounds, draft_s = self._draft(seqs, alive, fail)
         verdicts, pass_s = self._verify(seqs, drafts, alive, fail)
         rows = sum(len(drafts[i]) + 1 for i in alive) or 1
+        share = {i: pass_s * (len(drafts[i]) + 1) / rows for i in alive}  # each sequence's share of the passes
         done = []
         for i in alive:
-            s, d = seqs[i], drafts[i]
-            share = pass_s * (len(d) + 1) / rows  # this sequence's share of the step's passes
             try:
-                done.append((i, self._commit(s, d, verdicts[i], draft_s[i], share)))
+                done.append((i, self._commit(seqs[i], drafts[i], verdicts[i], draft_s[i], share[i])))
             except Exception as e:  # noqa: BLE001 - this sequence only
-                fail(s, e)
+                fail(seqs[i], e)
         t = time.perf_counter()
         other = (t - t0 - pass_s - sum(draft_s)) / max(len(done), 1)  # a sequence's share of the step's other work
         for i, o in done:
             o.seq.stats.wall_s = t - o.seq.t_start
             if rounds[i] is not None:  # a tree-or-chain round, timed whole
                 kind, bucket = rounds[i]
-                n = len(drafts[i]) + 1
-                self.policy.observe_pass(n, draft_s[i] + pass_s * n / rows + other, kind=kind)
+                self.policy.observe_pass(len(drafts[i]) + 1, draft_s[i] + share[i] + other, kind=kind)
                 if kind == "tree":
                     self.policy.observe_tree(bucket, o.accepted + 1)
         return [o for _, o in done]
@@ -225,7 +223,7 @@ class Decoder:
         return verdicts, time.perf_counter() - t
 
     def _verify_batched(self, seqs, drafts, alive) -> dict[int, Verdict]:
-        feeds = [torch.cat([torch.tensor(seqs[i].tokens[-1:], dtype=torch.long), drafts[i].tokens.cpu()]) for i in alive]
+        feeds = [feed_of(seqs[i].tokens[-1], drafts[i]) for i in alive]
         trees = [drafts[i].parents for i in alive]
         tree_kw = {"trees": trees} if any(x is not None for x in trees) else {}
         layer_kw = {"layers": self.layers} if self.layers else {}
@@ -235,11 +233,7 @@ class Decoder:
         if self.cuda:
             torch.cuda.synchronize()
         self.policy.observe_pass(sum(f.numel() for f in feeds), time.perf_counter() - t)
-        verdicts = {}
-        for i, f, out in zip(alive, feeds, outs):
-            rows, tokens, n = accept(drafts[i], out, seqs[i].params, seqs[i].generator)
-            verdicts[i] = Verdict(tokens, n, rows, out.layers, f.numel(), 1)
-        return verdicts
+        return {i: judge(drafts[i], out, seqs[i].params, seqs[i].generator) for i, out in zip(alive, outs)}
 
     # -- 3. accept, 4. roll back ----------------------------------------------------------------
     def _commit(self, s: Sequence, d: Draft, v: Verdict, draft_s: float, verify_s: float) -> Outcome:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -46,10 +45,10 @@ class Engine:
     def __init__(self, target, drafter: Drafter | None = None, eos_token_ids=()):
         self.target = target  # a Backend
         self.drafter = drafter
-        self.eos = set(int(i) for i in eos_token_ids)
         # the last request's draft-length policy: the next one starts from its measured costs
         self.policy = DraftLength()
-        self.decoder = Decoder(target, drafter, self.eos, self.policy)
+        self.decoder = Decoder(target, drafter, eos_token_ids, self.policy)
+        self.eos = self.decoder.eos
 
     def stream(
         self,
@@ -71,7 +70,7 @@ class Engine:
         k = check_k(k) if self.drafter is not None else 1
         self.policy = self.decoder.policy = self.policy.renewed(k)
         seq = Sequence(list(prompt), max_new_tokens, self.target, self.drafter, params,
-                       stats if stats is not None else GenerationStats(), t_start=time.perf_counter())
+                       stats if stats is not None else GenerationStats())
         self.decoder.start(seq)
         while True:
             (out,) = self.decoder.step([seq])

@@ -69,9 +69,14 @@ def verify(backend, draft: Draft, last_token: int, root: int, params: SamplingPa
 
         rows, out, head_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
         return Verdict(out, len(rows), rows, passed.layers, head_rows, calls[0])
-    out = pass_outputs(backend, feed, root, greedy=params.greedy, layers=layers, tree=tree)
+    return judge(draft, pass_outputs(backend, feed, root, greedy=params.greedy, layers=layers, tree=tree), params,
+                 generator)
+
+
+def judge(draft: Draft, out, params: SamplingParams, generator=None) -> Verdict:
+    """The verdict on ``draft`` from one pass's outputs over its rows (the LM head ran on all of them)."""
     rows, tokens, n = accept(draft, out, params, generator)
-    return Verdict(tokens, n, rows, out.layers, len(feed), 1)
+    return Verdict(tokens, n, rows, out.layers, len(draft) + 1, 1)
 
 
 def uses_argmax(caps: Capabilities, greedy: bool, layers: tuple = (), tree: torch.Tensor | None = None) -> bool:
