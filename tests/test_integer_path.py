@@ -140,6 +140,29 @@ def test_tree_rows_and_batched_sequences_are_one_token_steps():
     assert torch.equal(both[0].logits, sa) and torch.equal(both[1].logits, sb)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_greedy_rows_take_the_argmax_of_the_logits(arch):
+    """The integer path's greedy tokens (found inside the kernel, no logits formed; Gemma 2's
+    soft-capped head takes its logits) are the argmax of its logits, alone and in a batched pass."""
+    _, lm = integer_model(arch)
+    be = lm.backend
+    ids = torch.randint(4, 96, (40,), generator=torch.Generator().manual_seed(3))
+    be.reset()
+    h = be.forward(ids, 0, logits=False, return_hidden=True).hidden
+    assert torch.equal(be.argmax_hidden(h), be._logits(h).argmax(-1))
+    a, b = be.fork(), be.fork()
+    a.forward(ids[:30], 0, logits=False)
+    b.forward(ids[:20], 0, logits=False)
+    both = be.forward_batch([a, b], [ids[30:35], ids[20:22]], [30, 20], greedy=[True, False])
+    a.truncate(30)
+    want = a.forward(ids[30:35], 30).logits.argmax(-1)
+    if be.softcap:  # Gemma 2: logits, as for sampled rows
+        assert torch.equal(both[0].logits.argmax(-1), want)
+    else:
+        assert torch.equal(both[0].ids, want)
+    assert both[1].logits is not None
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 def test_greedy_speculation_equals_plain_decoding(arch):
     _, lm = integer_model(arch)

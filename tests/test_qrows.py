@@ -121,6 +121,34 @@ def test_stacked_parts_of_different_types():
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", list(TYPES))
+def test_argmax_is_the_first_maximum_of_the_outputs(name):
+    """The fused greedy head: the index and value torch.argmax / max give on forerun_q_linear's
+    outputs, on every build and path, equal outputs resolved to the first (also across the
+    threads' ranges), a partial last row group and stacked parts included."""
+    typ = TYPES[name]
+    raw = random_blocks(typ, 2603, 256, seed=11)  # several chunks of 512 per thread; a partial last group
+    one = raw[:1]
+    same = np.concatenate([one] * 50)  # 50 equal rows: every output ties, row 0 must win
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(6))
+    for parts in ([(unpack(raw, typ), typ)], [(unpack(same, typ), typ)],
+                  [(unpack(raw[:40], typ), typ), (unpack(raw, typ), typ)]):  # row 0 again at column 40
+        lin = QLinear(parts)
+        for isa, lib in builds():
+            for portable in (0, 1):
+                lib.forerun_q_portable(portable)
+                try:
+                    out = lin(x, lib=lib)
+                    idx, val = lin.argmax(x, lib=lib)
+                finally:
+                    lib.forerun_q_portable(0)
+                assert torch.equal(idx, out.argmax(-1)), (name, isa, portable)
+                assert torch.equal(val, out.max(-1).values), (name, isa, portable)
+        if len(parts[0][0].codes) == 50:
+            assert idx.tolist() == [0] * 9
+
+
+@needs_kernels
 def test_bad_sizes_are_refused():
     c = unpack(random_blocks(Q8_0, 8, 64, seed=1), Q8_0)
     with pytest.raises(ValueError):

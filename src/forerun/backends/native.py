@@ -874,11 +874,18 @@ class NativeBackend(BackendBase):
 
     def argmax_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Greedy tokens [n] of final normed hidden states h [n, hidden], each decided from its
-        own row: the screened exact head where it is in use, else the argmax of float32 logits."""
+        own row: the screened exact head where it is in use, on the integer path the argmax of its
+        logits found inside the kernel (no logits formed; tanh soft-capped heads, where capping can
+        make near logits equal, take the logits), else the argmax of float32 logits."""
+        fn = self._argmax_without_logits(h)
+        return self._logits(h).argmax(-1) if fn is None else fn(h)
+
+    def _argmax_without_logits(self, h: torch.Tensor | None = None):
+        """What ``argmax_hidden`` runs instead of float32 logits, or None."""
+        if self.quant is not None and self.lm_head.qlin is not None and not self.softcap:
+            return lambda x: self.lm_head.qlin.argmax(x)[0]
         head = self.exact_head(h)
-        if head is None:
-            return self._logits(h).argmax(-1)
-        return head.argmax(h).to(self.device)
+        return None if head is None else (lambda x: head.argmax(x).to(self.device))
 
     @property
     def lazy_tree_head(self) -> bool:
@@ -1007,7 +1014,8 @@ class NativeBackend(BackendBase):
         cache (forks of this backend); where ``trees[i]`` is given, its rows 1.. are a token tree
         with those parents (as ``forward(tree=)``). Returns each sequence's logits [T_i, vocab]
         (float32) and, with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets
-        the exact argmax of every row instead of logits (``ArgmaxOutput``), where the exact head exists."""
+        the exact argmax of every row instead of logits (``ArgmaxOutput``), where it is found without logits
+        (``argmax_hidden``: the integer path or the screened exact head)."""
         parts, ids = [], []
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             seq._check_forward(feed, pos)
@@ -1030,14 +1038,14 @@ class NativeBackend(BackendBase):
         sizes = [p[2] for p in parts]
         hn = self._norm(h, self.final_norm).split(sizes)
         per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
-        exact = self.exact_head() if any(greedy) else None
-        flags = [exact is not None and i < len(greedy) and bool(greedy[i]) for i in range(len(parts))]
+        argmax = self._argmax_without_logits() if any(greedy) else None
+        flags = [argmax is not None and i < len(greedy) and bool(greedy[i]) for i in range(len(parts))]
 
         def run(fn, chosen):  # one pass of fn over the chosen sequences' rows, split back per sequence
             rows = [x for x, f in zip(hn, flags) if f == chosen]
             return iter(fn(torch.cat(rows)).split([len(x) for x in rows]) if rows else [])
 
-        lg, am = run(self._logits, False), run(exact.argmax if exact is not None else None, True)
+        lg, am = run(self._logits, False), run(argmax, True)
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]
 

@@ -186,7 +186,8 @@ static inline int code_at(const uint8_t *blk, int kind, int l, int c) {
     return (int8_t)blk[j * 32 + l * 4 + e];
 }
 
-/* The reference: plain C, every build has it (FORERUN_KERNEL=portable runs it). */
+/* The reference: plain C, every build has it (FORERUN_KERNEL=portable runs it). Group g's outputs
+ * for activation row r go to out[r * ldo + lane], as in group_simd. */
 static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
     int nb = w->D / 32, sub = w->sub;
     const uint8_t *cg = w->codes + g * nb * code_bytes(w->kind);
@@ -211,7 +212,7 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
                     if (w->offset) acc = fmaf(offset_at(w, si), a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)], acc);
                 }
             }
-            out[(int64_t)r * ldo + g * 8 + l] = acc;
+            out[(int64_t)r * ldo + l] = acc;
         }
     }
 }
@@ -422,7 +423,7 @@ static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *ou
         default: break;
         }
         for (int r = 0; r < nr; r++) {
-            float *o = out + (int64_t)(r0 + r) * ldo + g * 8;
+            float *o = out + (int64_t)(r0 + r) * ldo;
             if (lanes == 8) {
                 _mm256_storeu_ps(o, res[r]);
             } else {
@@ -456,12 +457,113 @@ static void qmatmul(const qweight_t *w, int parts, const qact_t *a, float *out, 
         float *o = out + w[p].col;
 #if HAVE_SIMD
         if (!force_portable) {
-            group_simd(&w[p], a, g, o, ldo);
+            group_simd(&w[p], a, g, o + g * 8, ldo);
             continue;
         }
 #endif
-        group_portable(&w[p], a, g, o, ldo);
+        group_portable(&w[p], a, g, o + g * 8, ldo);
     }
+}
+
+/* The greedy token of every row: for each row r of x, the index (counted over the parts' rows in
+ * order, as forerun_q_linear's columns) of its largest output and that value, without storing the
+ * outputs. Every output is computed exactly as forerun_q_linear computes it, and the winner is the
+ * first of equal maxima with NaN above everything (torch.argmax's rule): each thread keeps the
+ * first maximum of its contiguous range of row groups, and the ranges are merged in order. So the
+ * answer is the argmax of forerun_q_linear's outputs, for any thread count.
+ * 0, -1 bad sizes, -2 out of memory. */
+static inline int beats(float v, float best) { return v > best || (v != v && best == best); }
+
+/* Whether any of o[0..n) (n a multiple of 8) is NaN or above best: the filter before the exact scan. */
+static int chunk_may_beat(const float *o, int n, float best) {
+#if HAVE_SIMD
+    __m256 m = _mm256_set1_ps(best), hit = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+        __m256 v = _mm256_loadu_ps(o + j);
+        hit = _mm256_or_ps(hit, _mm256_cmp_ps(v, m, _CMP_NLE_UQ)); /* v > best, or unordered */
+    }
+    return _mm256_movemask_ps(hit) != 0;
+#else
+    for (int j = 0; j < n; j++)
+        if (!(o[j] <= best)) return 1;
+    return 0;
+#endif
+}
+
+int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64_t *idx, float *val) {
+    if (N <= 0 || parts < 1 || parts > 8) return -1;
+    int64_t start[9] = {0};
+    for (int p = 0; p < parts; p++) {
+        if (w[p].D != w[0].D || w[p].D <= 0 || w[p].D % 32 || w[p].V <= 0) return -1;
+        start[p + 1] = start[p] + (w[p].V + 7) / 8;
+    }
+    enum { CH = 64 }; /* row groups per scan: 512 outputs per activation row stay in cache */
+    const int nt = rows_threads(0);
+    qact_t a;
+    float *tv = (float *)malloc(sizeof(float) * (size_t)nt * N);         /* per thread: best value */
+    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * (size_t)nt * N);  /* and its index (-1: none) */
+    float *bufs = (float *)malloc(sizeof(float) * (size_t)nt * N * CH * 8);
+    int rc = act_alloc(&a, N, w->D) != 0 || !tv || !ti || !bufs ? -2 : 0;
+    if (rc == 0) {
+        quantize_rows(x, w->D, N, w->D, &a);
+        for (int64_t i = 0; i < (int64_t)nt * N; i++) ti[i] = -1;
+#pragma omp parallel num_threads(nt)
+        {
+            int t = 0, used = 1;
+#ifdef _OPENMP
+            t = omp_get_thread_num();
+            used = omp_get_num_threads();
+#endif
+            float *buf = bufs + (size_t)t * N * CH * 8, *bv = tv + (size_t)t * N;
+            int64_t *bi = ti + (size_t)t * N;
+            int64_t G = start[parts], lo = G * t / used, hi = G * (t + 1) / used;
+            for (int64_t c0 = lo; c0 < hi; c0 += CH) {
+                int64_t c1 = c0 + CH < hi ? c0 + CH : hi;
+                int p = 0;
+                for (int64_t gi = c0; gi < c1; gi++) {
+                    while (gi >= start[p + 1]) p++;
+                    float *o = buf + (gi - c0) * 8;
+#if HAVE_SIMD
+                    if (!force_portable) group_simd(&w[p], &a, gi - start[p], o, CH * 8);
+                    else
+#endif
+                        group_portable(&w[p], &a, gi - start[p], o, CH * 8);
+                }
+                for (int r = 0; r < N; r++) {
+                    const float *o = buf + (int64_t)r * CH * 8;
+                    /* the chunk's largest value first (a filter: the lanes past a weight's last row
+                     * hold stale values, which can only send a chunk to the exact scan below) */
+                    if (bi[r] >= 0 && !chunk_may_beat(o, (int)(c1 - c0) * 8, bv[r])) continue;
+                    p = 0;
+                    for (int64_t gi = c0; gi < c1; gi++) {
+                        while (gi >= start[p + 1]) p++;
+                        int64_t g = gi - start[p], first = w[p].col + g * 8;
+                        int lanes = (int)(w[p].V - g * 8 < 8 ? w[p].V - g * 8 : 8);
+                        for (int l = 0; l < lanes; l++)
+                            if (bi[r] < 0 || beats(o[(gi - c0) * 8 + l], bv[r])) {
+                                bv[r] = o[(gi - c0) * 8 + l];
+                                bi[r] = first + l;
+                            }
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < N; r++) { /* the threads' ranges in order: the first maximum overall */
+            idx[r] = -1;
+            for (int t = 0; t < nt; t++) {
+                int64_t i = ti[(size_t)t * N + r];
+                if (i >= 0 && (idx[r] < 0 || beats(tv[(size_t)t * N + r], val[r]))) {
+                    idx[r] = i;
+                    val[r] = tv[(size_t)t * N + r];
+                }
+            }
+        }
+    }
+    act_free(&a);
+    free(tv);
+    free(ti);
+    free(bufs);
+    return rc;
 }
 
 /* out [N][ldo] = x [N][D] . w^T for the parts of one stacked weight, activations quantized here.

@@ -142,6 +142,24 @@ class QLinear:
             raise ValueError(f"qrows: bad sizes {n} x {D} against {self.shape}")
         return out
 
+    def argmax(self, x: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax [n] (int64) of ``self(x)`` per row and its value [n], without forming the
+        outputs: the same sums, the first of equal maxima, NaN above all (torch.argmax's rule)."""
+        lib = lib or qrows_lib()
+        x = x.to(torch.float32).contiguous()
+        n, D = x.shape
+        if D != self.shape[1]:
+            raise ValueError(f"qrows: rows of {D} against a weight of {self.shape}")
+        idx = torch.empty(n, dtype=torch.int64)
+        val = torch.empty(n, dtype=torch.float32)
+        lib.forerun_q_threads(torch.get_num_threads())
+        rc = lib.forerun_q_argmax(self.structs, len(self.parts), x.data_ptr(), n, idx.data_ptr(), val.data_ptr())
+        if rc == -2:
+            raise MemoryError("qrows: out of memory")
+        if rc != 0:
+            raise ValueError(f"qrows: bad sizes {n} x {D} against {self.shape}")
+        return idx, val
+
 
 _LIBS: dict[str, object] = {}
 
@@ -158,6 +176,8 @@ def load_isa(isa: str):
             lib.forerun_q_threads.restype = I
             lib.forerun_q_linear.argtypes = [P, I, P, I, P, ctypes.c_int64]
             lib.forerun_q_linear.restype = I
+            lib.forerun_q_argmax.argtypes = [P, I, P, I, P, P]
+            lib.forerun_q_argmax.restype = I
             lib.forerun_q_layer.argtypes = [P, P, I, P]
             lib.forerun_q_layer.restype = I
             lib.forerun_q_layers.argtypes = [P, I, P, P, P, P]
