@@ -75,15 +75,14 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
                        max_texts: int = 4) -> dict:
     """Time of a (K+1)-token verify pass over a 1-token step, at a context of about ``context`` tokens.
 
-    Timed the way greedy generation runs it: where the backend verifies through exact argmaxes
-    (llama.cpp), that path is timed, else a forward with logits at every position. ``texts`` (token
+    Timed the way greedy generation runs it: where the backend verifies through exact argmaxes,
+    that path is timed, else a forward with logits at every position; the pass sizes take turns
+    on one cached context per text (medians of ``reps`` rounds). ``texts`` (token
     id lists: the bench's prompts followed by the target's own greedy continuations) are timed at
     their own positions, and the ratio is that of the summed medians over texts: a head whose cost
     depends on how peaked the next-token distribution is (the screened exact argmax on the CPU)
     sees the rows that decoding sees. Without texts, random tokens are timed (flatter rows).
     """
-    from forerun.timing import median_forward_s
-
     widest = max([*ks, *(rows for rows, _, _ in lazy_trees)])
     context = max(1, min(context, backend.max_context - widest - 2))
     # (context, ids) per text: a short text is timed at a shorter context, one shorter than 16 not at all
@@ -91,21 +90,36 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     n_texts = len(seqs)
     if not seqs:  # no text long enough: random tokens
         seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=torch.Generator().manual_seed(0)))]
-    fn = "argmax_forward" if backend.capabilities.exact_argmax else "forward"
-    # One untimed sweep first: the first passes of each shape after loading run measurably
-    # slower (allocator and oneDNN primitive warm-up) than the steady state of a generation.
-    c0, ids0 = seqs[0]
-    for k in (0, *ks):
-        median_forward_s(backend, ids0[: c0 + k + 1], k + 1, 1, method=fn)
-
-    def total(n, method):
-        return sum(median_forward_s(backend, ids[: c + n], n, reps, method=method) for c, ids in seqs)
-
-    one = total(1, fn)
-    out = {"step_ms": one / len(seqs) * 1000, "context": round(sum(c for c, _ in seqs) / len(seqs)), "texts": n_texts}
-    out.update({str(k): total(k + 1, fn) / one for k in ks})
+    fn = getattr(backend, "argmax_forward" if backend.capabilities.exact_argmax else "forward")
+    # what is timed: (rows, callable) per key; "1" is the one-token step every ratio divides by
+    passes = {"step": (1, fn), **{str(k): (k + 1, fn) for k in ks}}
     for rows, head_rows, calls in sorted(lazy_trees):  # "N+headH/C": N draft nodes and the root, the LM head on H rows in C calls
-        out[lazy_tree_key(rows, head_rows, calls)] = total(rows + 1, _lazy_tree_pass(backend, head_rows, calls)) / one
+        passes[lazy_tree_key(rows, head_rows, calls)] = (rows + 1, _lazy_tree_pass(backend, head_rows, calls))
+    cuda = getattr(backend, "device", torch.device("cpu")).type == "cuda"
+    medians = {key: 0.0 for key in passes}
+    for c, ids in seqs:
+        backend.reset()
+        backend.forward(ids[:c], 0, last_only=True)
+        # Every pass size in turn, round after round, on the same cached context: a machine whose
+        # speed drifts (this kind of CPU does, by tens of percent within minutes) slows all sizes
+        # alike instead of the step measured in one minute and the K-row passes in another. The
+        # first round is not timed (allocator and kernel warm-up of each shape).
+        times = {key: [] for key in passes}
+        for rnd in range(reps + 1):
+            for key, (n, run) in passes.items():
+                backend.truncate(c)
+                t = time.perf_counter()
+                run(ids[c: c + n], c)
+                if cuda:
+                    torch.cuda.synchronize()
+                if rnd:
+                    times[key].append(time.perf_counter() - t)
+        for key, ts in times.items():
+            medians[key] += sorted(ts)[len(ts) // 2]
+    backend.reset()
+    one = medians.pop("step")
+    out = {"step_ms": one / len(seqs) * 1000, "context": round(sum(c for c, _ in seqs) / len(seqs)), "texts": n_texts}
+    out.update({key: total / one for key, total in medians.items()})
     return out
 
 
