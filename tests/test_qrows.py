@@ -146,6 +146,7 @@ def test_argmax_is_the_first_maximum_of_the_outputs(name):
                 assert torch.equal(val, out.max(-1).values), (name, isa, portable)
         if len(parts[0][0].codes) == 50:
             assert idx.tolist() == [0] * 9
+    assert lin.argmax(x[:0])[0].shape == (0,)  # no rows: nothing to find
 
 
 @needs_kernels

@@ -152,6 +152,8 @@ class QLinear:
             raise ValueError(f"qrows: rows of {D} against a weight of {self.shape}")
         idx = torch.empty(n, dtype=torch.int64)
         val = torch.empty(n, dtype=torch.float32)
+        if n == 0:
+            return idx, val
         lib.forerun_q_threads(torch.get_num_threads())
         rc = lib.forerun_q_argmax(self.structs, len(self.parts), x.data_ptr(), n, idx.data_ptr(), val.data_ptr())
         if rc == -2:
