@@ -63,6 +63,14 @@ MUTANTS = [
      "rows, tokens, n = accept(drafts[i], out, seqs[i].params, seqs[i].generator); n = 0",
      "the batch engine throws away every accepted draft (lossless, but speculation does nothing)",
      ["tests/test_batching.py"]),
+    ("argmax-last-tie", "backends/qrows.c", "return v > best || (v != v && best == best);",
+     "return v >= best || (v != v && best == best);",
+     "the integer path's greedy head keeps the last of equal maxima, not the first (torch.argmax's)",
+     ["tests/test_qrows.py"]),
+    ("argmax-filter-inverted", "backends/qrows.c", "if (bi[r] >= 0 && !chunk_may_beat(",
+     "if (bi[r] >= 0 && chunk_may_beat(",
+     "the greedy head's filter skips the buffers that can hold a new maximum",
+     ["tests/test_qrows.py"]),
 ]
 
 
