@@ -91,7 +91,7 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     if not seqs:  # no text long enough: random tokens
         seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=torch.Generator().manual_seed(0)))]
     fn = getattr(backend, "argmax_forward" if backend.capabilities.exact_argmax else "forward")
-    # what is timed: (rows, callable) per key; "1" is the one-token step every ratio divides by
+    # what is timed: (rows, callable) per key; "step" is the one-token step every ratio divides by
     passes = {"step": (1, fn), **{str(k): (k + 1, fn) for k in ks}}
     for rows, head_rows, calls in sorted(lazy_trees):  # "N+headH/C": N draft nodes and the root, the LM head on H rows in C calls
         passes[lazy_tree_key(rows, head_rows, calls)] = (rows + 1, _lazy_tree_pass(backend, head_rows, calls))

@@ -444,24 +444,35 @@ static int force_portable = 0;
 /* 1: every product takes the plain C reference even in a SIMD build (tests compare the two). */
 void forerun_q_portable(int on) { force_portable = on; }
 
+/* Row group g of w against every row of a, outputs to out[r * ldo + lane]: this build's SIMD tiles,
+ * or the plain C reference where it is forced. */
+static inline void run_group(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
+#if HAVE_SIMD
+    if (!force_portable) {
+        group_simd(w, a, g, out, ldo);
+        return;
+    }
+#endif
+    group_portable(w, a, g, out, ldo);
+}
+
+/* The stacked parts' row groups counted in order: part p's are start[p] .. start[p + 1] - 1. */
+static void group_starts(const qweight_t *w, int parts, int64_t start[9]) {
+    start[0] = 0;
+    for (int p = 0; p < parts; p++) start[p + 1] = start[p] + (w[p].V + 7) / 8;
+}
+
 /* out[r][col + v] (row stride ldo) for all rows of a and the weight rows of every part: the
  * parts of a stacked weight (q, k and v; gate and up) share one loop over their row groups. */
 static void qmatmul(const qweight_t *w, int parts, const qact_t *a, float *out, int64_t ldo) {
-    int64_t start[9] = {0};
-    for (int p = 0; p < parts; p++) start[p + 1] = start[p] + (w[p].V + 7) / 8;
+    int64_t start[9];
+    group_starts(w, parts, start);
 #pragma omp parallel for schedule(static)
     for (int64_t gi = 0; gi < start[parts]; gi++) {
         int p = 0;
         while (gi >= start[p + 1]) p++;
         int64_t g = gi - start[p];
-        float *o = out + w[p].col;
-#if HAVE_SIMD
-        if (!force_portable) {
-            group_simd(&w[p], a, g, o + g * 8, ldo);
-            continue;
-        }
-#endif
-        group_portable(&w[p], a, g, o + g * 8, ldo);
+        run_group(&w[p], a, g, out + w[p].col + g * 8, ldo);
     }
 }
 
@@ -492,11 +503,10 @@ static int chunk_may_beat(const float *o, int n, float best) {
 
 int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64_t *idx, float *val) {
     if (N <= 0 || parts < 1 || parts > 8) return -1;
-    int64_t start[9] = {0};
-    for (int p = 0; p < parts; p++) {
+    for (int p = 0; p < parts; p++)
         if (w[p].D != w[0].D || w[p].D <= 0 || w[p].D % 32 || w[p].V <= 0) return -1;
-        start[p + 1] = start[p] + (w[p].V + 7) / 8;
-    }
+    int64_t start[9];
+    group_starts(w, parts, start);
     enum { CH = 64 }; /* row groups per scan: 512 outputs per activation row stay in cache */
     const int nt = rows_threads(0);
     qact_t a;
@@ -522,12 +532,7 @@ int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64
                 int p = 0;
                 for (int64_t gi = c0; gi < c1; gi++) {
                     while (gi >= start[p + 1]) p++;
-                    float *o = buf + (gi - c0) * 8;
-#if HAVE_SIMD
-                    if (!force_portable) group_simd(&w[p], &a, gi - start[p], o, CH * 8);
-                    else
-#endif
-                        group_portable(&w[p], &a, gi - start[p], o, CH * 8);
+                    run_group(&w[p], &a, gi - start[p], buf + (gi - c0) * 8, CH * 8);
                 }
                 for (int r = 0; r < N; r++) {
                     const float *o = buf + (int64_t)r * CH * 8;

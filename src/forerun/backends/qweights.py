@@ -128,39 +128,38 @@ class QLinear:
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor, lib=None) -> torch.Tensor:
-        lib = lib or qrows_lib()
-        x = x.to(torch.float32).contiguous()
-        n, D = x.shape
-        if D != self.shape[1]:
-            raise ValueError(f"qrows: rows of {D} against a weight of {self.shape}")
-        out = torch.empty(n, self.shape[0], dtype=torch.float32)
-        lib.forerun_q_threads(torch.get_num_threads())
-        rc = lib.forerun_q_linear(self.structs, len(self.parts), x.data_ptr(), n, out.data_ptr(), self.shape[0])
-        if rc == -2:
-            raise MemoryError("qrows: out of memory")
-        if rc != 0:
-            raise ValueError(f"qrows: bad sizes {n} x {D} against {self.shape}")
+        x = self._rows(x)
+        out = torch.empty(len(x), self.shape[0], dtype=torch.float32)
+        self._run(lib, "forerun_q_linear", x, out.data_ptr(), self.shape[0])
         return out
 
     def argmax(self, x: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The argmax [n] (int64) of ``self(x)`` per row and its value [n], without forming the
         outputs: the same sums, the first of equal maxima, NaN above all (torch.argmax's rule)."""
-        lib = lib or qrows_lib()
+        x = self._rows(x)
+        idx = torch.empty(len(x), dtype=torch.int64)
+        val = torch.empty(len(x), dtype=torch.float32)
+        if len(x):
+            self._run(lib, "forerun_q_argmax", x, idx.data_ptr(), val.data_ptr())
+        return idx, val
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the kernels take it: float32 rows [n, D], D the weight's columns."""
         x = x.to(torch.float32).contiguous()
         n, D = x.shape
         if D != self.shape[1]:
             raise ValueError(f"qrows: rows of {D} against a weight of {self.shape}")
-        idx = torch.empty(n, dtype=torch.int64)
-        val = torch.empty(n, dtype=torch.float32)
-        if n == 0:
-            return idx, val
+        return x
+
+    def _run(self, lib, kernel: str, x: torch.Tensor, *outputs) -> None:
+        """``kernel``(weight parts, x, n, *outputs) of ``lib`` (default: the chosen build), its error codes raised."""
+        lib = lib or qrows_lib()
         lib.forerun_q_threads(torch.get_num_threads())
-        rc = lib.forerun_q_argmax(self.structs, len(self.parts), x.data_ptr(), n, idx.data_ptr(), val.data_ptr())
+        rc = getattr(lib, kernel)(self.structs, len(self.parts), x.data_ptr(), len(x), *outputs)
         if rc == -2:
             raise MemoryError("qrows: out of memory")
         if rc != 0:
-            raise ValueError(f"qrows: bad sizes {n} x {D} against {self.shape}")
-        return idx, val
+            raise ValueError(f"qrows: bad sizes {len(x)} x {x.shape[1]} against {self.shape}")
 
 
 _LIBS: dict[str, object] = {}
