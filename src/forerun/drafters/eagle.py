@@ -208,7 +208,7 @@ class EagleDrafter(FeatureDrafter):
         for d in range(2, depth + 1):
             if not frontier:
                 break
-            n_prev = cache[0].shape[2]
+            n_prev = cache.n
             rows = len(frontier)
             mask = torch.zeros(rows, n_prev + rows, dtype=torch.bool)  # built on the CPU, moved once
             mask[:, :base] = True

@@ -100,15 +100,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(init.clone().float() if init is not None else torch.ones(dim))
 
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    def forward(self, x):  # x * rsqrt(mean(x^2) + eps) * weight, in one operation
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _rope(x, positions, theta):  # x: [..., T, d]
+_ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (theta, d, device) -> cos, sin [positions, d]
+
+
+def _rope_table(theta: float, d: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [>= n, d] of every position below n: computed once per shape and grown by
+    doubling, instead of a dozen small operations per drafting step."""
+    key = (float(theta), d, str(device))
+    tab = _ROPE.get(key)
+    if tab is None or tab[0].shape[0] < n:
+        size = max(256, n, 2 * (tab[0].shape[0] if tab is not None else 0))
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        ang = torch.arange(size, device=device).float()[:, None] * inv[None]
+        tab = _ROPE[key] = (torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1))
+    return tab
+
+
+def _rope(x, positions, theta):  # x: [..., T, d]; positions [T] (integers)
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    cos, sin = _rope_table(theta, d, int(positions.max()) + 1 if positions.numel() else 0, x.device)
+    cos, sin = cos[positions], sin[positions]
     half = d // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rot * sin
@@ -234,6 +249,32 @@ class _Q8Linear:
         return self.q(x)
 
 
+class HeadCache:
+    """An EAGLE head's keys and values [1, heads, capacity, d] and how many entries are in use.
+    Entries are written in place (capacity grows by doubling): a drafting step copies only its
+    own rows, not the whole cache."""
+
+    def __init__(self):
+        self.k = self.v = None
+        self.n = 0
+
+    def put(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write entries [1, heads, T, d] at pos..pos+T-1 (dropping any past pos); returns views
+        of entries 0..pos+T-1."""
+        end = pos + k.shape[2]
+        if pos > self.n:
+            raise ValueError(f"head cache: writing at {pos} past its {self.n} entries")
+        if self.k is None or end > self.k.shape[2]:
+            cap = max(64, end, 2 * (self.k.shape[2] if self.k is not None else 0))
+            k_new, v_new = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if self.k is not None:
+                k_new[:, :, :pos], v_new[:, :, :pos] = self.k[:, :, :pos], self.v[:, :, :pos]
+            self.k, self.v = k_new, v_new
+        self.k[:, :, pos:end], self.v[:, :, pos:end] = k, v
+        self.n = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class EagleHead(DraftHead):
     def __init__(self, cfg: HeadConfig, draft_to_target: torch.Tensor):
         super().__init__(cfg, draft_to_target)
@@ -267,15 +308,18 @@ class EagleHead(DraftHead):
     def fuse_features(self, feats):  # [..., n_layers * hidden] -> [..., hidden]
         if self.feat_norms is None:
             return self._lin(self.fuse, feats.float())
-        H = self.cfg.hidden_size
-        parts = [norm(feats[..., i * H : (i + 1) * H].float()) for i, norm in enumerate(self.feat_norms)]
-        return self._lin(self.fuse, torch.cat(parts, -1))
+        H, n = self.cfg.hidden_size, len(self.feat_norms)
+        # each layer's slice normed with its own scale: one norm over [..., n, H], one product
+        x = F.rms_norm(feats.float().unflatten(-1, (n, H)), (H,), None, self.cfg.eps)
+        x = x * torch.stack([norm.weight for norm in self.feat_norms])
+        return self._lin(self.fuse, x.flatten(-2))
 
     def _qkv(self, emb, hid, positions):  # emb, hid: [B, T, H] -> q, k, v: [B, heads, T, d]
         B, T, _ = emb.shape
         x = torch.cat([self.norm_emb(emb), self.norm_hid(hid)], -1)
-        q, k, v = self._lin(self.qkv, x).view(B, T, 3, self.cfg.n_heads, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
-        return _rope(q, positions, self.cfg.rope_theta), _rope(k, positions, self.cfg.rope_theta), v
+        qkv = self._lin(self.qkv, x).view(B, T, 3, self.cfg.n_heads, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = _rope(qkv[:2], positions, self.cfg.rope_theta)  # queries and keys rotated at once
+        return q, k, qkv[2]
 
     def _finish(self, hid, attn):  # attn: [B, heads, T, d] -> g: [B, T, H]
         B, _, T, _ = attn.shape
@@ -284,22 +328,23 @@ class EagleHead(DraftHead):
         a, b = gu.chunk(2, -1)
         return h + self._lin(self.down, F.silu(a) * b)
 
-    def step(self, emb, hid, pos: int, cache: list[torch.Tensor] | None, *, positions=None, mask=None):
-        """Inference: run T entries after the first ``pos`` entries of ``cache`` (keys, values, or
-        None). emb, hid: [T, H]. By default the entries sit at positions pos..pos+T-1, causally;
+    def step(self, emb, hid, pos: int, cache: "HeadCache | None", *, positions=None, mask=None):
+        """Inference: run T entries after the first ``pos`` entries of ``cache`` (None: empty).
+        emb, hid: [T, H]. By default the entries sit at positions pos..pos+T-1, causally;
         a token tree passes its own ``positions`` [T] and ``mask`` [T, pos + T].
-        Returns (g [T, H], the cache with the new entries appended)."""
+        Returns (g [T, H], the cache holding the first pos entries and the new ones: the same
+        object, written in place, whose entries past pos + T are stale)."""
         T = emb.shape[0]
         if positions is None:
             positions = torch.arange(pos, pos + T, device=emb.device)
         q, k, v = self._qkv(emb[None], hid[None], positions)
-        if cache is not None:
-            k = torch.cat([cache[0][:, :, :pos], k], 2)
-            v = torch.cat([cache[1][:, :, :pos], v], 2)
+        if cache is None:
+            cache = HeadCache()
+        k, v = cache.put(k, v, pos)
         if mask is None and T > 1:
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=emb.device).tril(pos)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self._finish(hid[None], attn)[0], [k, v]
+        return self._finish(hid[None], attn)[0], cache
 
     def ttt_forward(self, emb_at, fused, steps: int, pad_mask=None):
         """Training-time test: unroll ``steps`` depths over whole sequences at once.
