@@ -71,16 +71,6 @@ MUTANTS = [
      "if (bi[r] >= 0 && chunk_may_beat(",
      "the greedy head's filter skips the buffers that can hold a new maximum",
      ["tests/test_qrows.py"]),
-    ("stop-on-drawn-token", "drafters/eagle.py",
-     "            c = float(torch.softmax(logits, -1).max())\n            reach *= c\n"
-     "            if self.stop_reach is not None and reach < self.stop_reach:\n                break\n"
-     "            tok, q = self._pick(logits)\n",
-     "            tok, q = self._pick(logits)\n"
-     "            c = float(torch.softmax(logits, -1).max()) if q is None else float(q[tok])\n            reach *= c\n"
-     "            if self.stop_reach is not None and reach < self.stop_reach:\n                break\n",
-     "an eagle chain stops by the probability of the token it just drew (its length then depends on "
-     "the token, which biases sampling)",
-     ["tests/test_heads.py::test_sampling_distribution_with_confidence_stops"]),
 ]
 
 
