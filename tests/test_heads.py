@@ -317,44 +317,6 @@ def test_sampling_distribution(spread, kind, tree, lookup, setting, tmp_path):
     check(spread, setting, counts, joint)
 
 
-def test_sampling_distribution_with_confidence_stops(spread, tmp_path, monkeypatch):
-    """``--k auto`` lets an eagle chain stop where its chance of being reached falls below the
-    policy's threshold. The decision for a position is taken from the head's distribution there,
-    before its token is drawn, so the sampled output keeps the target's distribution. The plan and
-    the threshold are pinned here (they come from timings otherwise) so that chains really stop at
-    different lengths."""
-    from forerun.draft_length import DraftLength
-    from spread import K, NEW, PROMPT, SETTINGS, check, sample
-
-    setting = "t0.7-k4"
-    params = SamplingParams(**SETTINGS[setting])
-    head, _ = _train(spread, "eagle", tmp_path / "work", seqs=_target_samples(spread, PROMPT, params))
-    head.save(tmp_path / "head")
-    monkeypatch.setattr(DraftLength, "stop_reach", lambda self: 0.12)
-    monkeypatch.setattr(DraftLength, "choose", lambda self, available, buckets, confs=None, charge_drafting=False:
-                        [min(a, K) for a in available])
-    drafter = make_drafter("eagle", spread, head_path=tmp_path / "head")
-    lengths = []
-    propose = drafter.propose
-
-    def logged(tokens, k):
-        d = propose(tokens, k)
-        lengths.append(len(d))
-        return d
-
-    drafter.propose = logged
-    eng = Engine(spread.backend, drafter, eos_token_ids=())
-
-    def run(p):
-        res = eng.generate(PROMPT, max_new_tokens=NEW, params=p, k="auto")
-        return res.token_ids, res.stats.drafted
-
-    counts, joint, drafted = sample(run, setting, seed=1)
-    seen = set(lengths)
-    assert drafted > 1000 and len(seen) >= 2, seen  # chains of several lengths: stopped by confidence
-    check(spread, setting, counts, joint)
-
-
 def test_two_stage_prompts_embed_the_targets_own_passages(tmp_path):
     """Stage 1 answers are kept as data; each stage-2 prompt carries the stage-1 answer it builds on."""
     from conftest import tiny_gemma

@@ -187,24 +187,9 @@ class Decoder:
                     drafts[i] = clip_draft(drafts[i], k)
         else:  # lengths planned first: drafting costs per token
             ks = pol.choose([caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
-            if proto.stops_at_reach and not proto.proposes_trees:
-                # a drafter that knows its confidence drafts on, up to k_max, while the next token
-                # would still pay for its drafting and its verify row
-                stop, drafted = pol.stop_reach(), 0
-                for i, k in zip(list(alive), ks):
-                    if k > 0:
-                        seqs[i].drafter.stop_reach = stop
-                        drafts[i] = clip_draft(propose(i, min(pol.k_max, caps[i])), caps[i])
-                        if i in alive and not len(drafts[i]):
-                            # a round that ran the drafter and kept nothing: one drafting step
-                            # spent, and one rejection for the plan's estimate of whether it pays
-                            pol.observe(None, 1, 0)
-                        drafted += max(1, len(drafts[i]))
-            else:
-                for i, k in zip(list(alive), ks):
-                    drafts[i] = clip_draft(propose(i, k), k)
-                drafted = sum(len(drafts[i]) for i in alive)
-            pol.observe_draft(drafted, sum(secs[i] for i in alive))
+            for i, k in zip(list(alive), ks):
+                drafts[i] = clip_draft(propose(i, k), k)
+            pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
         for i in alive:  # a tree's pass needs a cache position per node
             d, room = drafts[i], limit - len(seqs[i].tokens)
             if d.parents is not None and len(d) > room:

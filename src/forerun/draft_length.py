@@ -182,14 +182,6 @@ class DraftLength:
         known = {r: t for r, t in self.costs[kind].items() if t is not None}
         return interpolate(known, rows) if known else None
 
-    def stop_reach(self) -> float:
-        """The chance of being reached below which a drafted token cannot pay: its drafting and
-        its verify row, over the time of a step that yields one token (0 while unmeasured)."""
-        one, two = self.cost(1), self.cost(2)
-        if one is None or two is None or self.draft_cost is None:
-            return 0.0
-        return max(0.0, (two - one) + self.draft_cost) / one
-
     # -- choice ----------------------------------------------------------------------------
     def choose(self, available: list[int], buckets: list, confs: list | None = None,
                charge_drafting: bool = False) -> list[int]:

@@ -49,11 +49,6 @@ class Drafter:
     # True: every round the drafter offers a token tree or a prompt-lookup chain (``lookup_chain``,
     # then ``propose`` builds the tree only if the draft-length policy chooses it)
     offers_tree_or_chain = False
-    # True: its chains carry ``Draft.conf`` and it stops drafting once the chance of reaching the
-    # next token (the product of the confidences so far) falls below ``stop_reach`` (set by the
-    # decode core for adaptive K; None: draft all k asked for)
-    stops_at_reach = False
-    stop_reach: float | None = None
 
     @property
     def proposes_trees(self) -> bool:

@@ -64,7 +64,6 @@ class FeatureDrafter(Drafter):
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
         self.feat_pos = 0  # target position of the first row of self.feats
-        self.stop_reach = None  # drafts all k asked for unless the decode core sets it this round
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
         self._chain = None
         if self.adapter is not None:
@@ -148,7 +147,6 @@ class FeatureDrafter(Drafter):
 
 class EagleDrafter(FeatureDrafter):
     name = "eagle"
-    stops_at_reach = True  # chains (trees are shaped by their node budget)
     top_k = 8  # tree: children tried per expanded node
     branch = 8  # tree: nodes expanded per depth
 
@@ -177,31 +175,18 @@ class EagleDrafter(FeatureDrafter):
         self.feat_pos, self.feats = p + n, None
         if self.tree_nodes:
             return self._tree_draft(self._tree(g[-1:], p + n, min(k, self.tree_depth)), tokens, k)
-        # 2. Run ahead on the head's own outputs. A token's confidence is the head's largest
-        # probability at its position (its estimate that the target agrees once the tokens before
-        # agreed). With ``stop_reach`` the chain stops before a position whose chance of being
-        # reached falls below it: that is decided from the head's distribution there, before
-        # its token is drawn, so a sampled draft's length never depends on the token itself
-        # (which would bias the sampled output).
-        out, qs, conf = [], [], []
-        hid, pos, reach = g[-1:], p + n, 1.0
+        # 2. Run ahead on the head's own outputs.
+        out, qs = [], []
+        hid, pos = g[-1:], p + n
         for d in range(k):
-            logits = head.logits(hid[-1])
-            c = float(torch.softmax(logits, -1).max())
-            reach *= c
-            if self.stop_reach is not None and reach < self.stop_reach:
-                break
-            tok, q = self._pick(logits)
+            tok, q = self._pick(head.logits(hid[-1]))
             out.append(tok)
-            conf.append(c)
             if q is not None:
                 qs.append(q)
             if d + 1 < k:
                 hid, self.cache = head.step(self._emb(tok.view(1)), hid, pos, self.cache)
                 pos += 1
-        if not out:
-            return Draft(tokens=torch.zeros(0, dtype=torch.long), conf=[])
-        return Draft(tokens=torch.stack(out), q=torch.stack(qs) if qs else None, conf=conf)
+        return Draft(tokens=torch.stack(out), q=torch.stack(qs) if qs else None)
 
 
     def _tree(self, g_last, base: int, depth: int) -> Draft:
