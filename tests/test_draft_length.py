@@ -41,6 +41,23 @@ def test_adaptive_k_follows_acceptance():
     assert _one(pol, 16) >= 2
 
 
+def test_probes_of_costly_drafters_thin_out():
+    """A drafter that costs per token (its probe is a whole drafting round) is probed at doubling
+    intervals while its probes fail; a plan that drafts again resets the interval."""
+    pol = DraftLength()
+    _measured(pol)
+    pol.observe_draft(1, 1e-3)
+    pol.buckets[None] = [0.1, 20.0]
+    picks = [_one(pol, 16, charge=True) for _ in range(8 + 16 + 32)]
+    probes = [i for i, k in enumerate(picks) if k]
+    assert probes == [7, 7 + 16, 7 + 16 + 32]  # intervals 8, 16, 32
+    assert [_one(pol, 16) for _ in range(8)].count(1) == 1  # a cheap drafter's probes stay every 8
+    for _ in range(30):
+        pol.observe(None, 1, 1)
+    assert _one(pol, 16, charge=True) >= 1  # drafting pays again: the interval starts over
+    assert pol.probe_gap[None] == pol.probe_every
+
+
 def test_adaptive_k_per_bucket_and_drafting_cost():
     pol = DraftLength()
     _measured(pol)

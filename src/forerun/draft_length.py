@@ -105,7 +105,8 @@ class DraftLength:
     beat a step without drafts by ``margin``. Drafters that are not cheap are charged their
     measured seconds per drafted token. A bucket that had drafts on offer but kept none for
     ``probe_every`` choices gets one draft token once (a probe), so that an estimate that fell too
-    low is measured again. ``sequential``: the backend runs the sequences of a step one after
+    low is measured again; for drafters that cost per token each probe the plan does not follow up
+    doubles that interval (a probe is a whole drafting round there). ``sequential``: the backend runs the sequences of a step one after
     another, so a step costs one pass per sequence.
 
     Drafters that offer a token tree or a prompt-lookup chain (``tree_or_chain``) get the option
@@ -134,6 +135,7 @@ class DraftLength:
         self.buckets: dict[object, list[float]] = {}  # bucket -> [accepted, rejections]
         self.tree_yield: dict[object, float] = {}  # bucket -> average tokens per tree round
         self.idle: dict[object, int] = {}  # bucket -> choices in a row with drafts on offer and none kept
+        self.probe_gap: dict[object, int] = {}  # bucket -> rounds between probes (grows for costly drafters)
         self.tree_probes: dict[object, dict] = {}  # bucket -> probe interval, rounds since the last, choice before it
         self.choices = {"tree": 0, "chain": 0, "none": 0}  # tree-or-chain rounds by what they verified
 
@@ -219,9 +221,13 @@ class DraftLength:
         ks = [0] * n
         for _, i in cands[:best_m]:
             ks[i] += 1
-        return self._probe(available, buckets, confs, ks)
+        return self._probe(available, buckets, confs, ks, backoff=charge_drafting)
 
-    def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int]) -> list[int]:
+    def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int], backoff: bool = False
+               ) -> list[int]:
+        """One draft token for a bucket idle for its probe interval. ``backoff`` (drafters that cost
+        per token, whose probe is a drafting round): each probe the plan does not follow up doubles
+        the bucket's interval (up to ``max_tree_probe_every``); a plan that keeps drafts resets it."""
         first: dict[object, int] = {}  # bucket -> its first sequence with drafts on offer
         kept: set = set()
         for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
@@ -231,9 +237,13 @@ class DraftLength:
                     kept.add(bucket)
         for bucket, i in first.items():
             idle = 0 if bucket in kept else self.idle.get(bucket, 0) + 1
-            if idle >= self.probe_every:
+            gap = self.probe_every if bucket in kept or not backoff else self.probe_gap.get(bucket, self.probe_every)
+            if idle >= gap:
                 ks[i], idle = 1, 0
+                if backoff:
+                    gap = min(2 * gap, self.max_tree_probe_every)
             self.idle[bucket] = idle
+            self.probe_gap[bucket] = gap
         return ks
 
     def tree_or_chain(self, bucket, chain_conf: list[float], tree_rows: int) -> int | None:
