@@ -54,6 +54,7 @@ class FeatureDrafter(Drafter):
         self._chain = None  # this round's lookup chain, to measure how far it would have gone
         # n-gram length -> decayed [accepted, rejections] of the lookup chain: its offered confidence
         self.chain_acc: dict[int, list[float]] = {}
+        self._chunks = None  # features not yet consumed, one tensor per pass (``feats``)
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.d2t = head.draft_to_target
@@ -131,12 +132,30 @@ class FeatureDrafter(Drafter):
             update_acceptance(self.chain_acc.setdefault(c["bucket"], [2.0, 2.0]), 0.9, confirmed,
                               min(len(chain), len(new)))
 
+    @property
+    def feats(self) -> torch.Tensor | None:
+        """Features of positions feat_pos.. not yet consumed [rows, n_layers * hidden]."""
+        if self._chunks is None:
+            return None
+        if len(self._chunks) > 1:  # joined once, when the head reads them
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0]
+
+    @feats.setter
+    def feats(self, value: torch.Tensor | None) -> None:
+        self._chunks = None if value is None else [value]
+
     def take_features(self, pos: int, feats: torch.Tensor) -> None:
-        """Features of target positions pos..pos+rows-1 (committed positions only)."""
+        """Features of target positions pos..pos+rows-1 (committed positions only). Kept as a list
+        of passes until the head reads them: on rounds that do not draft, nothing is copied (a
+        long prompt's features were copied again at every step before)."""
         if self.log is not None:
             self.log.features(pos, feats)
-        if self.feats is not None and pos <= self.feat_pos + len(self.feats):
-            self.feats = torch.cat([self.feats[: pos - self.feat_pos], feats])
+        have = sum(len(c) for c in self._chunks) if self._chunks is not None else 0
+        if self._chunks is not None and pos <= self.feat_pos + have:
+            if pos - self.feat_pos < have:
+                self.feats = self.feats[: pos - self.feat_pos]
+            self._chunks.append(feats)
         else:
             self.feat_pos, self.feats = pos, feats
 
