@@ -106,8 +106,8 @@ class DraftLength:
     measured seconds per drafted token. A bucket that had drafts on offer but kept none for
     ``probe_every`` choices gets one draft token once (a probe), so that an estimate that fell too
     low is measured again; for drafters that cost per token each probe the plan does not follow up
-    doubles that interval (a probe is a whole drafting round there). ``sequential``: the backend runs the sequences of a step one after
-    another, so a step costs one pass per sequence.
+    doubles that interval (a probe is a whole drafting round there). ``sequential``: the backend
+    runs the sequences of a step one after another, so a step costs one pass per sequence.
 
     Drafters that offer a token tree or a prompt-lookup chain (``tree_or_chain``) get the option
     with more tokens per second for this round's bucket: the tree's measured yield over its

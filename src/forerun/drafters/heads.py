@@ -120,9 +120,9 @@ def _rope_table(theta: float, d: int, n: int, device) -> tuple[torch.Tensor, tor
     return tab
 
 
-def _rope(x, positions, theta):  # x: [..., T, d]; positions [T] (integers)
+def _rope(x, positions, theta, end: int):  # x: [..., T, d]; positions [T] (integers below end)
     d = x.shape[-1]
-    cos, sin = _rope_table(theta, d, int(positions.max()) + 1 if positions.numel() else 0, x.device)
+    cos, sin = _rope_table(theta, d, end, x.device)  # the bound comes from the caller: no device sync
     cos, sin = cos[positions], sin[positions]
     half = d // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], -1)
@@ -314,11 +314,11 @@ class EagleHead(DraftHead):
         x = x * torch.stack([norm.weight for norm in self.feat_norms])
         return self._lin(self.fuse, x.flatten(-2))
 
-    def _qkv(self, emb, hid, positions):  # emb, hid: [B, T, H] -> q, k, v: [B, heads, T, d]
+    def _qkv(self, emb, hid, positions, end: int):  # emb, hid: [B, T, H] -> q, k, v: [B, heads, T, d]
         B, T, _ = emb.shape
         x = torch.cat([self.norm_emb(emb), self.norm_hid(hid)], -1)
         qkv = self._lin(self.qkv, x).view(B, T, 3, self.cfg.n_heads, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = _rope(qkv[:2], positions, self.cfg.rope_theta)  # queries and keys rotated at once
+        q, k = _rope(qkv[:2], positions, self.cfg.rope_theta, end)  # queries and keys rotated at once
         return q, k, qkv[2]
 
     def _finish(self, hid, attn):  # attn: [B, heads, T, d] -> g: [B, T, H]
@@ -331,13 +331,13 @@ class EagleHead(DraftHead):
     def step(self, emb, hid, pos: int, cache: "HeadCache | None", *, positions=None, mask=None):
         """Inference: run T entries after the first ``pos`` entries of ``cache`` (None: empty).
         emb, hid: [T, H]. By default the entries sit at positions pos..pos+T-1, causally;
-        a token tree passes its own ``positions`` [T] and ``mask`` [T, pos + T].
+        a token tree passes its own ``positions`` [T] (each below pos + T) and ``mask`` [T, pos + T].
         Returns (g [T, H], the cache holding the first pos entries and the new ones: the same
         object, written in place, whose entries past pos + T are stale)."""
         T = emb.shape[0]
         if positions is None:
             positions = torch.arange(pos, pos + T, device=emb.device)
-        q, k, v = self._qkv(emb[None], hid[None], positions)
+        q, k, v = self._qkv(emb[None], hid[None], positions, pos + T)
         if cache is None:
             cache = HeadCache()
         k, v = cache.put(k, v, pos)
@@ -365,7 +365,7 @@ class EagleHead(DraftHead):
         out, hid, chain_k, chain_v, k1 = [], fused, [], [], None
         base = torch.arange(T, device=dev)
         for j in range(1, steps + 1):
-            q, k, v = self._qkv(emb_at(j), hid, base + (j - 1))
+            q, k, v = self._qkv(emb_at(j), hid, base + (j - 1), T + j - 1)
             if j == 1:
                 k1, v1 = k, v
                 attn = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
