@@ -450,9 +450,9 @@ def test_tree_lookup_auto_mixes_rounds(heads, gemma, kind):
     assert kinds and set(kinds) == {"tree"} and choices["tree"] == len(kinds)  # the head ran in tree rounds only
     assert choices["chain"] + choices["none"] > 0  # other rounds verified the lookup chain alone (or nothing)
     assert eng.policy.costs["tree"] and eng.policy.costs["chain"]  # both kinds of round were timed by the engine
-    assert drafter.chain_acc  # the chain's acceptance was followed (its offered confidence)
+    assert drafter.lookup.acc  # the chain's acceptance was followed (its offered confidence)
     twin = drafter.fork()
-    assert twin.offers_tree_or_chain and twin.chain_acc == {}
+    assert twin.offers_tree_or_chain and twin.lookup.acc == {}
 
 
 def test_eval_draft_scores_a_trained_head_above_an_untrained_one(gemma, tmp_path):

@@ -559,7 +559,8 @@ def run_bench(args) -> dict:
         tree_m = tree if m in tree_methods else None
         opts = replace(options, method=kinds[m], draft=heads.get(kinds[m]) if kinds[m] in HEAD_METHODS else args.draft,
                        tree_nodes=tree_m[0] if tree_m else 0, tree_depth=tree_m[1] if tree_m else None,
-                       tree_lookup=parsed[m].lookup if m in parsed else None, adapt=m in parsed and parsed[m].adapt,
+                       tree_lookup=parsed[m].lookup if m in parsed else None,
+                       lookup_from=parsed[m].lookup_from if m in parsed else "ngram", adapt=m in parsed and parsed[m].adapt,
                        skip_layers=skip)
         return drafter_for(opts, targets[backend_of[m]], draft)
 

@@ -6,8 +6,9 @@ here: a method runs on the same backend with the same checks however it is asked
 option is checked before a model loads. Which backend runs which method is
 ``models.method_backend``'s answer, asked only from here.
 
-Bench method names (also ``eval-draft --replay``): ``METHOD[-tree[+lookup|+auto]][:K][+adapt]``,
-e.g. ``ngram:auto``, ``eagle-tree+lookup:8``, ``medusa:3+adapt``.
+Bench method names (also ``eval-draft --replay``):
+``METHOD[-tree[+lookup|+auto|+suffix|+suffix-auto]][:K][+adapt]``, e.g. ``ngram:auto``,
+``eagle-tree+lookup:8``, ``eagle-tree+suffix-auto:10``, ``medusa:3+adapt``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from dataclasses import dataclass, fields
 
 from forerun.errors import ForerunError
 
-# bench's tree suffixes -> the drafter's lookup branch: none, on every tree, or chosen per step
-TREE_SUFFIXES = {"-tree": None, "-tree+lookup": "always", "-tree+auto": "auto"}
+# bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
+# where its chain comes from (prompt lookup, or suffix drafting over the context and earlier outputs)
+TREE_SUFFIXES = {"-tree": (None, None), "-tree+lookup": ("always", "ngram"), "-tree+auto": ("auto", "ngram"),
+                 "-tree+suffix": ("always", "suffix"), "-tree+suffix-auto": ("auto", "suffix")}
+LOOKUP_SOURCES = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -26,13 +30,17 @@ class Method:
 
     name: str
     kind: str  # the drafting method (METHODS)
-    tree: str | None  # "-tree", "-tree+lookup", "-tree+auto" or None (a chain)
+    tree: str | None  # a key of TREE_SUFFIXES ("-tree", "-tree+lookup", ...) or None (a chain)
     k: int | str | None  # its own draft length, if it names one
     adapt: bool  # the head keeps learning over the run
 
     @property
     def lookup(self) -> str | None:
-        return TREE_SUFFIXES.get(self.tree) if self.tree else None
+        return TREE_SUFFIXES[self.tree][0] if self.tree else None
+
+    @property
+    def lookup_from(self) -> str:
+        return (TREE_SUFFIXES[self.tree][1] if self.tree else None) or "ngram"
 
 
 def parse_method(name: str) -> Method:
@@ -45,7 +53,8 @@ def parse_method(name: str) -> Method:
     kind = base.removesuffix(tree) if tree else base
     if kind not in METHODS or (tree and kind not in TREE_METHODS):
         raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
-                           "eagle-tree, eagle-tree+lookup or eagle-tree+auto; suffix as suffix-tree)")
+                           "eagle-tree, eagle-tree+lookup, eagle-tree+auto, eagle-tree+suffix or eagle-tree+suffix-auto; "
+                           "suffix as suffix-tree)")
     if tree and tree != "-tree" and kind not in HEAD_METHODS:
         raise ForerunError(f"{name}: the lookup branch is grafted onto a head's tree (eagle or medusa)")
     adapt = name.endswith("+adapt")
@@ -70,6 +79,7 @@ class Options:
     tree_nodes: int = 0  # eagle/medusa/suffix: a token tree of this many nodes (0: a chain)
     tree_depth: int | None = None
     tree_lookup: str | None = None  # None, "always" or "auto"
+    lookup_from: str = "ngram"  # the lookup branch's chain: "ngram" (prompt lookup) or "suffix"
     adapt: bool = False
     adapt_save: str | None = None
     serving: bool = False  # for the server: a backend that batches sequences
@@ -90,6 +100,8 @@ class Options:
         self.skip  # noqa: B018
         if self.threads is not None and self.threads < 1:
             raise ForerunError(f"--threads must be >= 1, got {self.threads}")
+        if self.lookup_from not in LOOKUP_SOURCES:
+            raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {self.lookup_from!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
         return self
@@ -150,7 +162,7 @@ def drafter_for(options: Options, target, draft_model=None):
 
     return make_drafter(options.method, target, draft_model=draft_model, skip_layers=options.skip,
                         head_path=options.head_path, tree=options.tree, tree_lookup=options.tree_lookup,
-                        adapt=options.adapt)
+                        lookup_from=options.lookup_from, adapt=options.adapt)
 
 
 @dataclass

@@ -120,12 +120,15 @@ def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
-                 head_path=None, tree=None, tree_lookup: bool | str | None = None, adapt=None):
+                 head_path=None, tree=None, tree_lookup: bool | str | None = None, lookup_from: str = "ngram",
+                 adapt=None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
     to verify token trees instead of chains (eagle, medusa, suffix); ``tree_lookup``: every tree also
-    carries the prompt-lookup continuation (n-grams of ngram_max down to ngram_min tokens): True or
-    "always", or "auto" to choose per step between that tree and the lookup chain alone; ``adapt``: the
+    carries a lookup chain as one more branch: True or "always", or "auto" to choose per step between
+    that tree and the lookup chain alone; ``lookup_from``: where that chain comes from, "ngram" (the
+    prompt-lookup continuation, n-grams of ngram_max down to ngram_min tokens) or "suffix" (suffix
+    drafting over the context and the drafter's earlier outputs, ``drafters.lookup``); ``adapt``: the
     head keeps learning from the verified tokens while it drafts (True, or ``OnlineAdapter`` options;
     eagle/medusa only)."""
     if adapt and method not in HEAD_METHODS:
@@ -136,6 +139,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(TREE_METHODS)}, not {method}")
     if tree_lookup and method == "suffix":
         raise ForerunError("--tree-lookup adds a lookup branch to a head's tree; suffix trees already draft from lookups")
+    if lookup_from not in ("ngram", "suffix"):
+        raise ForerunError(f"--lookup-from must be ngram or suffix, got {lookup_from!r}")
     if tree_lookup and tree is None:
         raise ForerunError("--tree-lookup adds a branch to a token tree: give --tree-nodes too")
     check_method(method, draft_model is not None)
@@ -152,7 +157,12 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
             raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp suffix drafts chains")
         return SuffixDrafter(tree_nodes=tree[0] if tree else None, max_depth=tree[1] if tree else None)
     if method in HEAD_METHODS:
-        return load_head_drafter(method, target, head_path, tree, (ngram_max, ngram_min) if tree_lookup else None,
+        from forerun.drafters.lookup import NgramLookup, SuffixLookup
+
+        lookup = None
+        if tree_lookup:
+            lookup = SuffixLookup() if lookup_from == "suffix" else NgramLookup(ngram_max, ngram_min)
+        return load_head_drafter(method, target, head_path, tree, lookup,
                                  adaptive=tree_lookup == "auto", adapt=adapt)
     if method == "draft":
         from forerun.drafters.draft_model import DraftModelDrafter

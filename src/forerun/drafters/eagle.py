@@ -27,8 +27,7 @@ import torch
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import pick_token
 from forerun.drafters.heads import EagleHead, MedusaHeads
-from forerun.draft_length import update_acceptance
-from forerun.drafters.ngram import lookup_match
+from forerun.drafters.lookup import NgramLookup
 from forerun.tree import graft_chain
 
 
@@ -48,12 +47,12 @@ class FeatureDrafter(Drafter):
             raise ValueError("a lookup branch needs a token tree")
         if adaptive and lookup is None:
             raise ValueError("choosing between tree and lookup chain needs a lookup branch")
-        self.lookup = lookup  # (max_ngram, min_ngram): graft the prompt-lookup continuation onto every tree
+        if isinstance(lookup, tuple):  # (max_ngram, min_ngram): prompt lookup
+            lookup = NgramLookup(*lookup)
+        self.lookup = lookup  # the lookup branch's source (``drafters.lookup``), grafted onto every tree
         self.adaptive = adaptive
         self.offers_tree_or_chain = adaptive
-        self._chain = None  # this round's lookup chain, to measure how far it would have gone
-        # n-gram length -> decayed [accepted, rejections] of the lookup chain: its offered confidence
-        self.chain_acc: dict[int, list[float]] = {}
+        self._chain = None  # (context length, this round's lookup chain)
         self._chunks = None  # features not yet consumed, one tensor per pass (``feats``)
         self.embed = embed  # the target's token embeddings [vocab, hidden]
         self.feature_layers = tuple(head.cfg.feature_layers)
@@ -67,6 +66,8 @@ class FeatureDrafter(Drafter):
         self.feat_pos = 0  # target position of the first row of self.feats
         self.feats = None  # [rows, n_layers * hidden] features not yet consumed
         self._chain = None
+        if self.lookup is not None:
+            self.lookup.begin(prompt, params, generator)
         if self.adapter is not None:
             if self.log is not None:
                 self.adapter.retire(self.log)
@@ -74,7 +75,13 @@ class FeatureDrafter(Drafter):
 
     def fork(self) -> "FeatureDrafter":
         return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None,
-                          lookup=self.lookup, adaptive=self.adaptive, adapter=self.adapter)
+                          lookup=self.lookup.fork() if self.lookup is not None else None, adaptive=self.adaptive,
+                          adapter=self.adapter)
+
+    def forget_history(self) -> None:
+        """Drop what the lookup branch learned from earlier requests (a suffix source's outputs)."""
+        if self.lookup is not None:
+            self.lookup.forget_history()
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         draft = self._propose(tokens, k)
@@ -82,18 +89,14 @@ class FeatureDrafter(Drafter):
         return draft
 
     def lookup_chain(self, tokens: list[int], k: int) -> Draft:
-        """This round's prompt-lookup chain (bucket: the n-gram length that matched), offered beside
-        the tree; each token's confidence is the chain's measured acceptance for that bucket."""
-        chain, n = lookup_match(tokens, k, *self.lookup)
-        self._chain = {"base": len(tokens), "chain": chain, "bucket": n}
-        return Draft(tokens=torch.tensor(chain, dtype=torch.long), bucket=n, conf=[self._chain_rate(n)] * len(chain))
+        """This round's lookup chain, offered beside the tree: its trust bucket and per-token
+        confidences are the lookup source's own."""
+        chain = self.lookup.chain(tokens, k)
+        self._chain = (len(tokens), chain)
+        return chain
 
     def tree_rows(self, chain_len: int) -> int:
         return self.tree_nodes + 1 + chain_len
-
-    def _chain_rate(self, bucket: int) -> float:
-        acc, rej = self.chain_acc.get(bucket, (2.0, 2.0))
-        return acc / (acc + rej)
 
     def _tree_draft(self, tree: Draft | None, tokens: list[int], k: int) -> Draft:
         """The head's tree (None: no head tree this round) with the lookup branch, if any, grafted on.
@@ -103,20 +106,19 @@ class FeatureDrafter(Drafter):
         (a node both propose: the larger of the two)."""
         if tree is None:
             tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long), conf=[])
-        if self.lookup:
-            c = self._chain
-            if c is None or c["base"] != len(tokens):  # not offered this round yet
+        if self.lookup is not None:
+            if self._chain is None or self._chain[0] != len(tokens):  # not offered this round yet
                 self.lookup_chain(tokens, k)
-                c = self._chain
-            chain, bucket = c["chain"][:k], c["bucket"]
+            c = self._chain[1]
+            chain = c.tokens[:k].tolist()
             if chain:
                 t, p, path = graft_chain(tree.tokens, tree.parents, chain)
                 conf = None
                 if tree.conf is not None:
-                    a = self._chain_rate(bucket)
-                    conf = list(tree.conf) + [a] * (len(t) - len(tree))
-                    for node in path:
-                        conf[node] = max(conf[node], a)
+                    rates = list(c.conf or [0.5] * len(chain))
+                    conf = list(tree.conf) + [0.0] * (len(t) - len(tree))
+                    for j, node in enumerate(path):  # a node both propose: the larger of the two
+                        conf[node] = max(conf[node], rates[j])
                 tree = Draft(tokens=t, parents=p, conf=conf)
         return tree
 
@@ -124,13 +126,9 @@ class FeatureDrafter(Drafter):
         if self.adapter is not None and self.log is not None:
             self.adapter.observe(self.log, tokens, self._drafted, num_accepted)
         self._drafted = 0  # a round that proposes nothing (K = 0) does not call propose
-        c, self._chain = self._chain, None
-        if c is not None and c["chain"]:
-            # How far the chain alone would have gone: the committed tokens are the target's own.
-            new, chain = tokens[c["base"]:], c["chain"]
-            confirmed = _common_prefix(chain, new)
-            update_acceptance(self.chain_acc.setdefault(c["bucket"], [2.0, 2.0]), 0.9, confirmed,
-                              min(len(chain), len(new)))
+        self._chain = None
+        if self.lookup is not None:  # the source learns from every round, whatever was verified
+            self.lookup.accepted(tokens, num_accepted)
 
     @property
     def feats(self) -> torch.Tensor | None:
@@ -266,15 +264,6 @@ class EagleDrafter(FeatureDrafter):
         # The head's own probability of each node given its parent: its estimate of acceptance.
         conf = [math.exp(nodes[i][0] - (nodes[nodes[i][2]][0] if nodes[i][2] != -1 else 0.0)) for i in order]
         return Draft(tokens=tokens, parents=parents, conf=conf)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _host_topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
