@@ -180,24 +180,26 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["training"]["data"] == "corpus" and cfg["draft_vocab"] == 64
     outs = {}
-    for name in ("none", "eagle", "eagle+lookup", "eagle+auto"):
+    for name in ("none", "eagle", "eagle+lookup", "eagle+auto", "eagle+suffix"):
         extra = ["--draft", str(out), "--tree-nodes", "6"] if name != "none" else []
-        extra += {"eagle+lookup": ["--tree-lookup"], "eagle+auto": ["--tree-lookup", "auto"]}.get(name, [])
+        extra += {"eagle+lookup": ["--tree-lookup"], "eagle+auto": ["--tree-lookup", "auto"],
+                  "eagle+suffix": ["--tree-lookup", "auto", "--lookup-from", "suffix"]}.get(name, [])
         rc, stdout, err = run(capsys, "generate", "w5 w9 w13", "--model", str(tiny_folder), "--method",
                               name.partition("+")[0], "--max-new-tokens", "12", "--json", *extra)
         assert rc == 0, err
         outs[name] = json.loads(stdout)["token_ids"]
-    assert outs["eagle"] == outs["none"] == outs["eagle+lookup"] == outs["eagle+auto"]
+    assert outs["eagle"] == outs["none"] == outs["eagle+lookup"] == outs["eagle+auto"] == outs["eagle+suffix"]
     # bench with the head's tree methods: greedy equal, and what each eagle-tree+auto step verified
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [t]})
                                  for i, t in enumerate(["w5 w9 w13 w5 w9", "w7 w8 w7 w8"])))
     rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--model", str(tiny_folder), "--methods",
-                     "none,eagle-tree+lookup:3,eagle-tree+auto:3", "--eagle-head", str(out), "--tree-nodes", "4",
+                     "none,eagle-tree+lookup:3,eagle-tree+auto:3,eagle-tree+suffix-auto:3", "--eagle-head", str(out),
+                     "--tree-nodes", "4",
                      "--max-new-tokens", "10", "--out", str(tmp_path / "bench"))
     assert rc == 0, err
     res = json.loads((tmp_path / "bench" / "results.json").read_text())
-    for name in ("eagle-tree+lookup:3", "eagle-tree+auto:3"):
+    for name in ("eagle-tree+lookup:3", "eagle-tree+auto:3", "eagle-tree+suffix-auto:3"):
         assert res["methods"][name]["greedy_equal"] == 2
     steps = res["methods"]["eagle-tree+auto:3"]["steps_by_choice"]
     assert steps["tree"] >= 1 and sum(steps.values()) <= res["methods"]["eagle-tree+auto:3"]["target_passes"]
@@ -253,6 +255,10 @@ def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_pat
         (["train-draft", "--kind", "eagle", "--out", "x", "--keep-vocab"], "give --init"),
         (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),
         (["generate", "hi", "--method", "eagle", "--tree-lookup", "--model", "MODEL"], "give --tree-nodes"),
+        (["generate", "hi", "--method", "eagle", "--tree-nodes", "4", "--lookup-from", "suffix", "--model", "MODEL"],
+         "give --tree-lookup"),
+        (["bench", "--methods", "none,eagle-tree+auto", "--lookup-from", "suffix", "--prompts", "PROMPTS",
+          "--model", "MODEL"], "eagle-tree+suffix"),
         (["generate", "hi", "--method", "eagle", "--draft", "/no/such/head", "--model", "MODEL"], "not a draft head"),
         (["eval-draft", "--kind", "eagle", "--prompts", "/no/such/prompts.jsonl", "--model", "MODEL"], "prompts file not found"),
         (["eval-draft", "--kind", "medusa", "--prompts", "PROMPTS", "--model", "MODEL"], "no medusa head is shipped"),

@@ -258,9 +258,11 @@ def test_head_errors(heads, gemma, tmp_path):
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 @pytest.mark.parametrize("k,tree,lookup", [(1, None, False), (3, None, False), ("auto", None, False),
                                            (3, (6, None), False), (4, (12, 4), False), (5, (6, 3), True),
-                                           (5, (6, 3), "auto")])
+                                           (5, (6, 3), "auto"), (5, (6, 3), "suffix"), (5, (6, 3), "suffix-auto")])
 def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
-    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree, tree_lookup=lookup)
+    source = "suffix" if isinstance(lookup, str) and lookup.startswith("suffix") else "ngram"
+    lookup = {"suffix": "always", "suffix-auto": "auto"}.get(lookup, lookup)
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree, tree_lookup=lookup, lookup_from=source)
     ref = Engine(gemma.backend, None, gemma.eos_token_ids)
     eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
     propose, pass_rows = drafter.propose, []
@@ -292,7 +294,8 @@ def spread():
 
 @pytest.mark.parametrize("kind,tree,lookup,setting", [
     ("eagle", None, False, "t0.7-k4"), ("medusa", None, False, "t1.4-k6-p0.85"), ("eagle", (8, 2), False, "t1.4-k6-p0.85"),
-    ("medusa", (8, 2), False, "t0.7-k4"), ("eagle", (4, 2), True, "t0.7-k4"), ("eagle", (4, 2), "auto", "t1.4-k6-p0.85")])
+    ("medusa", (8, 2), False, "t0.7-k4"), ("eagle", (4, 2), True, "t0.7-k4"), ("eagle", (4, 2), "auto", "t1.4-k6-p0.85"),
+    ("eagle", (4, 2), "suffix-auto", "t0.7-k4")])
 def test_sampling_distribution(spread, kind, tree, lookup, setting, tmp_path):
     """Every position of a sampled continuation (drafts of K tokens, K + 2 new tokens) follows
     the target's own distribution, on a target with spread-out distributions (``spread.py``)."""
@@ -301,8 +304,10 @@ def test_sampling_distribution(spread, kind, tree, lookup, setting, tmp_path):
     params = SamplingParams(**SETTINGS[setting])
     head, _ = _train(spread, kind, tmp_path / "work", seqs=_target_samples(spread, PROMPT, params))
     head.save(tmp_path / "head")
-    eng = Engine(spread.backend, make_drafter(kind, spread, head_path=tmp_path / "head", tree=tree, tree_lookup=lookup),
-                 eos_token_ids=())
+    source = "suffix" if lookup == "suffix-auto" else "ngram"
+    lookup = "auto" if lookup == "suffix-auto" else lookup
+    eng = Engine(spread.backend, make_drafter(kind, spread, head_path=tmp_path / "head", tree=tree, tree_lookup=lookup,
+                                              lookup_from=source), eos_token_ids=())
     accepted = 0
 
     def run(p):
@@ -453,6 +458,78 @@ def test_tree_lookup_auto_mixes_rounds(heads, gemma, kind):
     assert drafter.lookup.acc  # the chain's acceptance was followed (its offered confidence)
     twin = drafter.fork()
     assert twin.offers_tree_or_chain and twin.lookup.acc == {}
+
+
+def test_suffix_lookup_branch_learns_across_requests(heads, gemma):
+    """--lookup-from suffix: the lookup chain is suffix drafting's, over the request's context and the
+    outputs of earlier requests (shared by forks, as a suffix drafter's are), with its learned
+    per-token confidences; output stays plain decoding's."""
+    from forerun.drafters.lookup import SuffixLookup
+
+    drafter = make_drafter("eagle", gemma, head_path=heads["eagle"][0], tree=(3, 2), tree_lookup="auto",
+                           lookup_from="suffix")
+    assert isinstance(drafter.lookup, SuffixLookup)
+    ref = Engine(gemma.backend, None, gemma.eos_token_ids)
+    eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
+    prompt = [2, 30, 31, 32, 33, 34]
+    want = ref.generate(prompt, max_new_tokens=20).token_ids
+    assert eng.generate(prompt, max_new_tokens=20, k=4).token_ids == want
+    # the first output is in the shared history now: a fork drafts its continuation from there
+    twin = drafter.fork()
+    twin.begin([2, 40, 41], SamplingParams(), None)
+    cont = want[len(prompt):]
+    chain = twin.lookup_chain([2, 40, 41] + cont[:4], 8)
+    assert chain.tokens.tolist() == cont[4:12][: len(chain)] and len(chain) > 0
+    assert chain.conf is not None and len(chain.conf) == len(chain)
+    assert drafter.lookup.drafter.history.acceptance.counts  # it learned how often its tokens were taken
+    drafter.forget_history()
+    assert twin.lookup.drafter.history.index.total == 0
+    with pytest.raises(ForerunError, match="lookup-from"):
+        make_drafter("eagle", gemma, head_path=heads["eagle"][0], tree=(3, 2), tree_lookup="auto", lookup_from="x")
+
+
+def test_native_head_step_matches_the_torch_step():
+    """The EAGLE head's layer in one native call (``qrows.c``, paired input) computes what the torch
+    step computes on the same 8-bit weights: a prompt, chain steps past the cache's first growth,
+    and a token tree's masked rows; the keys and values it writes are the same."""
+    from forerun.backends.qweights import qrows_lib
+    from forerun.drafters.heads import EagleHead, HeadCache, HeadConfig
+
+    if qrows_lib() is None:
+        pytest.skip("the integer kernels need a C compiler")
+    torch.manual_seed(0)
+    cfg = HeadConfig(kind="eagle", hidden_size=64, vocab_size=100, draft_vocab=64, feature_layers=[0, 1, 2],
+                     n_heads=2, head_dim=48, intermediate=96)
+    head = EagleHead(cfg, torch.arange(64))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 1.0) + (1.0 if p.ndim == 1 else 0.0))
+    head.eval().pack_for_inference(int8=True)
+    native = head._native
+    assert native is not None
+    emb, hid = torch.randn(80, 64), torch.randn(80, 64) * 2
+
+    def run(use_native):
+        head._native = native if use_native else None
+        cache, outs = HeadCache(), []
+        with torch.inference_mode():
+            outs.append(head.step(emb[:50], hid[:50], 0, cache)[0])
+            for t in range(50, 70):  # one row at a time, past a capacity of 64
+                outs.append(head.step(emb[t:t + 1], hid[t:t + 1], t, cache)[0])
+            mask = torch.zeros(3, 73, dtype=torch.bool)
+            mask[:, :70] = True
+            mask[0, 70] = mask[1, 71] = mask[2, 70] = mask[2, 72] = True  # two roots; the third a child of the first
+            outs.append(head.step(emb[70:73], hid[70:73], 70, cache, positions=torch.tensor([70, 70, 71]), mask=mask)[0])
+        return torch.cat(outs), cache
+
+    got, c_native = run(True)
+    want, c_torch = run(False)
+    # Both quantize each row's activations to 8 bits; a norm summed in another order may round one
+    # code the other way (then that row is off by a part in a thousand), otherwise the rows agree.
+    rel = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert rel.max() < 1e-2 and (rel < 1e-5).float().mean() > 0.9
+    assert torch.allclose(c_native.k[:, :, :73], c_torch.k[:, :, :73], atol=1e-4)
+    assert torch.allclose(c_native.v[:, :, :73], c_torch.v[:, :, :73], atol=1e-4)
 
 
 def test_eval_draft_scores_a_trained_head_above_an_untrained_one(gemma, tmp_path):

@@ -509,6 +509,9 @@ def run_bench(args) -> dict:
         methods.insert(0, "none")  # the reference for speedups and greedy equality
         parsed["none"] = parse_method("none")
     method_k = {m: p.k if p.k is not None else args.k for m, p in parsed.items()}
+    if getattr(args, "lookup_from", "ngram") != "ngram":
+        raise ForerunError("bench names the lookup branch's source per method: use eagle-tree+suffix or "
+                           "eagle-tree+suffix-auto in --methods instead of --lookup-from")
     if getattr(args, "tree_lookup", False):
         raise ForerunError("bench names the lookup branch per method: use eagle-tree+lookup or eagle-tree+auto (or "
                            "medusa-tree+...) in --methods instead of --tree-lookup")

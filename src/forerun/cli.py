@@ -63,6 +63,9 @@ def _tree_args(p: argparse.ArgumentParser) -> None:
                    help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "
                         "tokens); 'auto': each step verify either that tree or the lookup chain alone (or no draft), "
                         "whichever measured acceptance and cost say is faster")
+    p.add_argument("--lookup-from", choices=("ngram", "suffix"), default="ngram",
+                   help="where --tree-lookup's chain comes from: ngram (prompt lookup in the request, the default) or "
+                        "suffix (suffix drafting over the request and earlier outputs, with learned confidences)")
 
 
 def _adapt_args(p: argparse.ArgumentParser) -> None:
@@ -425,7 +428,7 @@ def _replay_plan(args) -> dict:
             raise ForerunError(f"--replay {m}: +auto chooses by measured time per step, which a replay has not")
         if method.k == "auto":
             raise ForerunError(f"--replay {m}: give a fixed draft length (a replay has no timings for 'auto')")
-        plan[m] = (method.lookup, method.tree is not None, method.k)
+        plan[m] = (method.lookup, method.lookup_from, method.tree is not None, method.k)
     if not plan:
         raise ForerunError("--replay names no method")
     _tree(args)  # a bad --tree-nodes or --tree-depth fails now too
@@ -489,7 +492,8 @@ def cmd_eval_draft(args) -> int:
     head = load_trained_head(args.kind, target, args.head, flag="--head")
     tree = _tree(args) or (32, args.tree_depth)
     replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if is_tree else None,
-                               tree_lookup=lookup), k) for m, (lookup, is_tree, k) in plan.items()}
+                               tree_lookup=lookup, lookup_from=source), k)
+              for m, (lookup, source, is_tree, k) in plan.items()}
     report = evaluate_head(target, head, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                            top_k=args.top_k, replay=replay, log=lambda s: print(s, file=sys.stderr))
     report["prompts_file"] = Path(args.prompts).name

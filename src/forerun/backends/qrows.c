@@ -617,6 +617,10 @@ typedef struct {
     const float *norm[4];
     const float *q_norm, *k_norm;
     int32_t n_q, n_kv, inter, sandwich, act, sliding;
+    /* paired input (an EAGLE head's layer): the attention block reads [norm_x2(x2) ; norm[0](h)], two
+     * rows of hidden values each normed with its own scale, instead of norm[0](h) */
+    const float *norm_x2;
+    int32_t paired, pad_;
 } qlayer_t;
 
 typedef struct {
@@ -626,6 +630,7 @@ typedef struct {
     const int64_t *kbase, *vbase, *cap; /* per row: its sequence's cache [layers][KVH][cap][D] */
     const int32_t *slot;                /* per row: the cache position its keys and values go to */
     const int32_t *lo[2], *hi[2], *xp[2], *extra[2];
+    const float *x2; /* [N][hidden]: the second input of paired layers (else unused) */
 } qpass_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -712,7 +717,8 @@ int forerun_q_layer(const qlayer_t *L, const qpass_t *P, int idx, float *h) {
     int nqkv = L->n_q + 2 * L->n_kv, inter = L->inter, kind = L->sliding ? 1 : 0;
     int widest = hid > nqkv ? hid : nqkv;
     widest = widest > 2 * inter ? widest : 2 * inter;
-    int maxin = hid > inter ? hid : inter;
+    int din = L->paired ? 2 * hid : hid; /* the attention block's input width */
+    int maxin = din > inter ? din : inter;
     maxin = maxin > L->n_q ? maxin : L->n_q;
     float *x = (float *)malloc(sizeof(float) * (size_t)N * maxin);
     float *y = (float *)malloc(sizeof(float) * (size_t)N * widest);
@@ -724,9 +730,17 @@ int forerun_q_layer(const qlayer_t *L, const qpass_t *P, int idx, float *h) {
         goto done;
     }
     /* attention block */
-    for (int r = 0; r < N; r++) rms_norm(h + (int64_t)r * hid, L->norm[0], x + (int64_t)r * hid, hid, P->eps);
-    a.D = hid;
-    quantize_rows(x, hid, N, hid, &a);
+    if (L->paired) {
+        for (int r = 0; r < N; r++) {
+            float *xr = x + (int64_t)r * din;
+            rms_norm(P->x2 + (int64_t)r * hid, L->norm_x2, xr, hid, P->eps);
+            rms_norm(h + (int64_t)r * hid, L->norm[0], xr + hid, hid, P->eps);
+        }
+    } else {
+        for (int r = 0; r < N; r++) rms_norm(h + (int64_t)r * hid, L->norm[0], x + (int64_t)r * hid, hid, P->eps);
+    }
+    a.D = din;
+    quantize_rows(x, din, N, din, &a);
     qmatmul(L->w, L->parts[0], &a, y, nqkv);
     add_bias(y, L->qkv_bias, N, nqkv);
     float *q = att; /* q [N][H][D] gathered here, then attention writes its own output into x */

@@ -240,7 +240,8 @@ class QLayerC(ctypes.Structure):
                 ("down_bias", ctypes.c_void_p), ("norm", ctypes.c_void_p * 4), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("n_q", ctypes.c_int32), ("n_kv", ctypes.c_int32),
                 ("inter", ctypes.c_int32), ("sandwich", ctypes.c_int32), ("act", ctypes.c_int32),
-                ("sliding", ctypes.c_int32)]
+                ("sliding", ctypes.c_int32), ("norm_x2", ctypes.c_void_p), ("paired", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
 
 
 class QPassC(ctypes.Structure):
@@ -250,7 +251,7 @@ class QPassC(ctypes.Structure):
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("kbase", ctypes.c_void_p),
                 ("vbase", ctypes.c_void_p), ("cap", ctypes.c_void_p), ("slot", ctypes.c_void_p),
                 ("lo", ctypes.c_void_p * 2), ("hi", ctypes.c_void_p * 2), ("xp", ctypes.c_void_p * 2),
-                ("extra", ctypes.c_void_p * 2)]
+                ("extra", ctypes.c_void_p * 2), ("x2", ctypes.c_void_p)]
 
 
 def _ptr(t: torch.Tensor | None):

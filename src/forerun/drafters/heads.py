@@ -179,7 +179,12 @@ class DraftHead(nn.Module):
         self._int8 = int8
         self._packed = {id(m): self._pack_layer(m) for m in self.modules() if isinstance(m, nn.Linear)}
         self._kernel = kernel
+        self._native = self._native_layer() if int8 else None
         return self
+
+    def _native_layer(self):
+        """The head's own layers in one native call, where it has one (EAGLE: ``_NativeLayer``)."""
+        return None
 
     def _pack_layer(self, m: nn.Linear):
         from forerun.backends.native import PackedLinear
@@ -197,6 +202,8 @@ class DraftHead(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear) and m is not self.lm_head:
                 packed[id(m)] = self._pack_layer(m)
+        if getattr(self, "_native", None) is not None:
+            self._native = self._native_layer()
 
     def _lin(self, mod: nn.Linear, x):
         kern = getattr(self, "_packed", {}).get(id(mod))
@@ -249,6 +256,78 @@ class _Q8Linear:
         return self.q(x)
 
 
+class _NativeLayer:
+    """An EAGLE head's decoder layer as one ``forerun_q_layer`` call (``qrows.c``): both input norms,
+    the products on 8-bit weights and activations, rotary embeddings, the cache writes, attention,
+    the MLP and both residuals in C, instead of some twenty torch operations per drafting step.
+    The layer reads [norm_emb(embedding) ; norm_hid(hid)] (``paired``) and adds to ``hid``."""
+
+    def __init__(self, head: "EagleHead"):
+        from forerun.backends.qweights import ACT_CODES, QLayerC
+
+        cfg = head.cfg
+        self.lins = [head._packed[id(m)].q for m in (head.qkv, head.o, head.gate_up, head.down)]
+        keep = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
+        self.norms = [keep(head.norm_hid.weight), keep(head.norm_mlp.weight), keep(head.norm_emb.weight)]
+        c = QLayerC()
+        parts = [p for lin in self.lins for p in lin.parts]
+        for i, p in enumerate(parts):
+            c.w[i] = p.struct()
+        for i, lin in enumerate(self.lins):
+            c.parts[i] = len(lin.parts)
+        c.norm[0], c.norm[1], c.norm_x2 = (t.data_ptr() for t in self.norms)
+        c.n_q = c.n_kv = cfg.n_heads * cfg.head_dim
+        c.inter, c.act, c.paired = cfg.intermediate, ACT_CODES["silu"], 1
+        self.c = c
+
+    def step(self, head: "EagleHead", emb, hid, pos: int, cache: "HeadCache", positions, mask) -> torch.Tensor:
+        """``EagleHead.step`` natively: the same entries, positions and masks; returns g [T, H]."""
+        import ctypes
+
+        from forerun.backends.qweights import QPassC, qrows_lib
+
+        cfg = head.cfg
+        T, H, heads, d = emb.shape[0], cfg.hidden_size, cfg.n_heads, cfg.head_dim
+        end = pos + T
+        cache.reserve(pos, end, heads, d, emb)
+        if positions is None:
+            positions = torch.arange(pos, end)
+        cos, sin = _rope_table(cfg.rope_theta, d, end, emb.device)
+        cos, sin = cos[positions].contiguous(), sin[positions].contiguous()
+        if mask is None:  # causal: row t sees entries 0..pos+t
+            lo, hi, xp, extra = [0] * T, list(range(pos + 1, end + 1)), [0] * (T + 1), [0]
+        else:  # a tree: the longest all-visible prefix, then each row's other visible entries
+            lo, hi, xp, extra = [0] * T, [], [0], []
+            for row in mask.tolist():
+                n = row.index(False) if False in row else len(row)
+                more = [j for j in range(n, len(row)) if row[j]]
+                hi.append(n)
+                extra += more
+                xp.append(xp[-1] + len(more))
+            extra = extra or [0]
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        lo, hi, xp, extra = i32(lo), i32(hi), i32(xp), i32(extra)
+        kb = torch.full((T,), cache.k.data_ptr(), dtype=torch.int64)
+        vb = torch.full((T,), cache.v.data_ptr(), dtype=torch.int64)
+        caps = torch.full((T,), cache.k.shape[2], dtype=torch.int64)
+        slots = torch.arange(pos, end, dtype=torch.int32)
+        x2 = emb.to(torch.float32).contiguous()
+        h = hid.to(torch.float32).contiguous().clone()
+        ps = QPassC()
+        ps.N, ps.hidden, ps.H, ps.KVH, ps.D = T, H, heads, heads, d
+        ps.eps, ps.scale, ps.softcap = cfg.eps, 1.0 / math.sqrt(d), 0.0
+        for k in (0, 1):
+            ps.cos[k], ps.sin[k] = cos.data_ptr(), sin.data_ptr()
+            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = lo.data_ptr(), hi.data_ptr(), xp.data_ptr(), extra.data_ptr()
+        ps.kbase, ps.vbase, ps.cap, ps.slot = kb.data_ptr(), vb.data_ptr(), caps.data_ptr(), slots.data_ptr()
+        ps.x2 = x2.data_ptr()
+        lib = qrows_lib()
+        lib.forerun_q_threads(torch.get_num_threads())
+        if lib.forerun_q_layer(ctypes.byref(self.c), ctypes.byref(ps), 0, h.data_ptr()) != 0:
+            raise MemoryError("qrows: out of memory in the head's layer")
+        return h
+
+
 class HeadCache:
     """An EAGLE head's keys and values [1, heads, capacity, d] and how many entries are in use.
     Entries are written in place (capacity grows by doubling): a drafting step copies only its
@@ -273,6 +352,20 @@ class HeadCache:
         self.k[:, :, pos:end], self.v[:, :, pos:end] = k, v
         self.n = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reserve(self, pos: int, end: int, heads: int, d: int, like: torch.Tensor) -> None:
+        """Room for entries up to ``end`` (float32, [1, heads, capacity, d]), keeping the first
+        ``pos``, for a native step that writes entries pos..end-1 itself."""
+        if pos > self.n:
+            raise ValueError(f"head cache: writing at {pos} past its {self.n} entries")
+        if self.k is None or end > self.k.shape[2]:
+            cap = max(64, end, 2 * (self.k.shape[2] if self.k is not None else 0))
+            k_new = like.new_empty(1, heads, cap, d, dtype=torch.float32)
+            v_new = torch.empty_like(k_new)
+            if self.k is not None:
+                k_new[:, :, :pos], v_new[:, :, :pos] = self.k[:, :, :pos], self.v[:, :, :pos]
+            self.k, self.v = k_new, v_new
+        self.n = end
 
 
 class EagleHead(DraftHead):
@@ -300,6 +393,16 @@ class EagleHead(DraftHead):
             self.fuse.weight.zero_()
             self.fuse.weight[:, (n - 1) * H :] = torch.eye(H)
 
+    def _native_layer(self):
+        from forerun.backends.qweights import qrows_lib
+
+        if self.feat_norms is not None:  # the feature norms' scales stacked once, not per drafting round
+            self._feat_scales = torch.stack([norm.weight for norm in self.feat_norms]).detach().clone()
+
+        if qrows_lib() is None or self.cfg.head_dim > 1024:
+            return None
+        return _NativeLayer(self)
+
     def top_norm(self) -> RMSNorm:
         # Without feature norms the raw top-layer features pass the fusing layer unscaled, so the
         # target's final norm belongs where the target has it: before the output layer.
@@ -311,7 +414,8 @@ class EagleHead(DraftHead):
         H, n = self.cfg.hidden_size, len(self.feat_norms)
         # each layer's slice normed with its own scale: one norm over [..., n, H], one product
         x = F.rms_norm(feats.float().unflatten(-1, (n, H)), (H,), None, self.cfg.eps)
-        x = x * torch.stack([norm.weight for norm in self.feat_norms])
+        scales = getattr(self, "_feat_scales", None) if not torch.is_grad_enabled() else None
+        x = x * (scales if scales is not None else torch.stack([norm.weight for norm in self.feat_norms]))
         return self._lin(self.fuse, x.flatten(-2))
 
     def _qkv(self, emb, hid, positions, end: int):  # emb, hid: [B, T, H] -> q, k, v: [B, heads, T, d]
@@ -335,6 +439,11 @@ class EagleHead(DraftHead):
         Returns (g [T, H], the cache holding the first pos entries and the new ones: the same
         object, written in place, whose entries past pos + T are stale)."""
         T = emb.shape[0]
+        native = getattr(self, "_native", None)
+        if native is not None and emb.device.type == "cpu" and not torch.is_grad_enabled():
+            if cache is None:
+                cache = HeadCache()
+            return native.step(self, emb, hid, pos, cache, positions, mask), cache
         if positions is None:
             positions = torch.arange(pos, pos + T, device=emb.device)
         q, k, v = self._qkv(emb[None], hid[None], positions, pos + T)

@@ -31,7 +31,7 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
                   max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
                   k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20,
                   loopback_hosts: bool = False, prefix_cache_mb: int = 512, adapt: bool = False, progress: bool = False,
-                  tree=None, tree_lookup=None):
+                  tree=None, tree_lookup=None, lookup_from: str = "ngram"):
     from forerun.server.app import Service
 
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
@@ -43,7 +43,8 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
     _check_api_key(api_key)
     # every method of generate (token trees where the backend verifies them); each slot forks this drafter
     options = Options(model.name, method=method, draft=head_path, skip_layers=skip_layers, tree_nodes=tree[0] if tree else 0,
-                      tree_depth=tree[1] if tree else None, tree_lookup=tree_lookup, adapt=adapt, serving=True)
+                      tree_depth=tree[1] if tree else None, tree_lookup=tree_lookup, lookup_from=lookup_from,
+                      adapt=adapt, serving=True)
     drafter = drafter_for(options, model, draft_model)
     engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
                          max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
@@ -97,7 +98,7 @@ def serve(args) -> int:
                             max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
                             skip_layers=options.skip, head_path=options.head_path,
                             prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt, progress=True,
-                            tree=options.tree, tree_lookup=args.tree_lookup)
+                            tree=options.tree, tree_lookup=args.tree_lookup, lookup_from=args.lookup_from)
     if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
                     type(model.backend).__name__)
