@@ -44,7 +44,7 @@ def test_adaptive_k_follows_acceptance():
 def test_probes_of_costly_drafters_thin_out():
     """A drafter that costs per token (its probe is a whole drafting round) is probed at doubling
     intervals while its probes fail; a plan that drafts again resets the interval."""
-    pol = DraftLength()
+    pol = DraftLength(refresh_every=1000)  # no pass is timed here: no refresh of the plain step's cost
     _measured(pol)
     pol.observe_draft(1, 1e-3)
     pol.buckets[None] = [0.1, 20.0]
@@ -56,6 +56,42 @@ def test_probes_of_costly_drafters_thin_out():
         pol.observe(None, 1, 1)
     assert _one(pol, 16, charge=True) >= 1  # drafting pays again: the interval starts over
     assert pol.probe_gap[None] == pol.probe_every
+
+
+def test_an_outlier_pass_does_not_make_drafting_look_free():
+    """One slow plain step (a page fault, another process) moves its average by a fifth at most, and
+    a plain step's cost that drafting has kept from being timed is measured again after
+    ``refresh_every`` choices: drafting does not go on for ever on a stale, inflated baseline."""
+    pol = DraftLength(refresh_every=16)
+    _measured(pol)  # 10 ms a step, 3 ms per extra row
+    pol.observe_pass(1, 0.500)
+    assert pol.cost(1) < 0.010 * 1.21
+    pol.observe_pass(1, 0.020)  # a slow hour: the baseline really doubled, so drafting looks cheap
+    pol.observe_pass(1, 0.020)
+    pol.buckets[None] = [1.0, 3.0]  # a quarter of drafts accepted: 1.25 tokens for 1.3 steps
+    picks = [_one(pol, 16) for _ in range(20)]
+    assert picks[:16] == [1] * 16  # against the inflated baseline one draft token seems to pay
+    assert picks[16] == 0  # 16 choices without a plain step: one runs, to be timed
+    for _ in range(20):
+        pol.observe_pass(1, 0.010)  # the machine is fast again
+    assert _one(pol, 16) == 0
+
+
+def test_a_probe_is_not_charged_as_drafting_cost():
+    """A costly drafter's probe catches up on every position since its last round: not what a
+    drafted token costs while drafting goes on."""
+    pol = DraftLength()
+    _measured(pol)
+    pol.observe_draft(1, 1e-3)
+    pol.buckets[None] = [0.1, 20.0]
+    while _one(pol, 16, charge=True) == 0:
+        pol.observe_draft(0, 0.0)
+    pol.observe_draft(1, 0.5)  # the probe's round
+    assert pol.draft_cost == 1e-3
+    pol.buckets[None] = [20.0, 0.1]
+    assert _one(pol, 16, charge=True) > 0
+    pol.observe_draft(4, 8e-3)  # a round of the plan: charged (a sample counts twice the average at most)
+    assert pol.draft_cost == 1e-3 * (0.8 + 0.2 * 2)
 
 
 def test_adaptive_k_per_bucket_and_drafting_cost():

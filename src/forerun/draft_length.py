@@ -106,8 +106,17 @@ class DraftLength:
     measured seconds per drafted token. A bucket that had drafts on offer but kept none for
     ``probe_every`` choices gets one draft token once (a probe), so that an estimate that fell too
     low is measured again; for drafters that cost per token each probe the plan does not follow up
-    doubles that interval (a probe is a whole drafting round there). ``sequential``: the backend
-    runs the sequences of a step one after another, so a step costs one pass per sequence.
+    doubles that interval (a probe is a whole drafting round there), and a probe's drafting time is
+    not a sample of what a drafted token costs (a head's probe catches up on every position since
+    its last round). ``sequential``: the backend runs the sequences of a step one after another, so
+    a step costs one pass per sequence.
+
+    Measured pass and drafting times are averages that a single slow sample (a page fault, another
+    process, a head catching up on a long prompt) must not poison: a sample counts at most twice
+    (at least half) the current average. And the cost
+    of the step without drafts is what every choice is measured against, yet while drafting pays
+    it is never timed again: after ``refresh_every`` choices without a sample of it, one step
+    runs without drafts to measure it afresh (this machine's speed drifts by tens of percent).
 
     Drafters that offer a token tree or a prompt-lookup chain (``tree_or_chain``) get the option
     with more tokens per second for this round's bucket: the tree's measured yield over its
@@ -119,13 +128,17 @@ class DraftLength:
 
     def __init__(self, k: int | str = "auto", *, k_max: int = 16, k_start: int = 4, decay: float = 0.9,
                  margin: float = 0.0, probe_every: int = 8, sequential: bool = False, tree_probe_every: int = 16,
-                 max_tree_probe_every: int = 256):
+                 max_tree_probe_every: int = 256, refresh_every: int = 64):
         self.fixed = None if k == "auto" else int(k)
         self.auto_k_max = k_max
         self.k_max = k_max if self.fixed is None else self.fixed
         self.k_start, self.decay, self.margin = k_start, decay, margin
         self.probe_every, self.sequential = probe_every, sequential
         self.tree_probe_every, self.max_tree_probe_every = tree_probe_every, max_tree_probe_every
+        self.refresh_every = refresh_every
+        self._clock = 0  # choices made
+        self._seen: dict[int, int] = {}  # pass rows -> the choice at which it was last timed
+        self._probed = False  # the last choice was a probe
         # What the machine and model cost (kept across requests by ``renewed``):
         # kind -> rows -> seconds: target passes ("pass"); whole rounds of a tree-or-chain drafter that
         # verified its tree ("tree") or its chain ("chain"), drafting and the step's other work included
@@ -144,7 +157,8 @@ class DraftLength:
         carry over (they belong to the machine, the model and its head); acceptance starts afresh."""
         new = DraftLength(k, k_max=self.auto_k_max, k_start=self.k_start, decay=self.decay,
                           margin=self.margin, probe_every=self.probe_every, sequential=self.sequential,
-                          tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every)
+                          tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every,
+                          refresh_every=self.refresh_every)
         new.costs = {kind: dict(c) for kind, c in self.costs.items()}
         new.draft_cost = self.draft_cost
         # what a head's tree yields per bucket, and how often that was probed, describe the head and
@@ -158,14 +172,22 @@ class DraftLength:
         """A target pass over ``rows`` rows (``kind`` "tree" / "chain": a whole round of a
         tree-or-chain drafter)."""
         pts = self.costs[kind]
+        if kind == "pass":
+            self._seen[rows] = self._clock
         if rows not in pts and kind == "pass":  # the first pass of a row count may include one-time kernel tuning
             pts[rows] = None
         else:
-            pts[rows] = ema(pts.get(rows), seconds)
+            old = pts.get(rows)
+            if old is not None:  # one slow (or fast) outlier moves the average by a fifth at most
+                seconds = min(max(seconds, 0.5 * old), 2.0 * old)
+            pts[rows] = ema(old, seconds)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
-        if tokens:
-            self.draft_cost = ema(self.draft_cost, seconds / tokens)
+        if tokens and not self._probed:
+            per = seconds / tokens
+            if self.draft_cost is not None:  # a head's first round of a request catches up on its whole prompt
+                per = min(max(per, 0.5 * self.draft_cost), 2.0 * self.draft_cost)
+            self.draft_cost = ema(self.draft_cost, per)
 
     def observe(self, bucket, drafted: int, accepted: int) -> None:
         if drafted > 0:
@@ -194,8 +216,14 @@ class DraftLength:
         confs = confs or [None] * n
         if n == 0:
             return []
+        self._clock += 1
+        self._probed = False
         if self.cost(1) is None or (charge_drafting and self.draft_cost is None):  # nothing measured yet
             return [min(a, self.k_start, self.k_max) for a in available]
+        plain = 1 if self.sequential else n  # the rows of a step without drafts
+        if plain in self._seen and self._clock - self._seen[plain] > self.refresh_every:
+            self._seen[plain] = self._clock  # its cost is stale: measure it again
+            return [0] * n
         cands = []
         for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
             a, reach = self.acceptance(bucket), 1.0
@@ -240,6 +268,7 @@ class DraftLength:
             gap = self.probe_every if bucket in kept or not backoff else self.probe_gap.get(bucket, self.probe_every)
             if idle >= gap:
                 ks[i], idle = 1, 0
+                self._probed = True
                 if backoff:
                     gap = min(2 * gap, self.max_tree_probe_every)
             self.idle[bucket] = idle
