@@ -13,7 +13,7 @@ common=(--prompts "$q" --limit-per-category 1 --max-new-tokens 128 --threads 2 -
 
 forerun bench --model smollm2 --backend torch --methods none,ngram:auto,suffix:auto,eagle:auto,eagle-tree+lookup:8 \
     --tree-nodes 4 --tree-depth 3 "${common[@]}" --out "$out/smollm2"
-forerun bench --model bundled --backend torch --methods none,ngram:auto,suffix:auto,eagle:auto,eagle-tree+lookup:10 \
+forerun bench --model bundled --backend torch --methods none,ngram:auto,suffix:auto,eagle:auto,eagle-tree+lookup:10,eagle-tree+suffix-auto:16 \
     --tree-nodes 1 --tree-depth 1 "${common[@]}" --out "$out/bundled"
 
 python "$(dirname "$0")/summary.py" "$out/smollm2" "$out/bundled" | tee "$out/summary.md"

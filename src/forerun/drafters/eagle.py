@@ -7,8 +7,9 @@ past them are the head's own guesses and are dropped at the next round.
 Both can propose a chain or a token tree (``tree=(nodes, depth)``): EAGLE grows a dynamic tree
 (EAGLE-2: expand the most probable branches depth by depth, then keep the best ``nodes`` by
 path probability); Medusa fills a static tree shape with each head's top-ranked tokens.
-With ``lookup=(max_ngram, min_ngram)`` a tree also carries the prompt-lookup continuation
-(see ``drafters.ngram``) as one more branch: text the answer copies from the prompt or repeats
+With ``lookup`` (a source from ``drafters.lookup``: prompt lookup, or suffix drafting over the
+context and earlier outputs; ``(max_ngram, min_ngram)`` means prompt lookup) a tree also carries
+that source's chain as one more branch: text the answer copies from the prompt or repeats
 is what a small head predicts worst and lookup predicts best. Verification treats every node
 alike, so the result stays exactly the target's. With ``adaptive=True`` the drafter offers, each
 round, its lookup chain before building a tree (``offers_tree_or_chain``): the draft-length policy

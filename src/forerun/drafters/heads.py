@@ -296,12 +296,13 @@ class _NativeLayer:
         cos, sin = cos[positions].contiguous(), sin[positions].contiguous()
         if mask is None:  # causal: row t sees entries 0..pos+t
             lo, hi, xp, extra = [0] * T, list(range(pos + 1, end + 1)), [0] * (T + 1), [0]
-        else:  # a tree: the longest all-visible prefix, then each row's other visible entries
-            lo, hi, xp, extra = [0] * T, [], [0], []
-            for row in mask.tolist():
-                n = row.index(False) if False in row else len(row)
-                more = [j for j in range(n, len(row)) if row[j]]
-                hi.append(n)
+        else:  # a tree: each row's all-visible prefix, then its other visible entries
+            hidden = ~mask.cpu()
+            first = torch.where(hidden.any(1), hidden.int().argmax(1), mask.shape[1]).tolist()
+            lo, hi, xp, extra = [0] * T, first, [0], []
+            base = min(first)
+            for r, row in enumerate(mask[:, base:].tolist()):  # only the tail past the shared prefix
+                more = [base + j for j, seen in enumerate(row) if seen and base + j >= first[r]]
                 extra += more
                 xp.append(xp[-1] + len(more))
             extra = extra or [0]
