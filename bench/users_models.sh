@@ -3,7 +3,7 @@
 # integer path, what --backend auto picks), each against llama.cpp's own plain decoding (default
 # settings) and transformers' generate() in the same run, then the table itself.
 # Spec-Bench prompts, one per category (13), greedy, 128 new tokens, 2 threads, one run each
-# (about 25 minutes on 2 cores).
+# (about 10-25 minutes on 2 cores).
 # Usage: bench/users_models.sh OUT_DIR   (Spec-Bench at ../shared/data/spec_bench/question.jsonl,
 #        or PROMPTS=FILE)
 set -euo pipefail
