@@ -63,7 +63,9 @@ def _tree_args(p: argparse.ArgumentParser) -> None:
                    help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "
                         "tokens); 'auto': each step verify either that tree or the lookup chain alone (or no draft), "
                         "whichever measured acceptance and cost say is faster")
-    p.add_argument("--lookup-from", choices=("ngram", "suffix"), default="ngram",
+    from forerun.build import LOOKUP_SOURCES
+
+    p.add_argument("--lookup-from", choices=LOOKUP_SOURCES, default="ngram",
                    help="where --tree-lookup's chain comes from: ngram (prompt lookup in the request, the default) or "
                         "suffix (suffix drafting over the request and earlier outputs, with learned confidences)")
 

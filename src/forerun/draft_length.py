@@ -31,6 +31,13 @@ def ema(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+def bounded_ema(old: float | None, new: float) -> float:
+    """``ema`` with the sample counted at most twice (at least half) the current average: one
+    outlier (a page fault, another process, a head catching up on a long prompt) moves it by a
+    fifth at most."""
+    return ema(old, new if old is None else min(max(new, 0.5 * old), 2.0 * old))
+
+
 def chain_yield(conf: list[float]) -> list[float]:
     """Expected tokens of a verify pass over the first k tokens of a chain, for k = 0..len(conf),
     when ``conf[j]`` is the chance the target accepts token j once every token before it was:
@@ -177,17 +184,11 @@ class DraftLength:
         if rows not in pts and kind == "pass":  # the first pass of a row count may include one-time kernel tuning
             pts[rows] = None
         else:
-            old = pts.get(rows)
-            if old is not None:  # one slow (or fast) outlier moves the average by a fifth at most
-                seconds = min(max(seconds, 0.5 * old), 2.0 * old)
-            pts[rows] = ema(old, seconds)
+            pts[rows] = bounded_ema(pts.get(rows), seconds)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens and not self._probed:
-            per = seconds / tokens
-            if self.draft_cost is not None:  # a head's first round of a request catches up on its whole prompt
-                per = min(max(per, 0.5 * self.draft_cost), 2.0 * self.draft_cost)
-            self.draft_cost = ema(self.draft_cost, per)
+            self.draft_cost = bounded_ema(self.draft_cost, seconds / tokens)
 
     def observe(self, bucket, drafted: int, accepted: int) -> None:
         if drafted > 0:

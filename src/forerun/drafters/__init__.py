@@ -139,8 +139,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(TREE_METHODS)}, not {method}")
     if tree_lookup and method == "suffix":
         raise ForerunError("--tree-lookup adds a lookup branch to a head's tree; suffix trees already draft from lookups")
-    if lookup_from not in ("ngram", "suffix"):
-        raise ForerunError(f"--lookup-from must be ngram or suffix, got {lookup_from!r}")
+    if lookup_from not in ("ngram", "suffix"):  # build.LOOKUP_SOURCES (drafters do not import build)
+        raise ForerunError(f"--lookup-from must be one of ngram, suffix, got {lookup_from!r}")
     if lookup_from != "ngram" and not tree_lookup:
         raise ForerunError(f"--lookup-from {lookup_from} names where --tree-lookup's chain comes from: give --tree-lookup too")
     if tree_lookup and tree is None:

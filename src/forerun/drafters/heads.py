@@ -179,12 +179,13 @@ class DraftHead(nn.Module):
         self._int8 = int8
         self._packed = {id(m): self._pack_layer(m) for m in self.modules() if isinstance(m, nn.Linear)}
         self._kernel = kernel
-        self._native = self._native_layer() if int8 else None
+        self._derive_for_drafting()
         return self
 
-    def _native_layer(self):
-        """The head's own layers in one native call, where it has one (EAGLE: ``_NativeLayer``)."""
-        return None
+    def _derive_for_drafting(self) -> None:
+        """State drafting derives from the weights, rebuilt whenever they change (EAGLE: its layer
+        as one native call, the feature norms' scales stacked once)."""
+        self._native = None
 
     def _pack_layer(self, m: nn.Linear):
         from forerun.backends.native import PackedLinear
@@ -202,8 +203,7 @@ class DraftHead(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear) and m is not self.lm_head:
                 packed[id(m)] = self._pack_layer(m)
-        if getattr(self, "_native", None) is not None:
-            self._native = self._native_layer()
+        self._derive_for_drafting()
 
     def _lin(self, mod: nn.Linear, x):
         kern = getattr(self, "_packed", {}).get(id(mod))
@@ -289,7 +289,8 @@ class _NativeLayer:
         cfg = head.cfg
         T, H, heads, d = emb.shape[0], cfg.hidden_size, cfg.n_heads, cfg.head_dim
         end = pos + T
-        cache.reserve(pos, end, heads, d, emb)
+        x2 = emb.to(torch.float32).contiguous()
+        cache.reserve(pos, end, heads, d, x2)  # float32 entries, as the kernel writes them
         if positions is None:
             positions = torch.arange(pos, end)
         cos, sin = _rope_table(cfg.rope_theta, d, end, emb.device)
@@ -312,7 +313,6 @@ class _NativeLayer:
         vb = torch.full((T,), cache.v.data_ptr(), dtype=torch.int64)
         caps = torch.full((T,), cache.k.shape[2], dtype=torch.int64)
         slots = torch.arange(pos, end, dtype=torch.int32)
-        x2 = emb.to(torch.float32).contiguous()
         h = hid.to(torch.float32).contiguous().clone()
         ps = QPassC()
         ps.N, ps.hidden, ps.H, ps.KVH, ps.D = T, H, heads, heads, d
@@ -342,26 +342,18 @@ class HeadCache:
         """Write entries [1, heads, T, d] at pos..pos+T-1 (dropping any past pos); returns views
         of entries 0..pos+T-1."""
         end = pos + k.shape[2]
-        if pos > self.n:
-            raise ValueError(f"head cache: writing at {pos} past its {self.n} entries")
-        if self.k is None or end > self.k.shape[2]:
-            cap = max(64, end, 2 * (self.k.shape[2] if self.k is not None else 0))
-            k_new, v_new = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
-            if self.k is not None:
-                k_new[:, :, :pos], v_new[:, :, :pos] = self.k[:, :, :pos], self.v[:, :, :pos]
-            self.k, self.v = k_new, v_new
+        self.reserve(pos, end, k.shape[1], k.shape[3], k)
         self.k[:, :, pos:end], self.v[:, :, pos:end] = k, v
-        self.n = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def reserve(self, pos: int, end: int, heads: int, d: int, like: torch.Tensor) -> None:
-        """Room for entries up to ``end`` (float32, [1, heads, capacity, d]), keeping the first
-        ``pos``, for a native step that writes entries pos..end-1 itself."""
+        """Room for entries up to ``end`` ([1, heads, capacity, d], ``like``'s dtype and device),
+        keeping the first ``pos``; entries pos..end-1 count as in use (the caller writes them)."""
         if pos > self.n:
             raise ValueError(f"head cache: writing at {pos} past its {self.n} entries")
         if self.k is None or end > self.k.shape[2]:
             cap = max(64, end, 2 * (self.k.shape[2] if self.k is not None else 0))
-            k_new = like.new_empty(1, heads, cap, d, dtype=torch.float32)
+            k_new = like.new_empty(1, heads, cap, d)
             v_new = torch.empty_like(k_new)
             if self.k is not None:
                 k_new[:, :, :pos], v_new[:, :, :pos] = self.k[:, :, :pos], self.v[:, :, :pos]
@@ -394,15 +386,13 @@ class EagleHead(DraftHead):
             self.fuse.weight.zero_()
             self.fuse.weight[:, (n - 1) * H :] = torch.eye(H)
 
-    def _native_layer(self):
+    def _derive_for_drafting(self) -> None:
         from forerun.backends.qweights import qrows_lib
 
         if self.feat_norms is not None:  # the feature norms' scales stacked once, not per drafting round
             self._feat_scales = torch.stack([norm.weight for norm in self.feat_norms]).detach().clone()
-
-        if qrows_lib() is None or self.cfg.head_dim > 1024:
-            return None
-        return _NativeLayer(self)
+        native = getattr(self, "_int8", False) and qrows_lib() is not None and self.cfg.head_dim <= 1024
+        self._native = _NativeLayer(self) if native else None
 
     def top_norm(self) -> RMSNorm:
         # Without feature norms the raw top-layer features pass the fusing layer unscaled, so the

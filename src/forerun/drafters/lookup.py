@@ -97,5 +97,3 @@ class SuffixLookup:
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         self.drafter.accepted(tokens, num_accepted)
 
-
-SOURCES = {"ngram": NgramLookup, "suffix": SuffixLookup}
