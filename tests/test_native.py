@@ -344,3 +344,39 @@ def test_verify_rows_equal_one_token_steps_bit_for_bit():
     be2.reset()
     be2.forward(ids[:pos], 0, logits=False)
     assert torch.allclose(be2.forward(ids[pos: pos + 12], pos, logits=False, return_hidden=True).hidden, chain, atol=1e-4)
+
+
+def test_attention_rows_of_a_pass_read_the_cache_once_and_give_each_rows_own_bits():
+    """``attn_rows.c`` (and ``qrows.c``, same code) attends the rows of one sequence together, a block
+    of keys and values at a time for all of them: each row must still get, bit for bit, what it gets
+    alone. Head sizes 64 and 256 (values summed in registers across blocks) and 80 (element by
+    element), contexts of several key blocks, a pass of more rows than one group holds (16), a sliding
+    window (rows start at different slots) and tree rows (extra slots); and attention itself checked
+    against float64."""
+    import pytest
+
+    from forerun.backends.native import RowKeys, attention_rows, attn_rows_kernel
+
+    if attn_rows_kernel() is None:
+        pytest.skip("no C compiler for the row kernels")
+    g = torch.Generator().manual_seed(3)
+    for D, H, KVH in ((64, 9, 3), (256, 4, 1), (80, 8, 8)):
+        cap = 400
+        k = torch.randn(KVH, cap, D, generator=g)
+        v = torch.randn(KVH, cap, D, generator=g)
+        pos = 300
+        cases = [RowKeys.chain(pos, 20, None), RowKeys.chain(pos, 5, 130),
+                 RowKeys([0, 0, 0], [pos, pos, pos], [[pos], [pos, pos + 1], [pos, pos + 2]])]
+        for keys in cases:
+            T = len(keys.rows)
+            q = torch.randn(T, H, D, generator=g)
+            together = attention_rows(q, k, v, keys, 0.125)
+            for t in range(T):
+                a, b, e = keys.rows[t]
+                alone = attention_rows(q[t:t + 1], k, v, RowKeys([a], [b], [e]), 0.125)
+                assert torch.equal(together[t:t + 1], alone), (D, t)
+                kk, vv = keys.keys_values(t, k.double(), v.double())
+                qq = q[t].double().view(KVH, H // KVH, D)
+                w = torch.softmax(torch.einsum("gqd,gsd->gqs", qq, kk) * 0.125, -1)
+                want = torch.einsum("gqs,gsd->gqd", w, vv).reshape(-1)
+                assert (together[t].double() - want).abs().max() < 1e-5, (D, t)

@@ -1,13 +1,14 @@
-/* Attention computed one (row, head) at a time, the same way whatever the pass: a verify pass's
- * row gives bit for bit what a one-token step at that position gives.
+/* Attention computed the same way whatever the pass: a verify pass's row gives bit for bit what a
+ * one-token step at that position gives.
  *
  * Library attention (PyTorch's scaled_dot_product_attention) tiles its products and reductions
  * by the shape of the whole pass, so a row of a 9-row pass and the same row run alone round
- * differently (measured on the bundled model: up to 2e-5 in a layer's output). Here every
- * (row, head) pair is one independent job: its scores over the keys it sees (a consecutive
- * range of cache slots, then an optional list of further slots: a tree row's ancestors and
- * itself), their softmax, and the weighted sum of values, each summed in a fixed order that
- * depends only on that row's keys. OpenMP splits the pairs, never one pair's sums.
+ * differently (measured on the bundled model: up to 2e-5 in a layer's output). Here each row's
+ * scores over the keys it sees (a consecutive range of cache slots, then an optional list of
+ * further slots: a tree row's ancestors and itself), their softmax and the weighted sum of values
+ * are each summed in a fixed order that depends only on that row's keys (``rows_common.h``:
+ * attend_pass; a sequence's rows share the reads of its keys and values, not their sums). OpenMP
+ * splits (rows, head) jobs, never one row's sums.
  *
  * q: [T, H, D]; k, v: one layer's cache [KVH, cap, D]; out: [T, H, D]; all float32, contiguous.
  * Row t sees slots lo[t] .. hi[t]-1, then extra[xp[t] .. xp[t+1]-1].
@@ -40,34 +41,7 @@ void forerun_store_rows(const float *k, const float *v, const int64_t *kp, const
 int forerun_attn_rows_multi(const float *q, const int64_t *kp, const int64_t *vp, const int64_t *caps, int T, int H,
                             int KVH, int D, const int32_t *lo, const int32_t *hi, const int32_t *xp,
                             const int32_t *extra, float scale, float *out) {
-    int smax = 0;
-    for (int t = 0; t < T; t++) {
-        int s = hi[t] - lo[t] + xp[t + 1] - xp[t];
-        if (s > smax) smax = s;
-    }
-    int group = H / KVH;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *w = (float *)malloc(sizeof(float) * (size_t)(smax > 0 ? smax : 1));
-        int32_t *slot = (int32_t *)malloc(sizeof(int32_t) * (size_t)(smax > 0 ? smax : 1));
-        if (w == NULL || slot == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static, 1) /* round robin: a causal pass's later rows see more keys */
-        for (int job = 0; job < T * H; job++) {
-            if (w == NULL || slot == NULL) continue;
-            int t = job / H, h = job % H;
-            const float *kh = (const float *)(intptr_t)kp[t] + (int64_t)(h / group) * caps[t] * D;
-            const float *vh = (const float *)(intptr_t)vp[t] + (int64_t)(h / group) * caps[t] * D;
-            attend_one(q + ((int64_t)t * H + h) * D, kh, vh, D, lo[t], hi[t], extra + xp[t], xp[t + 1] - xp[t], scale,
-                       0.0f, NULL, w, slot, out + ((int64_t)t * H + h) * D);
-        }
-        free(w);
-        free(slot);
-    }
-    return failed ? -1 : 0;
+    return attend_pass(q, kp, vp, caps, 0, T, H, KVH, D, lo, hi, xp, extra, scale, 0.0f, NULL, out) ? -1 : 0;
 }
 
 /* One sequence: q [T, H, D] over one layer's cache k, v [KVH, cap, D]. */

@@ -178,7 +178,10 @@ def attn_rows_kernel():
 
         from forerun.backends.ckernels import compile_c
 
-        lib = compile_c("attn_rows", "batch-invariant attention runs row by row through PyTorch (slower)")
+        # products and sums as written (no fused multiply-adds): a row's sums are the same whichever
+        # of attend_one's and attend_rows' loops computes them
+        lib = compile_c("attn_rows", "batch-invariant attention runs row by row through PyTorch (slower)",
+                        flags=("-ffp-contract=off",))
         if lib is not None:
             P, I = ctypes.c_void_p, ctypes.c_int
             lib.forerun_attn_rows.restype = I

@@ -677,38 +677,11 @@ static void add_bias(float *y, const float *bias, int N, int n) {
         for (int i = 0; i < n; i++) y[(int64_t)r * n + i] += bias[i];
 }
 
-/* Attention of every (row, head) over the keys that row sees (forerun's RowKeys), in slot order. */
+/* Attention of every (row, head) over the keys that row sees (forerun's RowKeys), in slot order;
+ * a sequence's rows read its keys and values once (attend_pass). */
 static int attend(const qpass_t *P, int idx, int kind, const float *q, float *out) {
-    int N = P->N, H = P->H, KVH = P->KVH, D = P->D, group = H / KVH;
-    const int32_t *lo = P->lo[kind], *hi = P->hi[kind], *xp = P->xp[kind], *extra = P->extra[kind];
-    int smax = 1;
-    for (int t = 0; t < N; t++) {
-        int s = hi[t] - lo[t] + xp[t + 1] - xp[t];
-        if (s > smax) smax = s;
-    }
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *w = (float *)malloc(sizeof(float) * (size_t)smax);
-        int32_t *slot = (int32_t *)malloc(sizeof(int32_t) * (size_t)smax);
-        if (!w || !slot) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static, 1) /* round robin: a causal pass's later rows see more keys */
-        for (int job = 0; job < N * H; job++) {
-            if (!w || !slot) continue;
-            int t = job / H, h = job % H;
-            int64_t layer = (int64_t)idx * KVH * P->cap[t] * D;
-            const float *kh = (const float *)(intptr_t)P->kbase[t] + layer + (int64_t)(h / group) * P->cap[t] * D;
-            const float *vh = (const float *)(intptr_t)P->vbase[t] + layer + (int64_t)(h / group) * P->cap[t] * D;
-            attend_one(q + ((int64_t)t * H + h) * D, kh, vh, D, lo[t], hi[t], extra + xp[t], xp[t + 1] - xp[t], P->scale,
-                       P->softcap, tanh_c, w, slot, out + ((int64_t)t * H + h) * D);
-        }
-        free(w);
-        free(slot);
-    }
-    return failed ? -2 : 0;
+    return attend_pass(q, P->kbase, P->vbase, P->cap, idx, P->N, P->H, P->KVH, P->D, P->lo[kind], P->hi[kind],
+                       P->xp[kind], P->extra[kind], P->scale, P->softcap, tanh_c, out);
 }
 
 /* One layer over the pass's rows: h [N][hidden] in place. 0, or -2 out of memory. */
