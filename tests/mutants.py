@@ -71,6 +71,14 @@ MUTANTS = [
      "if (bi[r] >= 0 && chunk_may_beat(",
      "the greedy head's filter skips the buffers that can hold a new maximum",
      ["tests/test_qrows.py"]),
+    ("attn-block-restart", "backends/rows_common.h", "s[u] = _mm256_loadu_ps(ar + d0 + 8 * u);",
+     "s[u] = _mm256_setzero_ps();",
+     "attention over a pass's rows restarts each row's value sums at every block of keys",
+     ["tests/test_native.py"]),
+    ("attn-rows-no-extras", "backends/rows_common.h",
+     "for (int e = 0; e < n_extra[r]; e++) add_scaled(ar, wr[nr + e], vh + (int64_t)extra[r][e] * D, D);",
+     ";", "attention over a pass's rows leaves tree rows' extra slots out of their value sums",
+     ["tests/test_native.py"]),
 ]
 
 
