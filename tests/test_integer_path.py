@@ -88,6 +88,9 @@ def test_layers_compute_what_the_reference_computes(arch):
             setattr(layer, attr, _Reference(get([f"blk.{i}.{p}.weight" for p in parts], lin.weight)[0][0]))
     ref.lm_head = _Reference(get(["output"], ref.lm_head.weight)[0][0])
     ref._body_choice["kernel"], ref._want_invariant, ref._exact = "onednn", False, False
+    assert lm.backend.kv_dtype == torch.float16  # the integer path keeps float16 keys and values: so does the reference
+    store = ref._store
+    ref._store = lambda idx, k, v, pos: store(idx, k.half().float(), v.half().float(), pos)
     ids = torch.tensor([2, 7, 8, 9, 10, 7, 8, 9, 11, 12, 13, 7, 8])
     got = lm.backend.forward(ids, 0).logits
     want = ref.forward(ids, 0).logits
@@ -207,3 +210,25 @@ def test_every_build_computes_the_same_bits(arch, monkeypatch):
     assert "portable" in outs and len(outs) > 1
     for isa, (prompt, chain) in outs.items():
         assert torch.equal(prompt, outs["portable"][0]) and torch.equal(chain, outs["portable"][1]), isa
+
+
+def test_cache_keys_round_to_float16_as_torch_does_on_every_build():
+    """The integer path keeps keys and values as float16: F16C's conversion and the portable one
+    must both round like torch's ``half()`` (nearest, ties to even; subnormals; overflow to
+    infinity), or builds and the reference would disagree."""
+    import ctypes
+
+    from test_qrows import builds
+
+    g = torch.Generator().manual_seed(5)
+    tiny = 2.0 ** -24
+    x = torch.cat([torch.randn(4000, generator=g) * 10 ** torch.empty(4000).uniform_(-9, 5, generator=g),
+                   torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, -70000.0, float("inf"), float("-inf"),
+                                 tiny, tiny / 2, tiny * 1.5, tiny * 2.5, -tiny * 0.5000001, 2.0 ** -14,
+                                 2.0 ** -14 - tiny / 2, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1e-30])]).float()
+    want = x.half().view(torch.int16)
+    for isa, lib in builds():
+        out = torch.empty(len(x), dtype=torch.int16)
+        lib.forerun_q_to_half.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.forerun_q_to_half(x.data_ptr(), out.data_ptr(), len(x))
+        assert torch.equal(out, want), (isa, x[out != want][:5])

@@ -7,7 +7,7 @@
  * scores over the keys it sees (a consecutive range of cache slots, then an optional list of
  * further slots: a tree row's ancestors and itself), their softmax and the weighted sum of values
  * are each summed in a fixed order that depends only on that row's keys (``rows_common.h``:
- * attend_pass; a sequence's rows share the reads of its keys and values, not their sums). OpenMP
+ * attend_pass_f32; a sequence's rows share the reads of its keys and values, not their sums). OpenMP
  * splits (rows, head) jobs, never one row's sums.
  *
  * q: [T, H, D]; k, v: one layer's cache [KVH, cap, D]; out: [T, H, D]; all float32, contiguous.
@@ -41,7 +41,7 @@ void forerun_store_rows(const float *k, const float *v, const int64_t *kp, const
 int forerun_attn_rows_multi(const float *q, const int64_t *kp, const int64_t *vp, const int64_t *caps, int T, int H,
                             int KVH, int D, const int32_t *lo, const int32_t *hi, const int32_t *xp,
                             const int32_t *extra, float scale, float *out) {
-    return attend_pass(q, kp, vp, caps, 0, T, H, KVH, D, lo, hi, xp, extra, scale, 0.0f, NULL, out) ? -1 : 0;
+    return attend_pass_f32(q, kp, vp, caps, 0, T, H, KVH, D, lo, hi, xp, extra, scale, 0.0f, NULL, out) ? -1 : 0;
 }
 
 /* One sequence: q [T, H, D] over one layer's cache k, v [KVH, cap, D]. */

@@ -584,6 +584,10 @@ class NativeBackend(BackendBase):
         self.lm_head.qlin = QLinear(codes)
         self.quant = quant
         self._qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
+        # float16 keys and values from now on (as llama.cpp keeps them): half the bytes a step reads
+        # at long contexts; a cache of the float32 path is not carried over
+        self.k_cache = self.v_cache = None
+        self._cap = self._len = 0
         self._exact = None
         # never read again: the layers' float32 weights (stacked copies of the model's) and
         # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
@@ -649,6 +653,12 @@ class NativeBackend(BackendBase):
     def length(self) -> int:
         return self._len
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The cache's type: float16 on the integer path (its kernels widen each value exactly), else
+        the model's."""
+        return torch.float16 if self.quant is not None else self.dtype
+
     def _ensure_capacity(self, n: int) -> None:
         if n <= self._cap:
             return
@@ -657,8 +667,8 @@ class NativeBackend(BackendBase):
             cap *= 2
         cap = min(cap, self.max_context)
         shape = (self.num_layers, self.n_kv_heads, cap, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if self.k_cache is not None:
             k[:, :, : self._cap] = self.k_cache
             v[:, :, : self._cap] = self.v_cache
@@ -1000,6 +1010,7 @@ class NativeBackend(BackendBase):
                                                          r.extra.data_ptr())
         r = rows[False]
         ps.kbase, ps.vbase, ps.cap, ps.slot = r.k_base.data_ptr(), r.v_base.data_ptr(), r.caps.data_ptr(), r.pos.data_ptr()
+        ps.kv_f16 = int(parts[0][0].k_cache.dtype == torch.float16)
         h = h.to(torch.float32).contiguous().clone()
         n = len(self.quant)
         want = {l: torch.empty_like(h) for l in layers}

@@ -444,6 +444,9 @@ static int force_portable = 0;
 /* 1: every product takes the plain C reference even in a SIMD build (tests compare the two). */
 void forerun_q_portable(int on) { force_portable = on; }
 
+/* n floats to float16 bits as the cache stores keys and values (tests: every build against torch). */
+void forerun_q_to_half(const float *x, uint16_t *out, int n) { floats_to_half(out, x, n); }
+
 /* Row group g of w against every row of a, outputs to out[r * ldo + lane]: this build's SIMD tiles,
  * or the plain C reference where it is forced. */
 static inline void run_group(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
@@ -631,6 +634,7 @@ typedef struct {
     const int32_t *slot;                /* per row: the cache position its keys and values go to */
     const int32_t *lo[2], *hi[2], *xp[2], *extra[2];
     const float *x2; /* [N][hidden]: the second input of paired layers (else unused) */
+    int32_t kv_f16, pad_; /* the caches hold float16 keys and values (else float32) */
 } qpass_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -678,10 +682,13 @@ static void add_bias(float *y, const float *bias, int N, int n) {
 }
 
 /* Attention of every (row, head) over the keys that row sees (forerun's RowKeys), in slot order;
- * a sequence's rows read its keys and values once (attend_pass). */
+ * a sequence's rows read its keys and values once (attend_pass_f32 / _f16 by the cache's type). */
 static int attend(const qpass_t *P, int idx, int kind, const float *q, float *out) {
-    return attend_pass(q, P->kbase, P->vbase, P->cap, idx, P->N, P->H, P->KVH, P->D, P->lo[kind], P->hi[kind],
-                       P->xp[kind], P->extra[kind], P->scale, P->softcap, tanh_c, out);
+    if (P->kv_f16)
+        return attend_pass_f16(q, P->kbase, P->vbase, P->cap, idx, P->N, P->H, P->KVH, P->D, P->lo[kind], P->hi[kind],
+                               P->xp[kind], P->extra[kind], P->scale, P->softcap, tanh_c, out);
+    return attend_pass_f32(q, P->kbase, P->vbase, P->cap, idx, P->N, P->H, P->KVH, P->D, P->lo[kind], P->hi[kind],
+                           P->xp[kind], P->extra[kind], P->scale, P->softcap, tanh_c, out);
 }
 
 /* One layer over the pass's rows: h [N][hidden] in place. 0, or -2 out of memory. */
@@ -732,8 +739,13 @@ int forerun_q_layer(const qlayer_t *L, const qpass_t *P, int idx, float *h) {
             if (L->k_norm) rms_norm(kr, L->k_norm, kr, D, P->eps);
             rope(kr, c, s, D);
             int64_t at = layer + ((int64_t)kh * P->cap[r] + P->slot[r]) * D;
-            memcpy((float *)(intptr_t)P->kbase[r] + at, kr, sizeof(float) * (size_t)D);
-            memcpy((float *)(intptr_t)P->vbase[r] + at, vr, sizeof(float) * (size_t)D);
+            if (P->kv_f16) {
+                floats_to_half((uint16_t *)(intptr_t)P->kbase[r] + at, kr, D);
+                floats_to_half((uint16_t *)(intptr_t)P->vbase[r] + at, vr, D);
+            } else {
+                memcpy((float *)(intptr_t)P->kbase[r] + at, kr, sizeof(float) * (size_t)D);
+                memcpy((float *)(intptr_t)P->vbase[r] + at, vr, sizeof(float) * (size_t)D);
+            }
         }
     }
     rc = attend(P, idx, kind, q, x);

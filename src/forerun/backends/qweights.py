@@ -185,6 +185,8 @@ def load_isa(isa: str):
             lib.forerun_q_layers.restype = I
             lib.forerun_q_portable.argtypes = [I]
             lib.forerun_q_portable.restype = None
+            lib.forerun_q_to_half.argtypes = [P, P, I]
+            lib.forerun_q_to_half.restype = None
         _LIBS[isa] = lib
     return _LIBS[isa]
 
@@ -251,7 +253,8 @@ class QPassC(ctypes.Structure):
                 ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("kbase", ctypes.c_void_p),
                 ("vbase", ctypes.c_void_p), ("cap", ctypes.c_void_p), ("slot", ctypes.c_void_p),
                 ("lo", ctypes.c_void_p * 2), ("hi", ctypes.c_void_p * 2), ("xp", ctypes.c_void_p * 2),
-                ("extra", ctypes.c_void_p * 2), ("x2", ctypes.c_void_p)]
+                ("extra", ctypes.c_void_p * 2), ("x2", ctypes.c_void_p), ("kv_f16", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
 
 
 def _ptr(t: torch.Tensor | None):

@@ -1,0 +1,259 @@
+/* Attention over one cache type, included by rows_common.h once per type (KV_T, KV_SUF, KV_GET,
+ * KV_LOAD8). */
+
+/* dot_f with keys of this cache's type: the same lanes and order. */
+static inline float KVN(dot_kv)(const float *a, const KV_T *b, int D) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int d = 0;
+#if KV_AVX2
+    if (D >= 8) {
+        __m256 v = _mm256_setzero_ps();
+        for (; d + 8 <= D; d += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(a + d), KV_LOAD8(b + d)));
+        _mm256_storeu_ps(acc, v);
+    }
+#endif
+    for (; d + 8 <= D; d += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[d + l] * KV_GET(b + d + l);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < D; d++) s += a[d] * KV_GET(b + d);
+    return s;
+}
+
+#if KV_AVX2 && defined(__FMA__)
+/* dot_f of qv with the 8 keys kr[0..7], each times scale, into out[0..7]: every key's lanes and
+ * final sums are dot_f's, 8 keys' reductions done at once. D a multiple of 8. */
+static inline void KVN(dot8_scaled)(const float *qv, const KV_T *const *kr, int D, float scale, float *out) {
+    __m256 acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 qd = _mm256_loadu_ps(qv + d);
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qd, KV_LOAD8(kr[k] + d)));
+    }
+    /* per key ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)): halves added, then two pair sums */
+    __m256 h[4];
+    for (int k = 0; k < 4; k++)
+        h[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x31));
+    __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])); /* keys 0 2 4 6 1 3 5 7 */
+    sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+}
+#endif
+
+/* acc[0..D-1] += p * vr[0..D-1], element by element (a product, then a sum: every build alike). */
+static inline void KVN(add_scaled)(float *acc, float p, const KV_T *vr, int D) {
+    int d = 0;
+#if KV_AVX2
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(pv, KV_LOAD8(vr + d))));
+#endif
+    for (; d < D; d++) acc[d] += p * KV_GET(vr + d);
+}
+
+/* One (row, head): query qv [D] over the keys kh and values vh ([cap, D] of its KV head) at slots
+ * lo .. hi - 1, then extra[0 .. n_extra - 1]; scores scaled, soft-capped where softcap > 0 (Gemma 2:
+ * cap * tanh(s / cap), with ``tanh_fn``), softmax, weighted sum into o [D]. w, slot: scratch of at
+ * least the row's slot count. */
+static inline void KVN(attend_one)(const float *qv, const KV_T *kh, const KV_T *vh, int D, int lo, int hi,
+                              const int32_t *extra, int n_extra, float scale, float softcap,
+                              float (*tanh_fn)(float), float *w, int32_t *slot, float *o) {
+    int S = 0;
+    for (int j = lo; j < hi; j++) slot[S++] = j;
+    for (int j = 0; j < n_extra; j++) slot[S++] = extra[j];
+    float m = -INFINITY;
+    int j = 0;
+#if KV_AVX2 && defined(__FMA__)
+    if (D % 8 == 0) /* 8 keys at a time: each key's dot_f, its lanes and its final sums unchanged */
+        for (; j + 8 <= S; j += 8) {
+            const KV_T *kr[8];
+            for (int k = 0; k < 8; k++) kr[k] = kh + (int64_t)slot[j + k] * D;
+            KVN(dot8_scaled)(qv, kr, D, scale, w + j);
+            for (int k = 0; k < 8; k++) {
+                float s = capped(w[j + k], softcap, tanh_fn);
+                w[j + k] = s;
+                m = s > m ? s : m;
+            }
+        }
+#endif
+    for (; j < S; j++) {
+        float s = capped(KVN(dot_kv)(qv, kh + (int64_t)slot[j] * D, D) * scale, softcap, tanh_fn);
+        w[j] = s;
+        m = s > m ? s : m;
+    }
+    float inv = 1.0f / softmax_weights(w, S, m);
+#if KV_AVX2
+    if (D % 64 == 0) { /* the same sums as below, 64 columns at a time held in registers */
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            __m256 acc[8];
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+            for (int jj = 0; jj < S; jj++) {
+                const KV_T *vr = vh + (int64_t)slot[jj] * D + d0;
+                __m256 p = _mm256_set1_ps(w[jj]);
+                for (int v = 0; v < 8; v++) acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(p, KV_LOAD8(vr + 8 * v)));
+            }
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + d0 + 8 * v, _mm256_mul_ps(acc[v], vi));
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) o[d] = 0.0f;
+    for (int jj = 0; jj < S; jj++) KVN(add_scaled)(o, w[jj], vh + (int64_t)slot[jj] * D, D);
+    for (int d = 0; d < D; d++) o[d] *= inv;
+}
+
+/* attend_one for n rows of one sequence and one head at once (row r: query q[r], slots lo[r] ..
+ * hi[r] - 1, then extra[r][0 .. n_extra[r] - 1], output o[r]), bit for bit its results: each row's
+ * scores, softmax and weighted sum take the same operations in the same order. What changes is
+ * how often the cache is read: keys and values go by in blocks of about 16 KiB that every row
+ * uses while they are in the L1 cache, so a pass of n rows reads a head's keys and values once,
+ * not n times (at a context of 1,000 the keys and values are most of what a pass reads).
+ * n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a row sees). */
+#ifndef ROW_GROUP
+#define ROW_GROUP 16
+#endif
+static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh, const KV_T *vh, int D,
+                               const int32_t *lo, const int32_t *hi, const int32_t *const *extra,
+                               const int32_t *n_extra, float scale, float softcap, float (*tanh_fn)(float),
+                               float *w, int smax, float *acc, float *const *o) {
+    float inv[ROW_GROUP];
+    int L = lo[0], R = hi[0];
+    for (int r = 1; r < n; r++) {
+        L = lo[r] < L ? lo[r] : L;
+        R = hi[r] > R ? hi[r] : R;
+    }
+    const int KB = D <= 64 ? 64 : D <= 128 ? 32 : 16; /* keys per block: 16 KiB at D = 64 */
+    for (int j0 = L; j0 < R; j0 += KB) { /* scores over the slot ranges, block by block */
+        int j1 = j0 + KB < R ? j0 + KB : R;
+        for (int r = 0; r < n; r++) {
+            int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
+            float *wr = w + (int64_t)r * smax - lo[r];
+            int j = a;
+#if KV_AVX2 && defined(__FMA__)
+            if (D % 8 == 0)
+                for (; j + 8 <= b; j += 8) {
+                    const KV_T *kr[8];
+                    for (int k = 0; k < 8; k++) kr[k] = kh + (int64_t)(j + k) * D;
+                    KVN(dot8_scaled)(q[r], kr, D, scale, wr + j);
+                }
+#endif
+            for (; j < b; j++) wr[j] = KVN(dot_kv)(q[r], kh + (int64_t)j * D, D) * scale;
+        }
+    }
+    for (int r = 0; r < n; r++) { /* the extra slots, the caps, the softmax: row by row */
+        float *wr = w + (int64_t)r * smax;
+        int nr = hi[r] > lo[r] ? hi[r] - lo[r] : 0, S = nr + n_extra[r];
+        for (int e = 0; e < n_extra[r]; e++) wr[nr + e] = KVN(dot_kv)(q[r], kh + (int64_t)extra[r][e] * D, D) * scale;
+        float m = -INFINITY;
+        for (int j = 0; j < S; j++) {
+            float s = capped(wr[j], softcap, tanh_fn);
+            wr[j] = s;
+            m = s > m ? s : m;
+        }
+        inv[r] = 1.0f / softmax_weights(wr, S, m);
+        for (int d = 0; d < D; d++) acc[(int64_t)r * D + d] = 0.0f;
+    }
+    for (int j0 = L; j0 < R; j0 += KB) { /* the weighted values, block by block, in slot order */
+        int j1 = j0 + KB < R ? j0 + KB : R;
+        for (int r = 0; r < n; r++) {
+            int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
+            const float *wr = w + (int64_t)r * smax - lo[r];
+            float *ar = acc + (int64_t)r * D;
+#if KV_AVX2
+            if (D % 64 == 0) { /* attend_one's register sums, carried from block to block through ar */
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    __m256 s[8];
+                    for (int u = 0; u < 8; u++) s[u] = _mm256_loadu_ps(ar + d0 + 8 * u);
+                    for (int j = a; j < b; j++) {
+                        const KV_T *vr = vh + (int64_t)j * D + d0;
+                        __m256 p = _mm256_set1_ps(wr[j]);
+                        for (int u = 0; u < 8; u++) s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(p, KV_LOAD8(vr + 8 * u)));
+                    }
+                    for (int u = 0; u < 8; u++) _mm256_storeu_ps(ar + d0 + 8 * u, s[u]);
+                }
+                continue;
+            }
+#endif
+            for (int j = a; j < b; j++) KVN(add_scaled)(ar, wr[j], vh + (int64_t)j * D, D);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        const float *wr = w + (int64_t)r * smax;
+        int nr = hi[r] > lo[r] ? hi[r] - lo[r] : 0;
+        float *ar = acc + (int64_t)r * D;
+        for (int e = 0; e < n_extra[r]; e++) KVN(add_scaled)(ar, wr[nr + e], vh + (int64_t)extra[r][e] * D, D);
+        for (int d = 0; d < D; d++) o[r][d] = ar[d] * inv[r];
+    }
+}
+
+/* Attention of a pass's rows, every head: row t's query for head h at q + (t * H + h) * D, its
+ * sequence's cache of this layer at kbase[t], vbase[t] + layer * KVH * cap[t] * D ([KVH][cap[t]][D]),
+ * its slots lo[t] .. hi[t] - 1 then extra[xp[t] .. xp[t + 1] - 1]; out as q. Consecutive rows of one
+ * sequence go together (up to ROW_GROUP) through attend_rows, head by head; a row alone through
+ * attend_one: the same bits either way, so a row's result does not depend on its pass. OpenMP
+ * splits (row group, head) jobs, never one row's sums. 0, or -2 out of memory. */
+static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const int64_t *vbase, const int64_t *cap,
+                              int64_t layer, int N, int H, int KVH, int D, const int32_t *lo, const int32_t *hi,
+                              const int32_t *xp, const int32_t *extra, float scale, float softcap,
+                              float (*tanh_fn)(float), float *out) {
+    int group = H / KVH, smax = 1, ng = 0;
+    for (int t = 0; t < N; t++) {
+        int s = hi[t] - lo[t] + xp[t + 1] - xp[t];
+        if (s > smax) smax = s;
+    }
+    int *start = (int *)malloc(sizeof(int) * (size_t)(N + 1));
+    if (!start) return -2;
+    for (int t = 0; t < N; t++) /* row groups: runs of rows on one cache, ROW_GROUP at most */
+        if (t == 0 || kbase[t] != kbase[t - 1] || vbase[t] != vbase[t - 1] || cap[t] != cap[t - 1] ||
+            t - start[ng - 1] == ROW_GROUP)
+            start[ng++] = t;
+    start[ng] = N;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *w = (float *)malloc(sizeof(float) * (size_t)smax * ROW_GROUP);
+        float *acc = (float *)malloc(sizeof(float) * (size_t)D * ROW_GROUP);
+        int32_t *slot = (int32_t *)malloc(sizeof(int32_t) * (size_t)smax);
+        if (!w || !acc || !slot) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* One row group: each thread takes consecutive heads, so the heads that share keys and values
+         * mostly read them on one core (from its L2 cache after the first). Several: round robin, since
+         * a causal pass's later rows see more keys. */
+        int tid = 0, nt = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int J = ng * H, j0 = ng == 1 ? (int)((int64_t)J * tid / nt) : tid, j1 = ng == 1 ? (int)((int64_t)J * (tid + 1) / nt) : J;
+        for (int job = j0; job < j1; job += ng == 1 ? 1 : nt) {
+            if (!w || !acc || !slot) continue;
+            int g = job / H, h = job % H, t0 = start[g], n = start[g + 1] - t0;
+            int64_t off = (layer * KVH + h / group) * cap[t0] * D;
+            const KV_T *kh = (const KV_T *)(intptr_t)kbase[t0] + off, *vh = (const KV_T *)(intptr_t)vbase[t0] + off;
+            if (n == 1) {
+                KVN(attend_one)(q + ((int64_t)t0 * H + h) * D, kh, vh, D, lo[t0], hi[t0], extra + xp[t0], xp[t0 + 1] - xp[t0],
+                           scale, softcap, tanh_fn, w, slot, out + ((int64_t)t0 * H + h) * D);
+                continue;
+            }
+            const float *qr[ROW_GROUP];
+            float *orow[ROW_GROUP];
+            const int32_t *ex[ROW_GROUP];
+            int32_t nex[ROW_GROUP];
+            for (int r = 0; r < n; r++) {
+                qr[r] = q + ((int64_t)(t0 + r) * H + h) * D;
+                orow[r] = out + ((int64_t)(t0 + r) * H + h) * D;
+                ex[r] = extra + xp[t0 + r];
+                nex[r] = xp[t0 + r + 1] - xp[t0 + r];
+            }
+            KVN(attend_rows)(n, qr, kh, vh, D, lo + t0, hi + t0, ex, nex, scale, softcap, tanh_fn, w, smax, acc, orow);
+        }
+        free(w);
+        free(acc);
+        free(slot);
+    }
+    free(start);
+    return failed ? -2 : 0;
+}
