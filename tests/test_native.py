@@ -351,29 +351,45 @@ def test_attention_rows_of_a_pass_read_the_cache_once_and_give_each_rows_own_bit
     of keys and values at a time for all of them: each row must still get, bit for bit, what it gets
     alone. Head sizes 64 and 256 (values summed in registers across blocks) and 80 (element by
     element), contexts of several key blocks, a pass of more rows than one group holds (16), a sliding
-    window (rows start at different slots) and tree rows (extra slots); and attention itself checked
-    against float64."""
+    window (rows start at different slots) and tree rows (extra slots), on float32 caches and on the
+    integer path's float16 ones (widened a block at a time); and attention itself checked against
+    float64."""
     import pytest
 
     from forerun.backends.native import RowKeys, attention_rows, attn_rows_kernel
 
-    if attn_rows_kernel() is None:
+    lib = attn_rows_kernel()
+    if lib is None:
         pytest.skip("no C compiler for the row kernels")
+
+    def attend16(q, k, v, keys, scale):  # the integer path's float16 caches, through the same code
+        T, H, D = q.shape
+        out = torch.empty(T, H, D)
+        ptr = lambda t: torch.tensor([t.data_ptr()] * T, dtype=torch.int64)  # noqa: E731
+        kp, vp, caps = ptr(k), ptr(v), torch.full((T,), k.shape[1], dtype=torch.int64)
+        assert lib.forerun_attn_rows_multi_f16(q.contiguous().data_ptr(), kp.data_ptr(), vp.data_ptr(), caps.data_ptr(),
+                                               T, H, k.shape[0], D, keys.lo.data_ptr(), keys.hi.data_ptr(),
+                                               keys.xp.data_ptr(), keys.extra.data_ptr(), scale, out.data_ptr()) == 0
+        return out.view(T, H * D)
+
     g = torch.Generator().manual_seed(3)
-    for D, H, KVH in ((64, 9, 3), (256, 4, 1), (80, 8, 8)):
+    for (D, H, KVH), half in [(shape, half) for shape in ((64, 9, 3), (256, 4, 1), (80, 8, 8)) for half in (False, True)]:
         cap = 400
         k = torch.randn(KVH, cap, D, generator=g)
         v = torch.randn(KVH, cap, D, generator=g)
+        attention = attention_rows
+        if half:
+            k, v, attention = k.half(), v.half(), attend16
         pos = 300
         cases = [RowKeys.chain(pos, 20, None), RowKeys.chain(pos, 5, 130),
                  RowKeys([0, 0, 0], [pos, pos, pos], [[pos], [pos, pos + 1], [pos, pos + 2]])]
         for keys in cases:
             T = len(keys.rows)
             q = torch.randn(T, H, D, generator=g)
-            together = attention_rows(q, k, v, keys, 0.125)
+            together = attention(q, k, v, keys, 0.125)
             for t in range(T):
                 a, b, e = keys.rows[t]
-                alone = attention_rows(q[t:t + 1], k, v, RowKeys([a], [b], [e]), 0.125)
+                alone = attention(q[t:t + 1], k, v, RowKeys([a], [b], [e]), 0.125)
                 assert torch.equal(together[t:t + 1], alone), (D, t)
                 kk, vv = keys.keys_values(t, k.double(), v.double())
                 qq = q[t].double().view(KVH, H // KVH, D)

@@ -44,6 +44,13 @@ int forerun_attn_rows_multi(const float *q, const int64_t *kp, const int64_t *vp
     return attend_pass_f32(q, kp, vp, caps, 0, T, H, KVH, D, lo, hi, xp, extra, scale, 0.0f, NULL, out) ? -1 : 0;
 }
 
+/* forerun_attn_rows_multi over float16 caches (the integer path's): for tests of that code. */
+int forerun_attn_rows_multi_f16(const float *q, const int64_t *kp, const int64_t *vp, const int64_t *caps, int T, int H,
+                                int KVH, int D, const int32_t *lo, const int32_t *hi, const int32_t *xp,
+                                const int32_t *extra, float scale, float *out) {
+    return attend_pass_f16(q, kp, vp, caps, 0, T, H, KVH, D, lo, hi, xp, extra, scale, 0.0f, NULL, out) ? -1 : 0;
+}
+
 /* One sequence: q [T, H, D] over one layer's cache k, v [KVH, cap, D]. */
 int forerun_attn_rows(const float *q, const float *k, const float *v, int64_t cap, int T, int H, int KVH, int D,
                       const int32_t *lo, const int32_t *hi, const int32_t *xp, const int32_t *extra, float scale,

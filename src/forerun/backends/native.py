@@ -188,6 +188,8 @@ def attn_rows_kernel():
             lib.forerun_attn_rows.argtypes = [P, P, P, ctypes.c_int64, I, I, I, I, P, P, P, P, ctypes.c_float, P]
             lib.forerun_attn_rows_multi.restype = I
             lib.forerun_attn_rows_multi.argtypes = [P, P, P, P, I, I, I, I, P, P, P, P, ctypes.c_float, P]
+            lib.forerun_attn_rows_multi_f16.restype = I
+            lib.forerun_attn_rows_multi_f16.argtypes = [P, P, P, P, I, I, I, I, P, P, P, P, ctypes.c_float, P]
             lib.forerun_attn_threads.argtypes = [I]
             lib.forerun_store_rows.restype = None
             lib.forerun_store_rows.argtypes = [P, P, P, P, P, P, I, I, I]
