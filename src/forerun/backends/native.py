@@ -1012,7 +1012,10 @@ class NativeBackend(BackendBase):
                                                          r.extra.data_ptr())
         r = rows[False]
         ps.kbase, ps.vbase, ps.cap, ps.slot = r.k_base.data_ptr(), r.v_base.data_ptr(), r.caps.data_ptr(), r.pos.data_ptr()
-        ps.kv_f16 = int(parts[0][0].k_cache.dtype == torch.float16)
+        kinds_kv = {p[0].k_cache.dtype for p in parts}
+        if len(kinds_kv) != 1:  # one flag tells the kernels how every sequence's cache is stored
+            raise ValueError(f"a batched pass over caches of different types: {sorted(map(str, kinds_kv))}")
+        ps.kv_f16 = int(kinds_kv.pop() == torch.float16)
         h = h.to(torch.float32).contiguous().clone()
         n = len(self.quant)
         want = {l: torch.empty_like(h) for l in layers}
