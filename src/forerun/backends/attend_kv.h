@@ -1,7 +1,8 @@
-/* Attention over one cache type, included by rows_common.h once per type (KV_T, KV_SUF, KV_GET,
- * KV_LOAD8). */
+/* Attention over one cache type, included by rows_common.h once per type: it defines KV_T, KV_SUF,
+ * KV_GET, KV_LOAD8 and KV_AVX2 before, and this file undefines them at its end. */
 
-/* dot_f with keys of this cache's type: the same lanes and order. */
+/* a . b, the keys b of this cache's type, each widened exactly: 8 lanes, then ((l0 + l4) + (l1 +
+ * l5)) + ((l2 + l6) + (l3 + l7)), then the tail (for float32, rows_common.h's dot_f). */
 static inline float KVN(dot_kv)(const float *a, const KV_T *b, int D) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int d = 0;
@@ -20,8 +21,8 @@ static inline float KVN(dot_kv)(const float *a, const KV_T *b, int D) {
 }
 
 #if KV_AVX2 && defined(__FMA__)
-/* dot_f of qv with the 8 keys kr[0..7], each times scale, into out[0..7]: every key's lanes and
- * final sums are dot_f's, 8 keys' reductions done at once. D a multiple of 8. */
+/* dot_kv of qv with the 8 keys kr[0..7], each times scale, into out[0..7]: every key's lanes and
+ * final sums are dot_kv's, 8 keys' reductions done at once. D a multiple of 8. */
 static inline void KVN(dot8_scaled)(const float *qv, const KV_T *const *kr, int D, float scale, float *out) {
     __m256 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
@@ -51,62 +52,12 @@ static inline void KVN(add_scaled)(float *acc, float p, const KV_T *vr, int D) {
     for (; d < D; d++) acc[d] += p * KV_GET(vr + d);
 }
 
-/* One (row, head): query qv [D] over the keys kh and values vh ([cap, D] of its KV head) at slots
- * lo .. hi - 1, then extra[0 .. n_extra - 1]; scores scaled, soft-capped where softcap > 0 (Gemma 2:
- * cap * tanh(s / cap), with ``tanh_fn``), softmax, weighted sum into o [D]. w, slot: scratch of at
- * least the row's slot count. */
-static inline void KVN(attend_one)(const float *qv, const KV_T *kh, const KV_T *vh, int D, int lo, int hi,
-                              const int32_t *extra, int n_extra, float scale, float softcap,
-                              float (*tanh_fn)(float), float *w, int32_t *slot, float *o) {
-    int S = 0;
-    for (int j = lo; j < hi; j++) slot[S++] = j;
-    for (int j = 0; j < n_extra; j++) slot[S++] = extra[j];
-    float m = -INFINITY;
-    int j = 0;
-#if KV_AVX2 && defined(__FMA__)
-    if (D % 8 == 0) /* 8 keys at a time: each key's dot_f, its lanes and its final sums unchanged */
-        for (; j + 8 <= S; j += 8) {
-            const KV_T *kr[8];
-            for (int k = 0; k < 8; k++) kr[k] = kh + (int64_t)slot[j + k] * D;
-            KVN(dot8_scaled)(qv, kr, D, scale, w + j);
-            for (int k = 0; k < 8; k++) {
-                float s = capped(w[j + k], softcap, tanh_fn);
-                w[j + k] = s;
-                m = s > m ? s : m;
-            }
-        }
-#endif
-    for (; j < S; j++) {
-        float s = capped(KVN(dot_kv)(qv, kh + (int64_t)slot[j] * D, D) * scale, softcap, tanh_fn);
-        w[j] = s;
-        m = s > m ? s : m;
-    }
-    float inv = 1.0f / softmax_weights(w, S, m);
-#if KV_AVX2
-    if (D % 64 == 0) { /* the same sums as below, 64 columns at a time held in registers */
-        const __m256 vi = _mm256_set1_ps(inv);
-        for (int d0 = 0; d0 < D; d0 += 64) {
-            __m256 acc[8];
-            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-            for (int jj = 0; jj < S; jj++) {
-                const KV_T *vr = vh + (int64_t)slot[jj] * D + d0;
-                __m256 p = _mm256_set1_ps(w[jj]);
-                for (int v = 0; v < 8; v++) acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(p, KV_LOAD8(vr + 8 * v)));
-            }
-            for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + d0 + 8 * v, _mm256_mul_ps(acc[v], vi));
-        }
-        return;
-    }
-#endif
-    for (int d = 0; d < D; d++) o[d] = 0.0f;
-    for (int jj = 0; jj < S; jj++) KVN(add_scaled)(o, w[jj], vh + (int64_t)slot[jj] * D, D);
-    for (int d = 0; d < D; d++) o[d] *= inv;
-}
-
-/* attend_one for n rows of one sequence and one head at once (row r: query q[r], slots lo[r] ..
- * hi[r] - 1, then extra[r][0 .. n_extra[r] - 1], output o[r]), bit for bit its results: each row's
- * scores, softmax and weighted sum take the same operations in the same order. What changes is
- * how often the cache is read: keys and values go by in blocks of about 16 KiB that every row
+/* Attention of n rows of one sequence for one head (row r: query q[r] over the keys kh and values
+ * vh ([cap, D] of its KV head) at slots lo[r] .. hi[r] - 1, then extra[r][0 .. n_extra[r] - 1];
+ * scores scaled, soft-capped where softcap > 0 (Gemma 2: cap * tanh(s / cap), with ``tanh_fn``),
+ * softmax, weighted sum into o[r]). Each row's scores, softmax and value sums take the same
+ * operations in an order fixed by its own slots, whatever the other rows: so a row's bits do not
+ * depend on its pass. The rows share only the reads of the cache: keys and values go by in blocks of about 16 KiB that every row
  * uses while they are in the L1 cache, so a pass of n rows reads a head's keys and values once,
  * not n times (at a context of 1,000 the keys and values are most of what a pass reads).
  * n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a row sees). */
@@ -161,7 +112,7 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
             const float *wr = w + (int64_t)r * smax - lo[r];
             float *ar = acc + (int64_t)r * D;
 #if KV_AVX2
-            if (D % 64 == 0) { /* attend_one's register sums, carried from block to block through ar */
+            if (D % 64 == 0) { /* register sums, 64 columns at a time, carried from block to block through ar */
                 for (int d0 = 0; d0 < D; d0 += 64) {
                     __m256 s[8];
                     for (int u = 0; u < 8; u++) s[u] = _mm256_loadu_ps(ar + d0 + 8 * u);
@@ -190,8 +141,8 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
 /* Attention of a pass's rows, every head: row t's query for head h at q + (t * H + h) * D, its
  * sequence's cache of this layer at kbase[t], vbase[t] + layer * KVH * cap[t] * D ([KVH][cap[t]][D]),
  * its slots lo[t] .. hi[t] - 1 then extra[xp[t] .. xp[t + 1] - 1]; out as q. Consecutive rows of one
- * sequence go together (up to ROW_GROUP) through attend_rows, head by head; a row alone through
- * attend_one: the same bits either way, so a row's result does not depend on its pass. OpenMP
+ * sequence go together (up to ROW_GROUP) through attend_rows, head by head: a row's bits are what
+ * it gets alone, so a row's result does not depend on its pass. OpenMP
  * splits (row group, head) jobs, never one row's sums. 0, or -2 out of memory. */
 static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const int64_t *vbase, const int64_t *cap,
                               int64_t layer, int N, int H, int KVH, int D, const int32_t *lo, const int32_t *hi,
@@ -214,8 +165,7 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
     {
         float *w = (float *)malloc(sizeof(float) * (size_t)smax * ROW_GROUP);
         float *acc = (float *)malloc(sizeof(float) * (size_t)D * ROW_GROUP);
-        int32_t *slot = (int32_t *)malloc(sizeof(int32_t) * (size_t)smax);
-        if (!w || !acc || !slot) {
+        if (!w || !acc) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -229,15 +179,10 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
 #endif
         int J = ng * H, j0 = ng == 1 ? (int)((int64_t)J * tid / nt) : tid, j1 = ng == 1 ? (int)((int64_t)J * (tid + 1) / nt) : J;
         for (int job = j0; job < j1; job += ng == 1 ? 1 : nt) {
-            if (!w || !acc || !slot) continue;
+            if (!w || !acc) continue;
             int g = job / H, h = job % H, t0 = start[g], n = start[g + 1] - t0;
             int64_t off = (layer * KVH + h / group) * cap[t0] * D;
             const KV_T *kh = (const KV_T *)(intptr_t)kbase[t0] + off, *vh = (const KV_T *)(intptr_t)vbase[t0] + off;
-            if (n == 1) {
-                KVN(attend_one)(q + ((int64_t)t0 * H + h) * D, kh, vh, D, lo[t0], hi[t0], extra + xp[t0], xp[t0 + 1] - xp[t0],
-                           scale, softcap, tanh_fn, w, slot, out + ((int64_t)t0 * H + h) * D);
-                continue;
-            }
             const float *qr[ROW_GROUP];
             float *orow[ROW_GROUP];
             const int32_t *ex[ROW_GROUP];
@@ -252,8 +197,13 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
         }
         free(w);
         free(acc);
-        free(slot);
     }
     free(start);
     return failed ? -2 : 0;
 }
+
+#undef KV_T
+#undef KV_SUF
+#undef KV_GET
+#undef KV_LOAD8
+#undef KV_AVX2

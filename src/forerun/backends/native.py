@@ -178,8 +178,8 @@ def attn_rows_kernel():
 
         from forerun.backends.ckernels import compile_c
 
-        # products and sums as written (no fused multiply-adds): a row's sums are the same whichever
-        # of attend_one's and attend_rows' loops computes them
+        # products and sums as written (no fused multiply-adds): a key's score is the same whether
+        # attention's 8-key loop or its one-key loop computes it (which depends on the row's pass)
         lib = compile_c("attn_rows", "batch-invariant attention runs row by row through PyTorch (slower)",
                         flags=("-ffp-contract=off",))
         if lib is not None:

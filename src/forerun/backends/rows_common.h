@@ -90,23 +90,6 @@ static inline __m256 exp_c8(__m256 x) {
 }
 #endif
 
-static inline float dot_f(const float *a, const float *b, int D) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int d = 0;
-#if defined(__AVX2__)
-    if (D >= 8) { /* the same lanes and order as below, in one register */
-        __m256 v = _mm256_setzero_ps();
-        for (; d + 8 <= D; d += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d)));
-        _mm256_storeu_ps(acc, v);
-    }
-#endif
-    for (; d + 8 <= D; d += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; d < D; d++) s += a[d] * b[d];
-    return s;
-}
-
 /* A score as attention uses it: soft-capped where softcap > 0 (Gemma 2: cap * tanh(s / cap)). */
 static inline float capped(float s, float softcap, float (*tanh_fn)(float)) {
     return softcap > 0.0f ? tanh_fn(s / softcap) * softcap : s;
@@ -188,25 +171,19 @@ static inline void floats_to_half(uint16_t *dst, const float *src, int n) {
 #define KV_AVX2 0
 #endif
 #include "attend_kv.h"
-#undef KV_T
-#undef KV_SUF
-#undef KV_GET
-#undef KV_LOAD8
 
 #define KV_T uint16_t
 #define KV_SUF f16
 #define KV_GET(p) half_to_float(*(p))
 #define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#undef KV_AVX2
 #if defined(__AVX2__) && defined(__F16C__)
 #define KV_AVX2 1
 #else
 #define KV_AVX2 0
 #endif
 #include "attend_kv.h"
-#undef KV_T
-#undef KV_SUF
-#undef KV_GET
-#undef KV_LOAD8
-#undef KV_AVX2
+
+/* a . b over D floats in 8 lanes, then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the
+ * tail: attention's key products, and the norms' sums of squares. */
+static inline float dot_f(const float *a, const float *b, int D) { return dot_kv_f32(a, b, D); }
 #endif
