@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from forerun.backends import ckernels
+
 VOCAB = 96
 
 
@@ -57,6 +59,14 @@ def wrap(model, backend="auto", name="tiny"):
 
     model = model.to(TEST_DEVICE)
     return wrap_model(name, model, word_tokenizer(model.config.vocab_size), backend=backend)
+
+
+@pytest.fixture(params=ckernels.runnable_builds())
+def each_build(request):
+    """Runs the test once per build of the C kernels this CPU runs (test-only builds included), the
+    kernels fetched inside being that build's: every ``#if``-chosen path this machine can run."""
+    with ckernels.use_build(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

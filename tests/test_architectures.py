@@ -48,7 +48,12 @@ def _build(arch: str, seed: int = 0):
     else:
         raise ValueError(arch)
     cfg._attn_implementation = "eager"
-    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # transformers starts biases at zero: random ones, so that a bias the forward drops shows
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+    return model
 
 
 ARCHS = ["llama", "llama-bias-rope3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]

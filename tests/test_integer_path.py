@@ -94,8 +94,18 @@ def test_layers_compute_what_the_reference_computes(arch):
     ids = torch.tensor([2, 7, 8, 9, 10, 7, 8, 9, 11, 12, 13, 7, 8])
     got = lm.backend.forward(ids, 0).logits
     want = ref.forward(ids, 0).logits
-    err = (got - want).abs().max() / want.abs().max()
-    assert err < 2e-3, err  # the same quantized operands; float32 sums in another order
+    rows = (got - want).abs().amax(-1) / want.abs().max()  # each row's error, relative to the largest logit
+    # The same quantized operands, float32 sums in another order (torch's order depends on the
+    # vector width it picked for this CPU: AVX-512 and AVX2 differ in the last bit). Two steps of
+    # either path are discontinuous, the float16 rounding of a cached key or value and the 8-bit
+    # code of an activation: where a value lies within a last-bit difference of such a rounding
+    # boundary, the two paths round it apart by a whole step, and a tiny random model carries that
+    # step to the logits of the rows after it (seen: 1.3e-2 on a few rows of one model on an
+    # AVX-512 machine, every other row 1e-7). So most rows must agree to float32 rounding, and none
+    # may be off by more than such a step; a wrong norm, rotation, attention scale, bias, activation
+    # or residual moves nearly every row by 2e-3 or more.
+    assert rows.median() < 1e-5, rows
+    assert rows.max() < 5e-2, rows
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -194,18 +204,18 @@ def test_every_build_computes_the_same_bits(arch, monkeypatch):
     """Whole passes (activation quantization, products, norms, rotation, attention with blocks of 8
     keys and a tail, the gated activation) give the same bits with the portable, AVX2 and (emulated)
     VNNI builds of qrows.c: each build's vector code keeps the plain loops' float operations."""
-    import forerun.backends.qweights as qw
+    from forerun.backends.ckernels import use_build
     from test_qrows import builds
 
     _, lm = integer_model(arch)
     be = lm.backend
     ids = torch.randint(4, 96, (45,), generator=torch.Generator().manual_seed(3))
     outs = {}
-    for isa, lib in builds():
-        monkeypatch.setattr(qw, "_CHOSEN", [(isa, lib)])
-        be.reset()
-        prompt = be.forward(ids[:37], 0).logits
-        chain = be.forward(ids[37:], 37, layers=(0,)).logits
+    for isa, _ in builds():
+        with use_build(isa):
+            be.reset()
+            prompt = be.forward(ids[:37], 0).logits
+            chain = be.forward(ids[37:], 37, layers=(0,)).logits
         outs[isa] = (prompt, chain)
     assert "portable" in outs and len(outs) > 1
     for isa, (prompt, chain) in outs.items():

@@ -114,7 +114,7 @@ def test_exact_float_argmax_equals_float64_argmax():
         assert torch.equal(torch.cat([head.argmax(h[i: i + 7]) for i in range(0, 40, 7)]), ref)
 
 
-def test_q8_head_kernels_match_exact_products():
+def test_q8_head_kernels_match_exact_products(each_build):
     """Every layout of the Q8_0 head kernel (row-major; interleaved 8-lane with 7-bit activations on
     AVX2; 16-lane on AVX-512 VNNI, where the CPU has them) gives each logit within the float32
     rounding bound of the exact product of the quantized operands, for pass sizes that fill their
@@ -129,6 +129,9 @@ def test_q8_head_kernels_match_exact_products():
     heads = [Q8Head(raw, D), Q8Head(raw, D, seven_bit=True)]
     if not heads[0].available:
         pytest.skip("no C compiler for the Q8_0 kernel")
+    # each build runs the layout its instructions allow (the 7-bit one wherever AVX2 is)
+    wide = 16 if each_build == "vnni" else 0
+    assert [h.lanes for h in heads] == [wide, wide or (0 if each_build == "portable" else 8)], each_build
     for head in heads:
         for n in (1, 3, 4, 5, 9):
             h = torch.randn(n, D, generator=g) * 4
@@ -169,7 +172,7 @@ def test_argmax_forward_matches_logits_for_chains_and_trees():
     assert torch.equal(ids_tree, tree_logits.argmax(-1)) and feats.shape == (5, 128)
 
 
-def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
+def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate(each_build):
     """The multi-row float32 kernel (the LM head of verify passes) gives float64's product up to
     float32 rounding, for vector-sized and odd shapes, and the LM head's autotuner offers it."""
     import pytest
@@ -199,7 +202,7 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate():
     assert torch.allclose(lin._run(x, "rows"), lin._run(x, "plain"), atol=1e-4)
 
 
-def test_f16_weight_rows_kernel_matches_float64_and_is_used_only_where_exact():
+def test_f16_weight_rows_kernel_matches_float64_and_is_used_only_where_exact(each_build):
     """Float16 weights read by the rows kernel give float64's product of those weights up to
     float32 rounding (vector-sized shapes, odd shapes, subnormal and negative halves), each row
     alone; a layer takes the float16 copy only when float16 holds its weights exactly."""
@@ -346,7 +349,7 @@ def test_verify_rows_equal_one_token_steps_bit_for_bit():
     assert torch.allclose(be2.forward(ids[pos: pos + 12], pos, logits=False, return_hidden=True).hidden, chain, atol=1e-4)
 
 
-def test_attention_rows_of_a_pass_read_the_cache_once_and_give_each_rows_own_bits():
+def test_attention_rows_of_a_pass_read_the_cache_once_and_give_each_rows_own_bits(each_build):
     """``attn_rows.c`` (and ``qrows.c``, same code) attends the rows of one sequence together, a block
     of keys and values at a time for all of them: each row must still get, bit for bit, what it gets
     alone. Head sizes 64 and 256 (values summed in registers across blocks) and 80 (element by

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from forerun.backends.block_weights import unpack
-from forerun.backends.qweights import ISAS, QLinear, QPart, load_isa, qrows_lib
+from forerun.backends import ckernels
+from forerun.backends.qweights import QLinear, QPart, qrows_lib
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 needs_kernels = pytest.mark.skipif(qrows_lib() is None, reason="the integer kernels need a C compiler")
@@ -46,9 +47,9 @@ def reference(part: QPart, x: np.ndarray) -> np.ndarray:
 
 
 def builds():
-    """Every build of qrows.c this CPU runs, and the VNNI code path with emulated vpdpbusd (so an
-    AVX2 machine checks that path's logic too)."""
-    return [(isa, lib) for isa in (*ISAS, "vnni-emulated") if (lib := load_isa(isa)) is not None]
+    """Every build of qrows.c this CPU runs, with the test-only ones (the VNNI code path with
+    emulated vpdpbusd, so an AVX2 machine checks that path's logic too)."""
+    return [(b, lib) for b in ckernels.runnable_builds() if (lib := ckernels.load("qrows", b)) is not None]
 
 
 def _bound(part, x):
@@ -70,9 +71,7 @@ def test_every_type_and_build_matches_the_reference(name):
     got = {}
     avail = builds()
     assert any(isa == "portable" for isa, _ in avail)
-    from forerun.backends.ckernels import isa_runs
-
-    assert any(isa == "vnni-emulated" for isa, _ in avail) == isa_runs("avx2")
+    assert any(isa == "vnni-emulated" for isa, _ in avail) == ckernels.isa_runs("avx2")
     for isa, lib in avail:
         for portable in (0, 1):  # every build also carries the plain C reference path
             lib.forerun_q_portable(portable)
@@ -177,25 +176,27 @@ def test_without_a_compiler_the_slow_path_is_said_once(tmp_path):
 
 @needs_kernels
 def test_a_kernel_build_can_be_forced_and_a_bad_name_is_refused(tmp_path):
-    out, _ = _fresh("from forerun.backends.qweights import qrows_isa; print(qrows_isa())", FORERUN_KERNEL="portable")
+    show = "from forerun.backends.ckernels import chosen_isa; print(chosen_isa())"
+    out, _ = _fresh(show, FORERUN_KERNEL="portable")
     assert out == "portable"
-    out, err = _fresh("from forerun.backends.qweights import qrows_isa; print(qrows_isa())", FORERUN_KERNEL="sse9")
-    assert "FORERUN_KERNEL='sse9': expected one of vnni, avx2, portable" in err
+    out, err = _fresh(show, FORERUN_KERNEL="sse9")
+    assert "FORERUN_KERNEL='sse9': expected one of vnni, avx-vnni, avx2, portable" in err
 
 
-def test_cached_native_builds_are_keyed_by_cpu_and_compiler(monkeypatch):
-    from forerun.backends import ckernels
-
-    a = ckernels.kernel_path("f32_rows", "cc", ("-march=native",), (), "native")
-    monkeypatch.setattr(ckernels, "cpu_flags", lambda: frozenset({"sse2"}))
-    b = ckernels.kernel_path("f32_rows", "cc", ("-march=native",), (), "native")
+def test_cached_builds_are_keyed_by_compiler_and_build_and_load_only_where_the_cpu_runs_them(monkeypatch, tmp_path):
+    a = ckernels.kernel_path("f32_rows", "cc", "avx2")
+    b = ckernels.kernel_path("f32_rows", "cc", "vnni")
     monkeypatch.setattr(ckernels, "compiler_version", lambda cc: "cc 99")
-    c = ckernels.kernel_path("f32_rows", "cc", ("-march=native",), (), "native")
+    c = ckernels.kernel_path("f32_rows", "cc", "avx2")
     assert len({a, b, c}) == 3
-    # a build for a named instruction set runs wherever the CPU has it: not keyed by the CPU's flags
-    d = ckernels.kernel_path("qrows", "cc", ckernels.ISA_FLAGS["avx2"], (), "avx2")
+    # a build for a named instruction set runs wherever the CPU has it: not keyed by the CPU's flags,
+    # and never loaded where the CPU lacks one of them, even from a cache another CPU filled
     monkeypatch.setattr(ckernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
-    assert ckernels.kernel_path("qrows", "cc", ckernels.ISA_FLAGS["avx2"], (), "avx2") == d
+    assert ckernels.kernel_path("f32_rows", "cc", "avx2") == c
+    monkeypatch.setattr(ckernels, "_LOADED", {})
+    monkeypatch.setattr(ckernels, "_compile", lambda name, build: pytest.fail(f"{build} built on a CPU without it"))
+    assert ckernels.load("f32_rows", "vnni") is None and ckernels.load("q8_head", "avx-vnni") is None
+    assert "vnni" not in ckernels.runnable_builds() and "avx2" in ckernels.runnable_builds()
 
 
 # (type, code range, group, has offset): codes at the ends of each type's range

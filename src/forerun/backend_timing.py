@@ -59,9 +59,9 @@ def measure(path: Path, threads: int, load_torch) -> dict:
 def _key(path: Path, threads: int) -> list:
     import llama_cpp
 
-    from forerun.backends.qweights import qrows_isa
+    from forerun.backends.ckernels import chosen_isa
 
-    return [kept.file_key(path), qrows_isa(), threads, getattr(llama_cpp, "__version__", "?")]
+    return [kept.file_key(path), chosen_isa(), threads, getattr(llama_cpp, "__version__", "?")]
 
 
 def timing(path: str | Path, load_torch, threads: int | None = None) -> dict:

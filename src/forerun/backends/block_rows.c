@@ -123,7 +123,7 @@ static inline __m256 q8_load8(const int8_t *codes, const float *scale, const flo
  * the rebuild is paid once per weight instead of once per group. Same products, same order.
  * With AVX-512's 32 vector registers a group is 4 rows (16 accumulators; 16 rows, a full batch,
  * then fill four groups exactly), with AVX2's 16 it is 3 (12 accumulators, no spills). */
-#ifdef __AVX512VL__
+#if defined(__AVX512VL__) || defined(FORERUN_WIDE_GROUPS) /* the latter: tests, on AVX2 */
 #define TR3 4
 #else
 #define TR3 3

@@ -15,12 +15,12 @@ Handled types: Q4_0, Q4_1, Q4_K (4-bit layout); Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 (8-
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from forerun.backends.ckernels import kernel
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 
@@ -239,21 +239,6 @@ def from_gguf(gguf, names: list[str], weight: torch.Tensor) -> BlockWeight | Non
     return None if parts is None else BlockWeight([p for p, _ in parts])
 
 
-_LIB: list = []
-
-
 def block_rows_kernel():
     """The compiled ``block_rows.c``, or None where it cannot be built (logged once)."""
-    if not _LIB:
-        from forerun.backends.ckernels import compile_c
-
-        lib = compile_c("block_rows", "quantized layers run on their float32 weights", flags=("-ffp-contract=off",))
-        if lib is not None:
-            P, I = ctypes.c_void_p, ctypes.c_int
-            lib.forerun_q4_rows.restype = I
-            lib.forerun_q4_rows.argtypes = [P, P, P, I, ctypes.c_int64, I, P, I, P]
-            lib.forerun_q8w_rows.restype = I
-            lib.forerun_q8w_rows.argtypes = [P, P, P, ctypes.c_int64, I, P, I, P]
-            lib.forerun_block_threads.argtypes = [I]
-        _LIB.append(lib)
-    return _LIB[0]
+    return kernel("block_rows")

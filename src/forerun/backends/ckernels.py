@@ -1,15 +1,18 @@
-"""The package's C kernels (``*.c`` beside this file), compiled once per machine into the cache
-folder and loaded with ctypes. Every caller has a slower path for machines without a C compiler.
+"""The package's C kernels (``*.c`` beside this file): how each is built, loaded and declared.
 
-A kernel built with ``-march=native`` runs only on CPUs with the features of the one that built
-it, and a cache folder can be shared between machines (a network home, a container image), so
-the cache key holds the CPU's feature flags and the compiler's version as well as the source and
-the flags: another CPU or compiler builds its own copy instead of loading one that could stop on
-an illegal instruction. Kernels built for a named instruction set (``compile_isa``) are loaded
-only where the CPU reports that set (``cpu_flags``)."""
+Every kernel is built for a named instruction set (``BUILDS``: compiler flags and the CPU flags
+they need), never with ``-march=native``: the C files choose their code paths with ``#if`` on the
+compiler's macros, so building each file for each set this CPU runs lets the tests run every
+path there is on this machine (``use_build``), and a build is loaded only where the CPU reports
+what it needs, so a cache folder shared between machines (a network home, a container image)
+cannot hand one CPU another's instructions. The set used at run time is the fastest this CPU
+runs (``chosen_isa``); ``FORERUN_KERNEL`` forces one. Each kernel is compiled once per build into
+the cache folder; every caller has a slower path for machines without a C compiler.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -18,23 +21,75 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from forerun.errors import ForerunError
 from forerun.paths import cache_dir
 
 log = logging.getLogger("forerun")
 
-# Compiler flags of each instruction set a kernel can be built for, and the CPU flags it needs.
-ISA_FLAGS = {
-    "portable": (),
-    "avx2": ("-mavx2", "-mfma", "-mf16c"),
-    "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-    # tests only: the VNNI code path with vpdpbusd done in AVX2, on CPUs without VNNI
-    "vnni-emulated": ("-mavx2", "-mfma", "-mf16c", "-DFORERUN_EMULATE_VNNI"),
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX2_NEEDS = ("avx2", "fma", "f16c")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+@dataclass(frozen=True)
+class Build:
+    flags: tuple[str, ...]  # compiler flags
+    needs: tuple[str, ...]  # CPU flags (``/proc/cpuinfo``) it runs on
+    test_only: bool = False  # a code path of another set compiled with this machine's instructions
+
+
+BUILDS = {
+    "vnni": Build((*_AVX2, *_AVX512), (*_AVX2_NEEDS, *_AVX512_NEEDS)),  # AVX-512 with VNNI (Ice Lake, Zen 4)
+    "avx-vnni": Build((*_AVX2, "-mavxvnni"), (*_AVX2_NEEDS, "avx_vnni")),  # 256-bit VNNI without AVX-512 (Alder Lake)
+    "avx2": Build(_AVX2, _AVX2_NEEDS),
+    "portable": Build((), ()),
+    # tests only, so that an AVX2 machine runs the logic of paths written for AVX-512: qrows.c's
+    # VNNI path with vpdpbusd done in AVX2, block_rows.c's 4-row groups (AVX-512's 32 registers)
+    "vnni-emulated": Build((*_AVX2, "-DFORERUN_EMULATE_VNNI"), _AVX2_NEEDS, test_only=True),
+    "avx2-wide-groups": Build((*_AVX2, "-DFORERUN_WIDE_GROUPS"), _AVX2_NEEDS, test_only=True),
 }
-ISA_NEEDS = {"portable": (), "avx2": ("avx2", "fma", "f16c"),
-             "vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-             "vnni-emulated": ("avx2", "fma", "f16c")}
+ISAS = tuple(name for name, b in BUILDS.items() if not b.test_only)  # fastest first; what FORERUN_KERNEL names
+
+P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_ROWS = [P, I64, I, P, I, P]
+_Q8 = [P, P, I64, I, P, P, I, P, P, P]
+_MULTI = [P, P, P, P, I, I, I, I, P, P, P, P, F, P]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    without: str  # what runs instead where it cannot be built
+    functions: dict = field(default_factory=dict)  # name: (restype, argtypes)
+    flags: tuple[str, ...] = ()
+
+
+# ``-ffp-contract=off``: products and sums as written (no fused multiply-adds the compiler chooses),
+# where two loops over the same values must give the same bits.
+KERNELS = {
+    "qrows": Kernel("GGUF models run on float32 weights (slower)", {
+        "forerun_q_threads": (I, [I]), "forerun_q_linear": (I, [P, I, P, I, P, I64]),
+        "forerun_q_argmax": (I, [P, I, P, I, P, P]), "forerun_q_layer": (I, [P, P, I, P]),
+        "forerun_q_layers": (I, [P, I, P, P, P, P]), "forerun_q_portable": (None, [I]),
+        "forerun_q_to_half": (None, [P, P, I])}, ("-ffp-contract=off",)),
+    "block_rows": Kernel("quantized layers run on their float32 weights", {
+        "forerun_q4_rows": (I, [P, P, P, I, I64, I, P, I, P]), "forerun_q8w_rows": (I, [P, P, P, I64, I, P, I, P]),
+        "forerun_block_threads": (I, [I])}, ("-ffp-contract=off",)),
+    "f32_rows": Kernel("the LM head uses the oneDNN/MKL kernels only", {
+        "forerun_f32_rows": (I, _ROWS), "forerun_f16w_rows": (I, _ROWS), "forerun_f32_threads": (I, [I])}),
+    "attn_rows": Kernel("batch-invariant attention runs row by row through PyTorch (slower)", {
+        "forerun_attn_rows": (I, [P, P, P, I64, I, I, I, I, P, P, P, P, F, P]),
+        "forerun_attn_rows_multi": (I, _MULTI), "forerun_attn_rows_multi_f16": (I, _MULTI),
+        "forerun_attn_threads": (I, [I]), "forerun_store_rows": (None, [P, P, P, P, P, P, I, I, I])},
+        ("-ffp-contract=off",)),
+    "q8_head": Kernel("verification uses the float LM head (slower)", {
+        "forerun_q8_rows": (I, _Q8), "forerun_q8_rows_x16": (I, _Q8), "forerun_q8_rows_x8": (I, _Q8),
+        "forerun_q8_has_x16": (I, []), "forerun_q8_has_x8": (I, []), "forerun_q8_threads": (None, [I])}),
+    "tap": Kernel("trained heads cannot read layer outputs on this backend"),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,11 +104,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def isa_runs(isa: str) -> bool:
-    """Whether this CPU can run code built for ``isa`` (``ISA_FLAGS``)."""
-    if isa == "portable":
+def isa_runs(build: str) -> bool:
+    """Whether this CPU can run code built as ``build`` (a key of ``BUILDS``)."""
+    if not BUILDS[build].needs:
         return True
-    return platform.machine() in ("x86_64", "AMD64") and set(ISA_NEEDS[isa]) <= cpu_flags()
+    return platform.machine() in ("x86_64", "AMD64") and set(BUILDS[build].needs) <= cpu_flags()
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,57 +133,112 @@ def _say_once(key: str, msg: str, *args) -> None:
         log.warning(msg, *args)
 
 
-def kernel_path(name: str, cc: str, arch: tuple, flags: tuple, tag: str) -> Path:
-    """Where the build of ``<name>.c`` with this compiler and these flags is cached: the key holds
-    the source and the headers beside it, the compiler and its version, the machine type and the flags, and for
-    ``-march=native`` builds the CPU's feature flags too."""
+def kernel_path(name: str, cc: str, build: str) -> Path:
+    """Where ``<name>.c`` built as ``build`` with this compiler is cached: the key holds the source
+    and the headers beside it, the compiler and its version, the machine type and the flags."""
     src = Path(__file__).with_name(f"{name}.c")
-    native = "-march=native" in arch
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # what the sources include
-    key = hashlib.sha1(b"\0".join([
-        src.read_bytes(), headers, cc.encode(), compiler_version(cc).encode(), platform.machine().encode(),
-        " ".join(arch + flags).encode(), " ".join(sorted(cpu_flags())).encode() if native else b""])).hexdigest()[:12]
-    return cache_dir() / "kernels" / f"{name}-{tag}-{key}.so"
+    flags = BUILDS[build].flags + KERNELS[name].flags
+    key = hashlib.sha1(b"\0".join([src.read_bytes(), headers, cc.encode(), compiler_version(cc).encode(),
+                                   platform.machine().encode(), " ".join(flags).encode()])).hexdigest()[:12]
+    return cache_dir() / "kernels" / f"{name}-{build}-{key}.so"
 
 
-def _build(name: str, arch: tuple, flags: tuple, without: str, tag: str):
+def _compile(name: str, build: str) -> Path | None:
     src = Path(__file__).with_name(f"{name}.c")
+    without = KERNELS[name].without
     cc = _compiler()
     if cc is None or shutil.which(cc) is None:
         _say_once(f"nocc:{name}", "no C compiler found%s for %s.c: %s", f" ({cc})" if cc else "", name, without)
         return None
-    out = kernel_path(name, cc, arch, flags, tag)
-    if not out.exists():
-        _say_once(f"build:{name}:{tag}", "compiling %s.c (%s) once for this machine (seconds)", name, tag)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        err = ""
-        for omp in (("-fopenmp",), ()):  # without OpenMP the kernels run on one thread
-            cmd = [cc, "-O3", *arch, *omp, *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode == 0:
-                if not omp:
-                    _say_once(f"noomp:{name}", "%s.c built without OpenMP (%s): its kernels run on one thread",
-                              name, err)
-                break
-            err = (r.stderr.strip().splitlines() or ["?"])[-1]
-        else:
-            _say_once(f"fail:{name}:{tag}", "could not compile %s.c (%s); %s", name, err, without)
-            return None
-        os.replace(tmp, out)
-    return ctypes.CDLL(str(out))
-
-
-def compile_c(name: str, without: str = "verification uses llama.cpp's LM head (slower)", flags: tuple = ()):
-    """Compile the package's ``<name>.c`` once for this CPU (``-march=native``, with extra compiler
-    ``flags``) into the cache folder and load it; None (logged once, with ``without``: what happens
-    instead) when impossible."""
-    return _build(name, ("-march=native",), flags, without, "native")
-
-
-def compile_isa(name: str, isa: str, without: str, flags: tuple = ()):
-    """``<name>.c`` built for the instruction set ``isa`` (a key of ``ISA_FLAGS``); None where this
-    CPU cannot run it or it cannot be built."""
-    if not isa_runs(isa):
+    out = kernel_path(name, cc, build)
+    if out.exists():
+        return out
+    _say_once(f"build:{name}:{build}", "compiling %s.c (%s) once for this machine (seconds)", name, build)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    err = ""
+    for omp in (("-fopenmp",), ()):  # without OpenMP the kernels run on one thread
+        cmd = [cc, "-O3", *BUILDS[build].flags, *omp, *KERNELS[name].flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode == 0:
+            if not omp:
+                _say_once(f"noomp:{name}", "%s.c built without OpenMP (%s): its kernels run on one thread", name, err)
+            break
+        err = (r.stderr.strip().splitlines() or ["?"])[-1]
+    else:
+        _say_once(f"fail:{name}:{build}", "could not compile %s.c (%s, %s); %s", name, build, err, without)
         return None
-    return _build(name, ISA_FLAGS[isa], flags, without, isa)
+    os.replace(tmp, out)
+    return out
+
+
+_LOADED: dict[tuple[str, str], object] = {}
+
+
+def load(name: str, build: str):
+    """``<name>.c`` built as ``build``, loaded with its functions declared; None where this CPU
+    cannot run that build or it cannot be compiled."""
+    if (name, build) not in _LOADED:
+        lib = None
+        if isa_runs(build) and (path := _compile(name, build)) is not None:
+            lib = ctypes.CDLL(str(path))
+            for fn, (restype, argtypes) in KERNELS[name].functions.items():
+                getattr(lib, fn).restype = restype
+                getattr(lib, fn).argtypes = argtypes
+        _LOADED[name, build] = lib
+    return _LOADED[name, build]
+
+
+_CHOSEN: list = []  # [the chosen instruction set or None], filled on first use
+_FORCED: list = []  # [build] while ``use_build`` holds one
+
+
+def chosen_isa() -> str | None:
+    """The instruction set the kernels run with here: ``FORERUN_KERNEL`` where set (and this CPU
+    runs it), else the fastest this CPU runs whose ``qrows.c`` builds; None without a C compiler."""
+    if _FORCED:
+        return _FORCED[-1]
+    if not _CHOSEN:
+        want = os.environ.get("FORERUN_KERNEL", "").strip().lower()
+        if want and want not in ISAS:
+            raise ForerunError(f"FORERUN_KERNEL={want!r}: expected one of {', '.join(ISAS)}")
+        if want and load("qrows", want) is None:
+            log.warning("FORERUN_KERNEL=%s: this CPU or compiler cannot run it; choosing another", want)
+            want = ""
+        isa = want or next((isa for isa in ISAS if load("qrows", isa) is not None), None)
+        if isa is None:
+            log.warning("no C kernels (no C compiler): GGUF models run on float32 weights, the slow path")
+        elif isa == "portable":
+            log.warning("C kernels: portable C only (no AVX2 here), the slow path")
+        _CHOSEN.append(isa)
+    return _CHOSEN[0]
+
+
+def kernel(name: str):
+    """The loaded ``<name>.c`` of the chosen instruction set (``chosen_isa``), or of the next one
+    down where that does not build; None where none builds (logged once)."""
+    isa = chosen_isa()
+    if isa is None:
+        return None
+    for b in (isa, *ISAS[ISAS.index(isa) + 1:]) if isa in ISAS else (isa,):
+        if (lib := load(name, b)) is not None:
+            return lib
+    return None
+
+
+@contextlib.contextmanager
+def use_build(build: str):
+    """Tests: every kernel fetched inside runs as ``build`` (which this CPU must run)."""
+    if not isa_runs(build):
+        raise ValueError(f"this CPU cannot run the {build} build")
+    _FORCED.append(build)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def runnable_builds() -> list[str]:
+    """Every build this CPU runs, test-only ones included: what the tests run each kernel as."""
+    return [b for b in BUILDS if isa_runs(b)]

@@ -13,7 +13,7 @@
  *
  * The summation order differs from other kernels' (8 lanes, then a fixed pairwise lane sum), so
  * results can differ from theirs in the last bits, as the other kernels differ among themselves.
- * Built with -O3 -march=native; without AVX2 and FMA a plain C loop is used.
+ * Built for each instruction set (ckernels.py); without AVX2 and FMA a plain C loop is used.
  */
 #include <stdint.h>
 #include <string.h>

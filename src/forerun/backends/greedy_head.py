@@ -21,13 +21,12 @@ does. Where no C compiler is available the backend uses llama.cpp's head for eve
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import numpy as np
 import torch
 
-from forerun.backends.ckernels import compile_c
+from forerun.backends.ckernels import kernel
 
 QK = 32
 _U32 = 2.0 ** -24  # unit roundoff of float32
@@ -54,24 +53,6 @@ def quantize_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
     return q, d
 
 
-def _compile_kernel():
-    lib = compile_c("q8_head")
-    if lib is None:
-        return None
-    lib.forerun_q8_rows.restype = ctypes.c_int
-    lib.forerun_q8_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                    ctypes.c_void_p, ctypes.c_void_p]
-    lib.forerun_q8_rows_x16.restype = ctypes.c_int
-    lib.forerun_q8_rows_x16.argtypes = lib.forerun_q8_rows.argtypes
-    lib.forerun_q8_has_x16.restype = ctypes.c_int
-    lib.forerun_q8_rows_x8.restype = ctypes.c_int
-    lib.forerun_q8_rows_x8.argtypes = lib.forerun_q8_rows.argtypes
-    lib.forerun_q8_has_x8.restype = ctypes.c_int
-    lib.forerun_q8_threads.argtypes = [ctypes.c_int]
-    return lib
-
-
 class Q8Head:
     """Greedy argmax over a Q8_0 head [V, D] with a certificate of exactness per row.
 
@@ -91,7 +72,7 @@ class Q8Head:
         self.d = torch.from_numpy(scales.astype(np.float32))
         self.q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))  # [V, nb, 32]
         self.V, self.D, self.nb = V, dim, nb
-        self.lib = lib if lib is not None else _compile_kernel()
+        self.lib = lib if lib is not None else kernel("q8_head")
         if self.lib is not None and threads:
             self.lib.forerun_q8_threads(int(threads))
         self.wu = self.dh16 = None

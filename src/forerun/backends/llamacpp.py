@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
+from forerun.backends.ckernels import kernel
 from forerun.errors import ForerunError
 
 DEFAULT_CONTEXT = 8192
@@ -116,9 +117,7 @@ _TAP_LIB = None
 def _tap_lib():
     global _TAP_LIB
     if _TAP_LIB is None:
-        from forerun.backends.ckernels import compile_c
-
-        _TAP_LIB = compile_c("tap", "trained heads cannot read layer outputs on this backend") or False
+        _TAP_LIB = kernel("tap") or False
     return _TAP_LIB or None
 
 

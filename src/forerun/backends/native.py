@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
+from forerun.backends.ckernels import kernel
 
 log = logging.getLogger("forerun")
 
@@ -141,26 +142,9 @@ class PackedLinear:
         return min(times, key=times.get)
 
 
-_F32_LIB: list = []  # [loaded library or None], filled on first use
-
-
 def f32_rows_kernel():
     """The compiled ``f32_rows.c`` (see there), or None where it cannot be built (logged once)."""
-    if not _F32_LIB:
-        import ctypes
-
-        from forerun.backends.ckernels import compile_c
-
-        lib = compile_c("f32_rows", "the LM head uses the oneDNN/MKL kernels only")
-        if lib is not None:
-            lib.forerun_f32_rows.restype = ctypes.c_int
-            lib.forerun_f32_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                             ctypes.c_int, ctypes.c_void_p]
-            lib.forerun_f32_threads.argtypes = [ctypes.c_int]
-            lib.forerun_f16w_rows.restype = ctypes.c_int
-            lib.forerun_f16w_rows.argtypes = lib.forerun_f32_rows.argtypes
-        _F32_LIB.append(lib)
-    return _F32_LIB[0]
+    return kernel("f32_rows")
 
 
 def _f32_rows_fits(weight: torch.Tensor) -> bool:
@@ -168,33 +152,9 @@ def _f32_rows_fits(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
 
 
-_ATTN_LIB: list = []  # [loaded library or None], filled on first use
-
-
 def attn_rows_kernel():
     """The compiled ``attn_rows.c`` (see there), or None where it cannot be built (logged once)."""
-    if not _ATTN_LIB:
-        import ctypes
-
-        from forerun.backends.ckernels import compile_c
-
-        # products and sums as written (no fused multiply-adds): a key's score is the same whether
-        # attention's 8-key loop or its one-key loop computes it (which depends on the row's pass)
-        lib = compile_c("attn_rows", "batch-invariant attention runs row by row through PyTorch (slower)",
-                        flags=("-ffp-contract=off",))
-        if lib is not None:
-            P, I = ctypes.c_void_p, ctypes.c_int
-            lib.forerun_attn_rows.restype = I
-            lib.forerun_attn_rows.argtypes = [P, P, P, ctypes.c_int64, I, I, I, I, P, P, P, P, ctypes.c_float, P]
-            lib.forerun_attn_rows_multi.restype = I
-            lib.forerun_attn_rows_multi.argtypes = [P, P, P, P, I, I, I, I, P, P, P, P, ctypes.c_float, P]
-            lib.forerun_attn_rows_multi_f16.restype = I
-            lib.forerun_attn_rows_multi_f16.argtypes = [P, P, P, P, I, I, I, I, P, P, P, P, ctypes.c_float, P]
-            lib.forerun_attn_threads.argtypes = [I]
-            lib.forerun_store_rows.restype = None
-            lib.forerun_store_rows.argtypes = [P, P, P, P, P, P, I, I, I]
-        _ATTN_LIB.append(lib)
-    return _ATTN_LIB[0]
+    return kernel("attn_rows")
 
 
 class RowKeys:

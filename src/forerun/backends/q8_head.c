@@ -15,7 +15,7 @@
  * AVX-512 VNNI, see below). Both take qx [n][nb][32] int8, dx [n][nb] float and write out
  * [n][V] float, top [n][2] float and top_idx [n][2] int64: the largest and second-largest
  * logit of each row (ties: the lower index first).
- * Built with -O3 -march=native; OpenMP splits the vocabulary.
+ * Built for each instruction set (ckernels.py); OpenMP splits the vocabulary.
  */
 #include <stdint.h>
 #include <stdlib.h>

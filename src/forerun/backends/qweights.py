@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import numpy as np
 import torch
 
 from forerun.backends.block_weights import Codes
+from forerun.backends.ckernels import kernel
 from forerun.gguf_file import Q4_0, Q5_0, Q6_K
 
 log = logging.getLogger("forerun")
 
 U4, U8, S8 = 0, 1, 2
-ISAS = ("vnni", "avx2", "portable")  # fastest first
 _ZB = {Q4_0: -8, Q5_0: -16, Q6_K: -32}  # codes stored unsigned, the type's signed offset added back
 
 
@@ -162,72 +161,10 @@ class QLinear:
             raise ValueError(f"qrows: bad sizes {len(x)} x {x.shape[1]} against {self.shape}")
 
 
-_LIBS: dict[str, object] = {}
-
-
-def load_isa(isa: str):
-    """The build of ``qrows.c`` for ``isa``, or None where this CPU cannot run it or it cannot be built."""
-    if isa not in _LIBS:
-        from forerun.backends.ckernels import compile_isa
-
-        lib = compile_isa("qrows", isa, "GGUF models run on float32 weights (slower)", flags=("-ffp-contract=off",))
-        if lib is not None:
-            P, I = ctypes.c_void_p, ctypes.c_int
-            lib.forerun_q_threads.argtypes = [I]
-            lib.forerun_q_threads.restype = I
-            lib.forerun_q_linear.argtypes = [P, I, P, I, P, ctypes.c_int64]
-            lib.forerun_q_linear.restype = I
-            lib.forerun_q_argmax.argtypes = [P, I, P, I, P, P]
-            lib.forerun_q_argmax.restype = I
-            lib.forerun_q_layer.argtypes = [P, P, I, P]
-            lib.forerun_q_layer.restype = I
-            lib.forerun_q_layers.argtypes = [P, I, P, P, P, P]
-            lib.forerun_q_layers.restype = I
-            lib.forerun_q_portable.argtypes = [I]
-            lib.forerun_q_portable.restype = None
-            lib.forerun_q_to_half.argtypes = [P, P, I]
-            lib.forerun_q_to_half.restype = None
-        _LIBS[isa] = lib
-    return _LIBS[isa]
-
-
-def chosen_isa() -> str | None:
-    """The instruction set the integer kernels run with here: ``FORERUN_KERNEL`` where set (and this
-    CPU runs it), else the fastest that builds; None without a C compiler."""
-    want = os.environ.get("FORERUN_KERNEL", "").strip().lower()
-    if want:
-        if want not in ISAS:
-            from forerun.errors import ForerunError
-
-            raise ForerunError(f"FORERUN_KERNEL={want!r}: expected one of {', '.join(ISAS)}")
-        if load_isa(want) is not None:
-            return want
-        log.warning("FORERUN_KERNEL=%s: this CPU or compiler cannot run it; choosing another", want)
-    for isa in ISAS:
-        if load_isa(isa) is not None:
-            return isa
-    return None
-
-
-_CHOSEN: list = []
-
-
 def qrows_lib():
-    """The loaded build of ``qrows.c`` chosen by ``chosen_isa`` (None without a C compiler; the
-    slow path is then said once)."""
-    if not _CHOSEN:
-        isa = chosen_isa()
-        if isa is None:
-            log.warning("no integer kernels (no C compiler): GGUF models run on float32 weights, the slow path")
-        elif isa == "portable":
-            log.warning("integer kernels: portable C only (no AVX2 here), the slow path")
-        _CHOSEN.append((isa, load_isa(isa) if isa else None))
-    return _CHOSEN[0][1]
-
-
-def qrows_isa() -> str | None:
-    qrows_lib()
-    return _CHOSEN[0][0]
+    """The loaded build of ``qrows.c`` of the chosen instruction set (``ckernels.chosen_isa``);
+    None without a C compiler (the slow path is then said once)."""
+    return kernel("qrows")
 
 
 # -- whole layers ------------------------------------------------------------------------------
