@@ -666,3 +666,33 @@ def test_int8_head_layers_track_float_and_fall_back():
     odd = head(48).pack_for_inference()  # 48 is not whole blocks of 32
     assert not any(isinstance(k, _Q8Linear) for k in odd._packed.values())
     assert not any(isinstance(k, _Q8Linear) for k in head(64).pack_for_inference(int8=False)._packed.values())
+
+
+@pytest.mark.parametrize("bits", [8, 5, 4])
+def test_heads_stored_in_blocks_load_within_half_a_step_and_save_back_identically(heads, tmp_path, bits):
+    """``save(dtype="q5")`` etc.: each 32-block of a matrix as codes in [-m, m] and a float16 scale;
+    loading gives every weight within half a code step of the original, vectors as float16, and a
+    loaded head saves back to the same bytes."""
+    from forerun.drafters.heads import load_head
+
+    for kind in ("eagle", "medusa"):
+        head = load_head(heads[kind][0])
+        head.save(tmp_path / f"{kind}{bits}", dtype=f"q{bits}")
+        back = load_head(tmp_path / f"{kind}{bits}")
+        m = 2 ** (bits - 1) - 1
+        for name, w in head.state_dict().items():
+            got = back.state_dict()[name]
+            if not w.is_floating_point():
+                assert torch.equal(got, w), name
+            elif w.ndim == 2 and w.shape[1] % 32 == 0:
+                blocks = w.float().reshape(w.shape[0], -1, 32)
+                step = (blocks.abs().amax(-1, keepdim=True) / m).half().float()
+                err = (got.reshape(blocks.shape) - blocks).abs()
+                assert (err <= step * 0.5 + step * 2.0 ** -10 + 1e-30).all(), name  # half a step (scale rounded to float16)
+            else:
+                assert torch.equal(got, w.half().float()), name
+        back.save(tmp_path / f"{kind}{bits}-again", dtype=f"q{bits}")
+        assert ((tmp_path / f"{kind}{bits}" / "model.safetensors").read_bytes()
+                == (tmp_path / f"{kind}{bits}-again" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError):
+        head.save(tmp_path / "bad", dtype="q9")

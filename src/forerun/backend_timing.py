@@ -25,7 +25,7 @@ CONTEXT, REPS = 128, 5
 def _time(backend) -> dict:
     from forerun.timing import median_forward_s
 
-    ids = torch.randint(10, min(backend.vocab_size, 20000), (CONTEXT + 5,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(10, min(backend.vocab_size, 20000), (CONTEXT + 5,), generator=torch.Generator().manual_seed(0), device="cpu")
     fn = "argmax_forward" if backend.capabilities.exact_argmax else "forward"
     step = median_forward_s(backend, ids[: CONTEXT + 1], 1, REPS, method=fn)
     five = median_forward_s(backend, ids, 5, REPS, method=fn)

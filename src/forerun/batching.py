@@ -230,7 +230,7 @@ class BatchEngine:
                 continue
             if time.perf_counter() - t_start > budget_s and len(self.policy.costs["pass"]) >= 2:
                 break  # the rest is interpolated
-            feed = torch.randint(3, min(self.target.vocab_size, 1000), (64 + r,), generator=g)
+            feed = torch.randint(3, min(self.target.vocab_size, 1000), (64 + r,), generator=g, device="cpu")
             scratch.reset()
             scratch.forward(feed[:64], 0, last_only=True)
             times = []

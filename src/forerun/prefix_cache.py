@@ -40,7 +40,7 @@ def chunk_keys(tokens: list[int], chunk: int | None = None) -> list[bytes]:
     for s, e in chunk_bounds(len(tokens), chunk):
         d = hashlib.blake2b(h, digest_size=16)
         d.update((e - s).to_bytes(4, "little"))
-        d.update(torch.tensor(tokens[s:e], dtype=torch.int64).numpy().tobytes())
+        d.update(torch.tensor(tokens[s:e], dtype=torch.int64, device="cpu").numpy().tobytes())
         h = d.digest()
         keys.append(h)
     return keys
@@ -109,7 +109,7 @@ def prefill(backend, feed: list[int], layers=(), take_features=None, cache: Pref
     if not feed:
         return
     if not backend.capabilities.kv_segments:
-        passed = backend.forward(torch.tensor(feed, dtype=torch.long), 0, last_only=True, **fwd)
+        passed = backend.forward(torch.tensor(feed, dtype=torch.long, device=backend.device), 0, last_only=True, **fwd)
         if layers:
             take_features(0, passed.layers)
         return
@@ -120,7 +120,7 @@ def prefill(backend, feed: list[int], layers=(), take_features=None, cache: Pref
             backend.load_kv_segment(s, hit.kv)
             feats = hit.features
         else:
-            feats = backend.forward(torch.tensor(feed[s:e], dtype=torch.long), s, last_only=True, logits=False,
+            feats = backend.forward(torch.tensor(feed[s:e], dtype=torch.long, device=backend.device), s, last_only=True, logits=False,
                                     **fwd).layers
             if cache is not None:
                 cache.put(keys[j], backend.kv_segment(s, e), feats)

@@ -21,7 +21,7 @@ def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = parents.numel()
     par = parents.tolist()
     depth = [0] * (n + 1)
-    anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    anc = torch.zeros(n + 1, n + 1, dtype=torch.bool, device="cpu")
     anc[0, 0] = True
     for i, p in enumerate(par):
         if not -1 <= p < i:
@@ -30,7 +30,7 @@ def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         depth[r] = depth[pr] + 1
         anc[r] = anc[pr]
         anc[r, r] = True
-    return torch.tensor(depth), anc
+    return torch.tensor(depth, device="cpu"), anc
 
 
 def children_lists(parents: torch.Tensor) -> list[list[int]]:
@@ -168,4 +168,4 @@ def graft_chain(tokens: torch.Tensor, parents: torch.Tensor,
             nxt = child[(node, t)] = len(tok) - 1
         node = nxt
         path.append(node)
-    return torch.tensor(tok, dtype=torch.long), torch.tensor(par, dtype=torch.long), path
+    return torch.tensor(tok, dtype=torch.long, device="cpu"), torch.tensor(par, dtype=torch.long, device="cpu"), path

@@ -49,7 +49,7 @@ def kept_rows(path: list[int] | None, accepted: int) -> list[int]:
 
 def feed_of(last_token: int, draft: Draft) -> torch.Tensor:
     """The rows of a verify pass: the last committed token, then the draft."""
-    return torch.cat([torch.tensor([last_token], dtype=torch.long), draft.tokens.cpu()])
+    return torch.cat([torch.tensor([last_token], dtype=torch.long, device="cpu"), draft.tokens.cpu()])
 
 
 def verify(backend, draft: Draft, last_token: int, root: int, params: SamplingParams, generator=None,

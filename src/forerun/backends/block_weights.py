@@ -177,7 +177,7 @@ class BlockWeight:
         V = self.shape[0]
         if D != self.shape[1]:
             raise ValueError(f"block_rows: rows of {D} against a weight of {self.shape}")
-        out = torch.empty(n, V, dtype=torch.float32)
+        out = torch.empty(n, V, dtype=torch.float32, device="cpu")
         lib.forerun_block_threads(torch.get_num_threads())
         off = self.offset.data_ptr() if self.offset is not None else None
         if self.layout == "q4":

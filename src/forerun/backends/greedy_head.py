@@ -46,7 +46,7 @@ def quantize_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
     xb = x.float().reshape(n, D // QK, QK)
     amax = xb.abs().amax(-1)  # [n, nb] float32
     d = (amax / float(levels)).half().float()  # stored as fp16
-    inv = torch.where(amax != 0, torch.tensor(float(levels)) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax != 0, float(levels) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None])  # float32 product, then round half to even (_MM_ROUND_NEAREST)
     if levels != 127:  # ggml's Q8_0 does not clamp (x * 127 / amax cannot round past 127)
         q.clamp_(-levels, levels)
@@ -115,9 +115,9 @@ class Q8Head:
         n = q.shape[0]
         qx = q.to(torch.int8).contiguous()
         dx = d.contiguous()
-        out = torch.empty(n, self.V)
-        top = torch.empty(n, 2)
-        idx = torch.empty(n, 2, dtype=torch.long)
+        out = torch.empty(n, self.V, device="cpu")
+        top = torch.empty(n, 2, device="cpu")
+        idx = torch.empty(n, 2, dtype=torch.long, device="cpu")
         if self.lanes:
             fn = self.lib.forerun_q8_rows_x16 if self.lanes == 16 else self.lib.forerun_q8_rows_x8
             w, d = self.wu, self.dh16
@@ -144,8 +144,8 @@ class Q8Head:
         if self.act_levels != 127:
             raise RuntimeError("certified argmaxes need the Q8_0 activations llama.cpp uses: build without seven_bit")
         q, d = quantize_q8_0(h)
-        out = torch.zeros(n, dtype=torch.long)
-        ok = torch.zeros(n, dtype=torch.bool)
+        out = torch.zeros(n, dtype=torch.long, device="cpu")
+        ok = torch.zeros(n, dtype=torch.bool, device="cpu")
         for s in range(0, n, self.MAX_ROWS):
             qs, ds = q[s: s + self.MAX_ROWS], d[s: s + self.MAX_ROWS]
             f, best, idx = self.logits(qs, ds)  # [r, V], [r, 2], [r, 2]
@@ -240,7 +240,7 @@ class ExactFloatArgmax:
         h = h.float().cpu()
         q, d = quantize_blocks(h, self.q8.act_levels)
         hq = (q * d[..., None]).flatten(1)  # [n, D]
-        out = torch.empty(len(h), dtype=torch.long)
+        out = torch.empty(len(h), dtype=torch.long, device="cpu")
         for s in range(0, len(h), self.q8.MAX_ROWS):
             hs, hqs = h[s: s + self.q8.MAX_ROWS], hq[s: s + self.q8.MAX_ROWS]
             a, top, idx = self.q8.logits(q[s: s + len(hs)], d[s: s + len(hs)])  # [r, V], [r, 2], [r, 2]

@@ -724,7 +724,7 @@ def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: 
         else:
             backend.truncate(prefilled)
         ctx = backend.ctx
-        backend.forward(torch.tensor(prompt[prefilled:], dtype=torch.long), prefilled, last_only=True)
+        backend.forward(torch.tensor(prompt[prefilled:], dtype=torch.long, device="cpu"), prefilled, last_only=True)
         if timings is not None:
             timings["prefill_s"] = time.perf_counter() - t0
         limit = min(max_new_tokens, backend.max_context - len(prompt))

@@ -169,19 +169,19 @@ class RowKeys:
     # int32 tensors for the C kernels, made on first use
     @functools.cached_property
     def lo(self) -> torch.Tensor:
-        return torch.tensor([r[0] for r in self.rows], dtype=torch.int32)
+        return torch.tensor([r[0] for r in self.rows], dtype=torch.int32, device="cpu")
 
     @functools.cached_property
     def hi(self) -> torch.Tensor:
-        return torch.tensor([r[1] for r in self.rows], dtype=torch.int32)
+        return torch.tensor([r[1] for r in self.rows], dtype=torch.int32, device="cpu")
 
     @functools.cached_property
     def xp(self) -> torch.Tensor:
-        return torch.tensor([0] + [len(r[2]) for r in self.rows], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch.tensor([0] + [len(r[2]) for r in self.rows], dtype=torch.int32, device="cpu").cumsum(0, dtype=torch.int32)
 
     @functools.cached_property
     def extra(self) -> torch.Tensor:
-        return torch.tensor([j for r in self.rows for j in r[2]] or [0], dtype=torch.int32)
+        return torch.tensor([j for r in self.rows for j in r[2]] or [0], dtype=torch.int32, device="cpu")
 
     @classmethod
     def chain(cls, pos: int, T: int, window: int | None) -> "RowKeys":
@@ -190,7 +190,7 @@ class RowKeys:
 
     def slots(self, t: int) -> torch.Tensor | tuple[int, int]:
         a, b, e = self.rows[t]
-        return (a, b) if not e else torch.cat([torch.arange(a, b), torch.tensor(e, dtype=torch.long)])
+        return (a, b) if not e else torch.cat([torch.arange(a, b, device="cpu"), torch.tensor(e, dtype=torch.long, device="cpu")])
 
     def keys_values(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row t's keys and values [kv_heads, S_t, D] from one layer's cache k, v [kv_heads, cap, D]."""
@@ -237,7 +237,7 @@ class SequenceRows:
         T, H, D = q.shape
         lib = attn_rows_kernel()
         q = q.contiguous()
-        out = torch.empty(T, H, D, dtype=torch.float32)
+        out = torch.empty(T, H, D, dtype=torch.float32, device="cpu")
         kp = self.k_base + idx * self.layer_bytes
         vp = self.v_base + idx * self.layer_bytes
         lib.forerun_attn_threads(torch.get_num_threads())
@@ -264,7 +264,7 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowK
                                                        enable_gqa=H != k.shape[0]))
         return torch.cat(outs, 2)[0].transpose(0, 1).reshape(T, H * D)
     q = q.contiguous()
-    out = torch.empty(T, H, D, dtype=torch.float32)
+    out = torch.empty(T, H, D, dtype=torch.float32, device="cpu")
     lib.forerun_attn_threads(torch.get_num_threads())
     rc = lib.forerun_attn_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], T, H, k.shape[0], D,
                                keys.lo.data_ptr(), keys.hi.data_ptr(), keys.xp.data_ptr(), keys.extra.data_ptr(),
@@ -301,7 +301,7 @@ def _rows_product(fn: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tenso
     V = weight.shape[0]
     if weight.shape[1] != D:
         raise ValueError(f"{name}: rows of {D} against a weight of {tuple(weight.shape)}")
-    out = torch.empty(n, V, dtype=torch.float32)
+    out = torch.empty(n, V, dtype=torch.float32, device="cpu")
     lib.forerun_f32_threads(torch.get_num_threads())
     if getattr(lib, fn)(weight.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
         raise ValueError(f"{name}: bad sizes {n} x {D} against {V}")
@@ -459,7 +459,7 @@ class NativeBackend(BackendBase):
         # the token embeddings, shared with forks: {"t": tensor}, on the meta device until
         # ``embed`` is first asked for where the file holds them (steps read their rows alone)
         self._embed = {"t": inner.embed_tokens.weight.detach()}
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if arch.gemma_norms else 1.0, dtype=self.dtype)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if arch.gemma_norms else 1.0, dtype=self.dtype, device=self.device)
         self.final_norm = _norm_weight(inner.norm) if arch.gemma_norms else inner.norm.weight.detach()
         head_source = None
         if file_tensors is not None:
@@ -707,7 +707,7 @@ class NativeBackend(BackendBase):
         from forerun.timing import median_s
 
         twin = self._twin()
-        ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0), device="cpu")
         twin.forward(ids[:64], 0, logits=False)
         times = {}
         for how in ("onednn", "rows"):
@@ -756,7 +756,7 @@ class NativeBackend(BackendBase):
         have = next(iter(tab.values()))[0].shape[0] if tab else 0
         if n > have:
             size = max(256, 2 * have, n)
-            pos = torch.arange(size, dtype=torch.float32)
+            pos = torch.arange(size, dtype=torch.float32, device="cpu")  # the table is made on the CPU (float64)
             for t, inv in self._inv_freq.items():
                 freqs = (pos[:, None] * inv.cpu()[None, :]).double()
                 emb = torch.cat((freqs, freqs), dim=-1)
@@ -839,7 +839,7 @@ class NativeBackend(BackendBase):
 
         if h is None:
             g = torch.Generator().manual_seed(0)
-            h = self._norm(torch.randn(1, self.hidden_size, generator=g).to(self.dtype), self.final_norm)
+            h = self._norm(torch.randn(1, self.hidden_size, generator=g, device="cpu").to(self.device, self.dtype), self.final_norm)
         row = h[-1:].float().cpu()
         exact_s = median_s(lambda: head.argmax(row), 3)
         float_s = median_s(lambda: self._logits(row.to(self.device, self.dtype)).argmax(-1), 3)

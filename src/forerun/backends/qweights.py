@@ -128,7 +128,7 @@ class QLinear:
 
     def __call__(self, x: torch.Tensor, lib=None) -> torch.Tensor:
         x = self._rows(x)
-        out = torch.empty(len(x), self.shape[0], dtype=torch.float32)
+        out = torch.empty(len(x), self.shape[0], dtype=torch.float32, device="cpu")
         self._run(lib, "forerun_q_linear", x, out.data_ptr(), self.shape[0])
         return out
 
@@ -136,8 +136,8 @@ class QLinear:
         """The argmax [n] (int64) of ``self(x)`` per row and its value [n], without forming the
         outputs: the same sums, the first of equal maxima, NaN above all (torch.argmax's rule)."""
         x = self._rows(x)
-        idx = torch.empty(len(x), dtype=torch.int64)
-        val = torch.empty(len(x), dtype=torch.float32)
+        idx = torch.empty(len(x), dtype=torch.int64, device="cpu")
+        val = torch.empty(len(x), dtype=torch.float32, device="cpu")
         if len(x):
             self._run(lib, "forerun_q_argmax", x, idx.data_ptr(), val.data_ptr())
         return idx, val

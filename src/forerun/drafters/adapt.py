@@ -214,7 +214,7 @@ class RequestLog:
         if n <= start:
             return None
         s = max(0, n - window)
-        return (torch.tensor(self.ids[self.base + s: self.base + n]), self._feats()[s:n], max(0, start - s))
+        return (torch.tensor(self.ids[self.base + s: self.base + n], device="cpu"), self._feats()[s:n], max(0, start - s))
 
     def entry(self):
         """The whole log as one replay-buffer entry (None: nothing to learn)."""

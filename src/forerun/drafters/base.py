@@ -83,4 +83,4 @@ class Drafter:
 
 
 def empty_draft() -> Draft:
-    return Draft(tokens=torch.zeros(0, dtype=torch.long))
+    return Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"))

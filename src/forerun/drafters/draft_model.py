@@ -25,7 +25,7 @@ class DraftModelDrafter(Drafter):
         be = self.backend
         # Catch up on tokens the draft has not seen (the last one, plus any correction/bonus).
         start = min(be.length, len(tokens) - 1)
-        feed = torch.tensor(tokens[start:], dtype=torch.long)
+        feed = torch.tensor(tokens[start:], dtype=torch.long, device=be.device)
         return autoregressive_draft(be, feed, start, k, self.params, self.generator, **self.forward_kwargs(tokens))
 
     def forward_kwargs(self, tokens: list[int]) -> dict:
@@ -65,5 +65,5 @@ def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=Non
             qs.append(q)
         out.append(tok)
         feed = tok.view(1)
-    tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long)
+    tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long, device="cpu")
     return Draft(tokens=tokens.cpu(), q=torch.stack(qs) if qs else None)

@@ -106,7 +106,7 @@ class FeatureDrafter(Drafter):
         branch gets the chain's measured per-token acceptance for this round's n-gram length
         (a node both propose: the larger of the two)."""
         if tree is None:
-            tree = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long), conf=[])
+            tree = Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"), parents=torch.zeros(0, dtype=torch.long, device="cpu"), conf=[])
         if self.lookup is not None:
             if self._chain is None or self._chain[0] != len(tokens):  # not offered this round yet
                 self.lookup_chain(tokens, k)
@@ -184,7 +184,7 @@ class EagleDrafter(FeatureDrafter):
     def _propose(self, tokens: list[int], k: int) -> Draft:
         head = self.head
         if self.feats is None or len(self.feats) == 0:
-            return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
+            return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"))
         # 1. Entries for the newly verified positions: (token after position i, target features at i).
         p = self.feat_pos
         n = min(len(self.feats), len(tokens) - 1 - p)
@@ -228,7 +228,7 @@ class EagleDrafter(FeatureDrafter):
                 break
             n_prev = cache.n
             rows = len(frontier)
-            mask = torch.zeros(rows, n_prev + rows, dtype=torch.bool)  # built on the CPU, moved once
+            mask = torch.zeros(rows, n_prev + rows, dtype=torch.bool, device="cpu")  # built on the CPU, moved once
             mask[:, :base] = True
             for r, nd in enumerate(frontier):
                 a = nodes[nd][2]
@@ -260,8 +260,8 @@ class EagleDrafter(FeatureDrafter):
         keep = [i for i in keep if nodes[i][2] == -1 or nodes[i][2] in keep_set]
         order = sorted(keep, key=lambda i: (nodes[i][3], i))  # by depth: parents before children
         index = {nd: j for j, nd in enumerate(order)}
-        tokens = torch.tensor([nodes[i][1] for i in order], dtype=torch.long)
-        parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] != -1 else -1 for i in order], dtype=torch.long)
+        tokens = torch.tensor([nodes[i][1] for i in order], dtype=torch.long, device="cpu")
+        parents = torch.tensor([index[nodes[i][2]] if nodes[i][2] != -1 else -1 for i in order], dtype=torch.long, device="cpu")
         # The head's own probability of each node given its parent: its estimate of acceptance.
         conf = [math.exp(nodes[i][0] - (nodes[nodes[i][2]][0] if nodes[i][2] != -1 else 0.0)) for i in order]
         return Draft(tokens=tokens, parents=parents, conf=conf)
@@ -305,15 +305,15 @@ class MedusaDrafter(FeatureDrafter):
         # committed token) and guesses j tokens further.
         last = len(tokens) - 2 - self.feat_pos
         if self.feats is None or not 0 <= last < len(self.feats):
-            return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long))
+            return self._tree_draft(None, tokens, k) if self.tree_nodes else Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"))
         self.feat_pos, self.feats = self.feat_pos + last, self.feats[last:]  # older rows are never read again
         logits = self.head(self.feats[0])[: min(k, self.max_k)]  # [k, draft_vocab]
         if self.tree_nodes:
             paths = [p for p in self.paths if len(p) <= len(logits)]
             ranked = logits.topk(1 + max(max(p) for p in paths), -1).indices.tolist()  # [k][ranks]
             index = {p: i for i, p in enumerate(paths)}
-            cand = torch.tensor([self.d2t_host[ranked[len(p) - 1][p[-1]]] for p in paths], dtype=torch.long)
-            parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long)
+            cand = torch.tensor([self.d2t_host[ranked[len(p) - 1][p[-1]]] for p in paths], dtype=torch.long, device="cpu")
+            parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long, device="cpu")
             return self._tree_draft(Draft(tokens=cand, parents=parents), tokens, k)
         out, qs = [], []
         for lg in logits:

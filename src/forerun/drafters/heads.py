@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -214,16 +215,23 @@ class DraftHead(nn.Module):
             out = out + mod.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def save(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
+    def save(self, path: str | Path, dtype: torch.dtype | str = torch.float16) -> None:
         """Weights are stored as ``dtype`` (half the size of float32) and computed in float32 after
-        loading; a loaded head saves back bit-identically."""
+        loading; a loaded head saves back bit-identically. ``dtype="q8"``: every matrix as 8-bit
+        blocks with scales; ``"q5"`` etc. fewer bits (``store_quantized``; the shipped heads are q5)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import save_file
 
-        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
-                   for k, v in self.state_dict().items()}
-        save_file(tensors, str(path / "model.safetensors"))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        meta = None
+        if isinstance(dtype, str):  # "q8", "q5", ...: codes of that many bits
+            if not (dtype[:1] == "q" and dtype[1:].isdigit() and 2 <= int(dtype[1:]) <= 8):
+                raise ValueError(f"dtype {dtype!r}: a torch dtype or q2..q8")
+            tensors, meta = store_quantized(state, int(dtype[1:]))
+        else:
+            tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+        save_file(tensors, str(path / "model.safetensors"), metadata=meta)
         cfg = asdict(self.cfg)
         if cfg["feature_norms"]:  # the default: left out, so a forerun that predates the field reads the file
             del cfg["feature_norms"]
@@ -292,7 +300,7 @@ class _NativeLayer:
         x2 = emb.to(torch.float32).contiguous()
         cache.reserve(pos, end, heads, d, x2)  # float32 entries, as the kernel writes them
         if positions is None:
-            positions = torch.arange(pos, end)
+            positions = torch.arange(pos, end, device=emb.device)
         cos, sin = _rope_table(cfg.rope_theta, d, end, emb.device)
         cos, sin = cos[positions].contiguous(), sin[positions].contiguous()
         if mask is None:  # causal: row t sees entries 0..pos+t
@@ -307,12 +315,12 @@ class _NativeLayer:
                 extra += more
                 xp.append(xp[-1] + len(more))
             extra = extra or [0]
-        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cpu")  # noqa: E731
         lo, hi, xp, extra = i32(lo), i32(hi), i32(xp), i32(extra)
-        kb = torch.full((T,), cache.k.data_ptr(), dtype=torch.int64)
-        vb = torch.full((T,), cache.v.data_ptr(), dtype=torch.int64)
-        caps = torch.full((T,), cache.k.shape[2], dtype=torch.int64)
-        slots = torch.arange(pos, end, dtype=torch.int32)
+        kb = torch.full((T,), cache.k.data_ptr(), dtype=torch.int64, device="cpu")
+        vb = torch.full((T,), cache.v.data_ptr(), dtype=torch.int64, device="cpu")
+        caps = torch.full((T,), cache.k.shape[2], dtype=torch.int64, device="cpu")
+        slots = torch.arange(pos, end, dtype=torch.int32, device="cpu")
         h = hid.to(torch.float32).contiguous().clone()
         ps = QPassC()
         ps.N, ps.hidden, ps.H, ps.KVH, ps.D = T, H, heads, heads, d
@@ -505,6 +513,53 @@ class MedusaHeads(DraftHead):
 
 KINDS = {"eagle": EagleHead, "medusa": MedusaHeads}
 
+Q_BLOCK = 32
+Q_SCALE = ".q_scale"  # suffix of a matrix's block scales in a file stored with ``dtype="q5"`` etc.
+Q_BITS = "forerun_q_bits"  # the file's metadata: bits per code
+
+
+def store_quantized(state: dict[str, torch.Tensor], bits: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every float matrix whose rows split into blocks of 32 as ``bits``-bit codes in [-m, m]
+    (m = 2^(bits-1) - 1), packed into bytes, and one float16 scale per block [rows, cols / 32]
+    (block amax / m, rounded to nearest); vectors (norms, biases) as float16, other tensors as
+    they are. Returns the tensors and the file's metadata."""
+    m = 2 ** (bits - 1) - 1
+    out = {}
+    for k, v in state.items():
+        if v.is_floating_point() and v.ndim == 2 and v.shape[1] % Q_BLOCK == 0:
+            blocks = v.float().reshape(v.shape[0], -1, Q_BLOCK)
+            d = (blocks.abs().amax(-1) / m).half()
+            inv = torch.where(d != 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+            codes = (torch.round(blocks * inv[..., None]).clamp(-m, m) + m).to(torch.uint8).numpy()
+            bitplanes = np.unpackbits(codes.reshape(-1, 1), axis=1)[:, 8 - bits:]  # [n, bits], high bit first
+            out[k] = torch.from_numpy(np.packbits(bitplanes.reshape(-1)))
+            out[k + Q_SCALE] = d
+        else:
+            out[k] = v.half() if v.is_floating_point() else v
+    return out, {Q_BITS: str(bits)}
+
+
+def load_quantized(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """``store_quantized``'s matrices back as float32 (code x scale: exact in float32); every other
+    tensor as stored."""
+    bits = int((metadata or {}).get(Q_BITS, 0))
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(Q_SCALE):
+            continue
+        d = tensors.get(k + Q_SCALE)
+        if d is not None:
+            if not bits:
+                raise ValueError(f"{k} has block scales but the file does not say its bits per code")
+            rows, nb = d.shape
+            n = rows * nb * Q_BLOCK
+            planes = np.unpackbits(v.numpy())[: n * bits].reshape(n, bits)
+            codes = np.packbits(np.concatenate([np.zeros((n, 8 - bits), np.uint8), planes], 1), axis=1)[:, 0]
+            q = torch.from_numpy(codes.astype(np.float32) - (2 ** (bits - 1) - 1)).reshape(rows, nb, Q_BLOCK)
+            v = (q * d.float()[..., None]).reshape(rows, nb * Q_BLOCK)
+        out[k] = v
+    return out
+
 
 def build_head(cfg: HeadConfig, draft_to_target: torch.Tensor) -> DraftHead:
     if cfg.kind not in KINDS:
@@ -536,9 +591,10 @@ def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | 
         raise ForerunError(f"{path} was trained for another target ({why})")
     vocab = fingerprint["vocab_size"] if fingerprint is not None else cfg.vocab_size
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        tensors = load_file(str(weights))
+        with safe_open(str(weights), "pt") as f:
+            tensors = load_quantized({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise ForerunError(f"{weights} is corrupt or unreadable: {e}") from None
     d2t = tensors.get("draft_to_target")

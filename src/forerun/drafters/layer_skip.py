@@ -77,11 +77,11 @@ def _greedy(backend, ids: list[int], n: int) -> list[int]:
     is measured against."""
     backend.reset()
     if len(ids) > 1:  # as the engine runs it: the prompt but its last token, then one-token steps
-        backend.forward(torch.tensor(ids[:-1]), 0, logits=False)
-    tok = int(backend.argmax_forward(torch.tensor(ids[-1:]), len(ids) - 1).ids[-1])
+        backend.forward(torch.tensor(ids[:-1], device=backend.device), 0, logits=False)
+    tok = int(backend.argmax_forward(torch.tensor(ids[-1:], device=backend.device), len(ids) - 1).ids[-1])
     out = [tok]
     for i in range(n - 1):
-        tok = int(backend.argmax_forward(torch.tensor([tok]), len(ids) + i).ids[-1])
+        tok = int(backend.argmax_forward(torch.tensor([tok], device=backend.device), len(ids) + i).ids[-1])
         out.append(tok)
     return out
 
@@ -110,24 +110,25 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
 
     # The drafter predicts over the tokens seen so far plus extra_vocab; measure it the same way.
     extra = {int(t) for t in extra_vocab}
-    vocab = torch.tensor(sorted({t for ids, out in seqs for t in ids + out} | extra), dtype=torch.long)
+    dev = backend.device  # every tensor of the search lives on the model's device
+    vocab = torch.tensor(sorted({t for ids, out in seqs for t in ids + out} | extra), dtype=torch.long, device=dev)
     head = backend.sub_head(vocab)
     col = {t: j for j, t in enumerate(vocab.tolist())}
 
     def allowed(full: list[int]) -> torch.Tensor:
         """[len(full) - 1, |vocab|]: which vocab entries the drafter could predict at each position."""
-        first = torch.full((len(vocab),), len(full), dtype=torch.long)
+        first = torch.full((len(vocab),), len(full), dtype=torch.long, device=dev)
         for t in extra:
             first[col[t]] = -1
         for i, t in enumerate(full):
             first[col[t]] = min(int(first[col[t]]), i)
-        return first[None, :] <= torch.arange(len(full) - 1)[:, None]
+        return first[None, :] <= torch.arange(len(full) - 1, device=dev)[:, None]
 
     def agreement(skip) -> float:
         """Teacher-forced top-1 agreement of the skipping model with the target's own output."""
         hit = tot = 0
         for ids, out in seqs:
-            full = torch.tensor(ids + out, dtype=torch.long)
+            full = torch.tensor(ids + out, dtype=torch.long, device=dev)
             backend.reset()
             logits = backend.forward(full[:-1], 0, skip_layers=skip, head=head).logits
             pred = vocab[logits.masked_fill(~allowed(ids + out), float("-inf")).argmax(-1)]
@@ -136,7 +137,7 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
             tot += len(out)
         return hit / tot
 
-    x = torch.tensor(seqs[0][0] + seqs[0][1], dtype=torch.long)
+    x = torch.tensor(seqs[0][0] + seqs[0][1], dtype=torch.long, device=dev)
 
     def cost(n: int, **kw) -> float:
         """Median time of an n-token forward at the end of a real sequence."""

@@ -59,7 +59,7 @@ class NgramLookup:
 
         chain, n = lookup_match(tokens, k, self.max_ngram, self.min_ngram)
         self._offer = (len(tokens), chain, n)
-        return Draft(tokens=torch.tensor(chain, dtype=torch.long), bucket=n, conf=[self.rate(n)] * len(chain))
+        return Draft(tokens=torch.tensor(chain, dtype=torch.long, device="cpu"), bucket=n, conf=[self.rate(n)] * len(chain))
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         offer, self._offer = self._offer, None

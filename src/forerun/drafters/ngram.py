@@ -24,7 +24,7 @@ class NgramDrafter(Drafter):
         follow, n = lookup_match(tokens, k, self.max_ngram, self.min_ngram)
         # A longer matched suffix is a far better predictor (measured on Spec-Bench: first-token
         # acceptance ~0.4 after a 1-token match, ~0.9 after a 4-token one): it is the trust bucket.
-        return Draft(tokens=torch.tensor(follow, dtype=torch.long), bucket=n)
+        return Draft(tokens=torch.tensor(follow, dtype=torch.long, device="cpu"), bucket=n)
 
 
 def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:

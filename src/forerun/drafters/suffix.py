@@ -338,26 +338,26 @@ class SuffixDrafter(Drafter):
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         if k <= 0:
-            return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
+            return Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"), bucket=0)
         if self.tree_nodes:
             return self._propose_tree(tokens, k)
         chains = self.candidates(tokens, k)
         self.offered = (len(tokens), chains)
         if not chains:
-            return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
+            return Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"), bucket=0)
         table = self.history.acceptance
         confs = [[table.rate(key) for key in c.keys] for c in chains]
         best = max(range(len(chains)), key=lambda i: chain_yield(confs[i])[-1])  # ties: the own context's
         c = chains[best]
-        return Draft(tokens=torch.tensor(c.tokens, dtype=torch.long), conf=confs[best],
+        return Draft(tokens=torch.tensor(c.tokens, dtype=torch.long, device="cpu"), conf=confs[best],
                      bucket=self.bucket(c.match, c.own))
 
     def _propose_tree(self, tokens: list[int], k: int) -> Draft:
         m, best = self.match(tokens)
         if m == 0:
-            return Draft(tokens=torch.zeros(0, dtype=torch.long), bucket=0)
+            return Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"), bucket=0)
         limit = min(k, math.ceil(self.spec_factor * m), self.max_depth or k)
         root = continuation_tree([idx.continuation(sid, pos, limit) for idx, sid, pos in best])
         toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
-        return Draft(tokens=torch.tensor(toks, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+        return Draft(tokens=torch.tensor(toks, dtype=torch.long, device="cpu"), parents=torch.tensor(parents, dtype=torch.long, device="cpu"),
                      conf=conf, bucket=self.bucket(m, any(idx is self.local for idx, _, _ in best)))
