@@ -43,7 +43,7 @@ def near_copy(lm, noise: float = 0.02, seed: int = 9):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * noise)
     return wrap(model, name="tiny-spread-copy")
 
 
@@ -59,7 +59,7 @@ def exact(lm, setting: str, prompt=PROMPT, new: int = NEW) -> tuple[list[torch.T
     params = SamplingParams(**SETTINGS[setting])
     be = lm.backend.fork()
     be.reset()
-    first = logits_to_probs(be.forward(torch.tensor(prompt), 0).logits[-1].float(), params)
+    first = logits_to_probs(be.forward(torch.tensor(prompt), 0).logits[-1].float(), params).cpu()  # marginals on the CPU
     V = first.numel()
     marg = [torch.zeros(V, dtype=torch.float64) for _ in range(new)]
     joint = torch.zeros(V, V, dtype=torch.float64)
@@ -73,7 +73,7 @@ def exact(lm, setting: str, prompt=PROMPT, new: int = NEW) -> tuple[list[torch.T
             return
         for t in torch.nonzero(dist > 0).flatten().tolist():
             be.truncate(len(prompt) + j)
-            nxt = logits_to_probs(be.forward(torch.tensor([t]), len(prompt) + j).logits[-1].float(), params)
+            nxt = logits_to_probs(be.forward(torch.tensor([t]), len(prompt) + j).logits[-1].float(), params).cpu()
             walk(prefix + [t], prob * float(dist[t]), nxt)
 
     walk([], 1.0, first)

@@ -21,7 +21,7 @@ def _cfg(cls, **kw):
     return cls(**base)
 
 
-def _build(arch: str, seed: int = 0):
+def _build(arch: str, seed: int = 0, **extra):
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -47,6 +47,8 @@ def _build(arch: str, seed: int = 0):
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
     else:
         raise ValueError(arch)
+    for key, value in extra.items():
+        setattr(cfg, key, value)
     cfg._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # transformers starts biases at zero: random ones, so that a bias the forward drops shows

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.ckernels import kernel
+from forerun.backends.fixed_rows import MAX_ROWS, FixedRows
 
 log = logging.getLogger("forerun")
 
@@ -430,14 +431,17 @@ class NativeBackend(BackendBase):
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None,
-                 integer: bool = True, file_tensors=None):
+                 integer: bool = True, file_tensors=None, fixed_rows: bool | None = None):
         """``gguf``: the GGUF file the weights were dequantized from. With ``integer`` (the default)
         every layer then runs in ``qrows.c`` on the file's blocks with 8-bit activations, one native
         call per pass (see ``qweights``), where every linear weight is of a handled type and the
         kernels build; otherwise the blocks serve the layers' small passes in float32, bit for bit
         as the dequantized weights (see ``block_weights``). A model built by ``gguf_model.skeleton``
         (weights on the meta device, ``file_tensors`` from it) runs on the integer path or not at
-        all (ValueError); its token embeddings and LM head are read from the file when used."""
+        all (ValueError); its token embeddings and LM head are read from the file when used.
+        ``fixed_rows``: passes of up to ``fixed_rows.MAX_ROWS`` rows run in fixed shapes (see
+        ``fixed_rows``; lossless in any dtype on a GPU): None (the default) on every device but the
+        CPU, whose float32 path is batch-invariant by its own kernels."""
         cfg = hf_model.config
         arch = Arch.of(cfg)
         self.arch = arch
@@ -495,6 +499,10 @@ class NativeBackend(BackendBase):
         self._rope_tabs = {}  # the integer path's rotary tables (see _rope_table), shared with forks
         self._len = 0
         self.k_cache = self.v_cache = None
+        if fixed_rows is None:
+            fixed_rows = self.device.type != "cpu"
+        self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
+        self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
 
     # GGUF layer names of each _Layer linear, in the order its weight stacks them
     _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
@@ -628,6 +636,8 @@ class NativeBackend(BackendBase):
         while cap < n:
             cap *= 2
         cap = min(cap, self.max_context)
+        if self._fixed is not None:  # whole at once (its strides never change), and a spare slot for padding rows
+            cap = self.max_context + 1
         shape = (self.num_layers, self.n_kv_heads, cap, self.head_dim)
         k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -701,6 +711,8 @@ class NativeBackend(BackendBase):
         greedy verification then cannot differ from plain decoding, not even on near ties. On by
         default on the CPU where ``f32_rows.c`` builds (float32); ``batch_invariant=False`` lets the
         body take whichever kernel times faster and attention take all rows at once."""
+        if self._fixed is not None:
+            return True  # fixed shapes (``fixed_rows``)
         return self.body_kernel in ("rows", "int8") and self._want_invariant
 
     def _time_body_kernels(self) -> str:
@@ -787,6 +799,12 @@ class NativeBackend(BackendBase):
         end = pos + T
         self._ensure_capacity(end)
         tokens = tokens.to(self.device)
+        if self._fixed is not None and T <= MAX_ROWS and not skip_layers and head is None:
+            h, lg, feats = self._fixed.forward(self, tokens, pos, tree, layers, logits)
+            self._len = end
+            if last_only:
+                h, lg = h[-1:], None if lg is None else lg[-1:]
+            return ForwardOutput(logits=lg, hidden=h if return_hidden else None, layers=feats)
         if tree is None:
             positions = torch.arange(pos, end, device=self.device)
             masks = self._masks(pos, T)
@@ -875,6 +893,9 @@ class NativeBackend(BackendBase):
         """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
         decided from each row's own hidden state alone, and the outputs of ``layers``."""
         tree_kw = {} if tree is None else {"tree": tree}
+        if self._fixed is not None and tokens.numel() <= MAX_ROWS:  # each row's logits from its own fixed-shape pass
+            passed = self.forward(tokens, pos, layers=layers, **tree_kw)
+            return ArgmaxOutput(passed.logits.argmax(-1), passed.layers if layers else None)
         passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
         return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
 
@@ -995,6 +1016,16 @@ class NativeBackend(BackendBase):
         (float32) and, with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets
         the exact argmax of every row instead of logits (``ArgmaxOutput``), where it is found without logits
         (``argmax_hidden``: the integer path or the screened exact head)."""
+        if self._fixed is not None and all(f.numel() <= MAX_ROWS for f in feeds):
+            # each sequence in its own fixed-shape passes: its rows cannot depend on the batch
+            outs = []
+            for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
+                tree = trees[i] if i < len(trees) else None
+                if tree is not None and tree.numel() != feed.numel() - 1:
+                    raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
+                o = seq.forward(feed, pos, layers=layers, **({} if tree is None else {"tree": tree}))
+                outs.append(ForwardOutput(logits=o.logits, layers=o.layers))
+            return outs
         parts, ids = [], []
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             seq._check_forward(feed, pos)

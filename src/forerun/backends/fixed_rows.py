@@ -1,0 +1,253 @@
+"""Fixed-shape passes: the native forward on a GPU, lossless by construction in any dtype.
+
+A GPU's matrix and attention kernels sum in an order that depends on the shapes they are given, so
+a row computed in a pass of 5 rows can differ in its last bits from the same row computed alone,
+and in bfloat16 that flips near-tied greedy tokens. Here every pass of up to ``MAX_ROWS`` rows (a
+one-token step, a verify chain or token tree, each sequence of a batched pass) runs in the same
+shapes whatever its size:
+
+- rows go through the layers in chunks of exactly ``ROW_BUCKET`` rows (a short chunk is padded;
+  padding rows write their keys and values to a slot no position reads), so every product has the
+  same shape, and a row's sums never depend on the other rows of its chunk;
+- a row at position p attends over the first ``key_span(p)`` slots of the cache (a power of two,
+  a function of p alone), the slots it must not see masked, so the reductions over keys have the
+  same length for that row in every pass; the cache is allocated whole at the start (its strides
+  never change);
+- a token-tree row reads its keys through a gather that lays them out as a one-token step at its
+  position sees them (the prefix, then its ancestors by depth), in a scratch buffer shaped like the
+  cache.
+
+Chunks run one after another (the rows of a pass are in causal order: parents before children), so
+a row sees exactly what it would see as a one-token step. On CUDA, a chunk of chain rows is a
+captured graph, replayed (``CUDA_GRAPHS``): one launch instead of a few hundred per pass.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from forerun.tree import tree_layout
+
+log = logging.getLogger("forerun")
+
+ROW_BUCKET = 16  # rows of every product
+MAX_ROWS = 64  # longer passes (prompts) take the library kernels, for every method alike
+MIN_KEYS = 256
+CUDA_GRAPHS = True  # replay captured graphs of chain chunks on CUDA
+
+
+def key_span(position: int, limit: int) -> int:
+    """The slots a row at ``position`` attends over: the smallest power of two above it (at least
+    ``MIN_KEYS``), at most ``limit`` (the model's context)."""
+    return min(limit, max(MIN_KEYS, 1 << int(position).bit_length()))
+
+
+def _rope(be, positions: torch.Tensor) -> dict:
+    """cos and sin [rows, head_dim] per attention type, elementwise per row (as the float path)."""
+    out = {}
+    for t, inv in be._inv_freq.items():
+        freqs = positions[:, None].float() * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        s = be._rope_scale[t]
+        out[t] = ((emb.cos() * s).to(be.dtype), (emb.sin() * s).to(be.dtype))
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _linear(lin, x: torch.Tensor, bias) -> torch.Tensor:
+    out = F.linear(x, lin.weight)
+    return out if bias is None else out + bias
+
+
+class FixedRows:
+    """The fixed-shape passes of one ``NativeBackend`` and its forks (graphs are per cache)."""
+
+    def __init__(self, be):
+        self.graphs: dict = {}  # (cache address, key span, layers, logits) -> (graph, inputs, outputs)
+        self.graphs_off = not (CUDA_GRAPHS and be.device.type == "cuda")
+        self.captures = 0
+
+    # -- one pass ------------------------------------------------------------------------------
+    def forward(self, be, tokens: torch.Tensor, pos: int, tree, layers, want_logits: bool):
+        """Final normed hidden states [T, hidden], float32 logits [T, vocab] (or None) and the
+        outputs of ``layers`` [T, len(layers) * hidden] (or None) of a pass at ``pos``."""
+        T = tokens.numel()
+        if tree is None:
+            rows = [(pos + r, pos + r, None) for r in range(T)]  # (position, slot written, key map)
+        else:
+            depth, anc = tree_layout(tree)
+            rows = []
+            for r in range(T):
+                path = [pos + j for j in anc[r].nonzero().view(-1).tolist()]  # ancestors and itself, by depth
+                rows.append((pos + int(depth[r]), pos + r, path))
+        hs, logits, feats = [], [], []
+        for c in range(0, T, ROW_BUCKET):
+            chunk = rows[c: c + ROW_BUCKET]
+            h, lg, ft = self._chunk(be, tokens[c: c + ROW_BUCKET], chunk, pos, tuple(layers), want_logits)
+            hs.append(h)
+            logits.append(lg)
+            feats.append(ft)
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+        return cat(hs), cat(logits), cat(feats)
+
+    def _chunk(self, be, tokens, rows, pos, layers, want_logits):
+        n, B, dev = len(rows), ROW_BUCKET, be.device
+        limit = be.max_context
+        spans = {key_span(p, limit) for p, _, _ in rows}
+        chain = all(m is None for _, _, m in rows)
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        tok[:n] = tokens
+        p = torch.zeros(B, dtype=torch.long, device="cpu")
+        p[:n] = torch.tensor([r[0] for r in rows])
+        slot = torch.full((B,), limit, dtype=torch.long, device="cpu")  # padding rows: the spare slot
+        slot[:n] = torch.tensor([r[1] for r in rows])
+        p, slot = p.to(dev), slot.to(dev)
+        if chain and len(spans) == 1 and not self.graphs_off:
+            h, lg, ft = self._replay(be, tok, p, slot, spans.pop(), layers, want_logits)
+        else:
+            h, lg, ft = self.core(be, tok, p, slot, rows, layers, want_logits)
+        return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]
+
+    def core(self, be, tok, p, slot, rows, layers, want_logits):
+        """The layers over one chunk of ``ROW_BUCKET`` rows (static shapes: what a graph captures).
+        ``rows``: per real row (position, slot, key map or None), or an int: the one key span of a
+        chain chunk."""
+        B, D, H, KVH = ROW_BUCKET, be.head_dim, be.n_heads, be.n_kv_heads
+        limit = be.max_context
+        if isinstance(rows, int):
+            groups = {(rows, None): None}  # every row: one key span, keys in cache order
+        else:  # rows sharing a key span (and chain rows) attend together; a tree row alone
+            groups = {}
+            for j, (pos_j, _, path) in enumerate(rows):
+                groups.setdefault((key_span(pos_j, limit), None if path is None else j), []).append(j)
+        keys_at = torch.arange(limit, device=be.device)
+        h = be._embeddings(tok) * be.embed_scale
+        ropes = _rope(be, p)
+        want = {}
+        for i, layer in enumerate(be.layers):
+            x = be._norm(h, layer.norms[0])
+            qkv = _linear(layer.qkv, x, layer.qkv_bias)
+            q = qkv[:, : layer.n_q].view(B, H, D)
+            k = qkv[:, layer.n_q: layer.n_q + layer.n_kv].view(B, KVH, D)
+            v = qkv[:, layer.n_q + layer.n_kv:].view(B, KVH, D)
+            if layer.q_norm is not None:
+                q, k = be._norm(q, layer.q_norm), be._norm(k, layer.k_norm)
+            kind = "sliding_attention" if layer.sliding else "full_attention"
+            cos, sin = ropes[kind] if kind in ropes else next(iter(ropes.values()))
+            c, s = cos[:, None, :], sin[:, None, :]
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
+            kc, vc = be.k_cache[i], be.v_cache[i]  # [kv_heads, slots, D]
+            kc.index_copy_(1, slot, k.transpose(0, 1))
+            vc.index_copy_(1, slot, v.transpose(0, 1))
+            window = be.window if layer.sliding else None
+            att = None
+            for (span, tree_row), members in groups.items():
+                if tree_row is None:
+                    out = self._attend(be, q, kc[:, :span], vc[:, :span], p, keys_at[:span], window)
+                else:  # the row's keys laid out as a one-token step at its position reads them
+                    kk, vk = self._gathered(be, kc, vc, rows[tree_row], span)
+                    out = self._attend(be, q, kk, vk, p, keys_at[:span], window)
+                if members is None or len(groups) == 1:
+                    att = out
+                else:
+                    att = torch.zeros_like(out) if att is None else att
+                    att[members] = out[members]
+            x = _linear(layer.o, att, layer.o_bias)
+            if be.arch.sandwich:
+                h = h + be._norm(x, layer.norms[1])
+                x = be._norm(h, layer.norms[2])
+            else:
+                h = h + x
+                x = be._norm(h, layer.norms[1])
+            gu = _linear(layer.gate_up, x, layer.gate_up_bias)
+            x = _linear(layer.down, layer.act(gu[:, : layer.inter]) * gu[:, layer.inter:], layer.down_bias)
+            h = h + (be._norm(x, layer.norms[3]) if be.arch.sandwich else x)
+            if i in layers:
+                want[i] = h
+        hn = be._norm(h, be.final_norm)
+        logits = None
+        if want_logits:
+            logits = F.linear(hn, be.lm_head.weight).float()
+            if be.softcap:
+                logits = torch.tanh(logits / be.softcap) * be.softcap
+        return hn, logits, (torch.cat([want[l] for l in layers], -1) if layers else None)
+
+    @staticmethod
+    def _attend(be, q, kk, vv, p, keys, window):
+        """q [B, heads, D] over keys kk, vv [kv_heads, L, D]: slot j visible to row b when j <= p[b]
+        (and j > p[b] - window); [B, heads * D]."""
+        B, H, D = q.shape
+        KVH = kk.shape[0]
+        g = H // KVH
+        qg = q.view(B, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * B, D)
+        scores = torch.matmul(qg, kk.transpose(1, 2)).float() * be.scale  # [kv_heads, g * B, L]
+        if be.arch.attn_softcap:
+            cap = be.arch.attn_softcap
+            scores = torch.tanh(scores / cap) * cap
+        seen = keys[None, :] <= p[:, None]  # [B, L]
+        if window:
+            seen = seen & (keys[None, :] > p[:, None] - window)
+        scores = scores.view(KVH, g, B, -1).masked_fill(~seen[None, None], float("-inf"))
+        w = torch.softmax(scores, -1).to(vv.dtype).view(KVH, g * B, -1)
+        out = torch.matmul(w, vv)  # [kv_heads, g * B, D]
+        return out.view(KVH, g, B, D).permute(2, 0, 1, 3).reshape(B, H * D)
+
+    @staticmethod
+    def _gathered(be, kc, vc, row, span):
+        """A tree row's keys and values in a scratch buffer shaped like the cache: slot s < pos is
+        cache slot s, slot pos + d is its ancestor at depth d; the rest masked (slot 0)."""
+        position, _, path = row
+        pos = position - (len(path) - 1)
+        idx = torch.zeros(span, dtype=torch.long, device="cpu")
+        idx[:pos] = torch.arange(pos)
+        idx[pos: pos + len(path)] = torch.tensor(path)
+        idx = idx.to(be.device)
+        scratch = be._tree_scratch
+        if scratch is None or scratch[0].shape != kc.shape or scratch[0].dtype != kc.dtype:
+            scratch = be._tree_scratch = (torch.empty_like(kc), torch.empty_like(vc))
+        kk, vk = scratch[0][:, :span], scratch[1][:, :span]
+        kk.copy_(kc.index_select(1, idx))
+        vk.copy_(vc.index_select(1, idx))
+        return kk, vk
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+    def _replay(self, be, tok, p, slot, span, layers, want_logits):
+        key = (be.k_cache.data_ptr(), span, layers, want_logits)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(be, tok, p, slot, span, layers, want_logits)
+        if entry is False:  # capture failed once: eager from now on for this shape
+            return self.core(be, tok, p, slot, span, layers, want_logits)
+        graph, (t_in, p_in, s_in), outs = entry
+        t_in.copy_(tok)
+        p_in.copy_(p)
+        s_in.copy_(slot)
+        graph.replay()
+        return tuple(None if o is None else o.clone() for o in outs)  # the buffers are the next replay's
+
+    def _capture(self, be, tok, p, slot, span, layers, want_logits):
+        """A graph of ``core`` for one chain chunk shape (replayed with new inputs; its outputs are
+        static buffers, read before the next replay). False where capture fails (logged once)."""
+        ins = (tok.clone(), p.clone(), slot.clone())
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
+                self.core(be, *ins, span, layers, want_logits)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = self.core(be, *ins, span, layers, want_logits)
+        except Exception as e:  # noqa: BLE001 - a graph is an optimisation: fall back to eager
+            log.warning("CUDA graph capture failed (%s: %s): this pass shape runs eagerly", type(e).__name__, e)
+            return False
+        self.captures += 1
+        return graph, ins, outs
