@@ -79,6 +79,15 @@ MUTANTS = [
      "for (int e = 0; e < n_extra[r]; e++) KVN(add_scaled)(ar, wr[nr + e], vh + (int64_t)extra[r][e] * D, D);",
      ";", "attention over a pass's rows leaves tree rows' extra slots out of their value sums",
      ["tests/test_native.py"]),
+    ("fixed-span-of-chunk", "backends/fixed_rows.py",
+     "groups.setdefault((key_span(pos_j, limit), None if path is None else j), []).append(j)",
+     "groups.setdefault((key_span(rows[-1][0], limit), None if path is None else j), []).append(j)",
+     "fixed-shape passes: every row of a chunk attends over the last row's key span, not its own",
+     ["tests/test_fixed_rows.py"]),
+    ("fixed-tree-in-cache-order", "backends/fixed_rows.py",
+     "kk, vk = self._gathered(be, kc, vc, rows[tree_row], span)", "kk, vk = kc[:, :span], vc[:, :span]",
+     "fixed-shape passes: a tree row reads the cache in slot order, not laid out as its path",
+     ["tests/test_fixed_rows.py"]),
 ]
 
 

@@ -101,3 +101,21 @@ def test_greedy_speculation_equals_plain_decoding_in_half_precision(dtype):
     batch = BatchEngine(be, {1}, drafter=make_drafter("ngram", lm), max_batch=3)
     got = run_batch(batch, [BatchRequest(prompt=list(p), max_new_tokens=24) for p in prompts])
     assert got == plain
+
+
+def test_the_gpu_check_script_runs_and_finds_equality(tmp_path):
+    """``bench/gpu_check.py`` (what ``bench/gpu_check.sh`` runs on a GPU), small enough for the CPU,
+    on the fixed-shape path: its table, and every method and the batch of 16 equal to plain decoding."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench/gpu_check.py"), "--quick", "--fixed-rows", "--no-hf",
+                        "--device", "cpu", "--dtypes", "bfloat16", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert rows[0]["fixed_rows"] and rows[0]["batch16_equal"] == "16/16" and rows[0]["equal"]["ngram"] == "6/6"
+    assert "| tiny | bfloat16 |" in (tmp_path / "gpu_check.md").read_text()

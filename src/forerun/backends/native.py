@@ -58,7 +58,8 @@ class PackedLinear:
         self._weight = weight
         self._source = source
         self.packed = None
-        if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        # float32 only: oneDNN's half-precision products need instructions many CPUs lack
+        if pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = weight.detach().to_mkldnn()
         self.autotune = autotune and self.packed is not None
         self.choice: dict[int, str] = {}
