@@ -138,6 +138,10 @@ def check_model(shape, dtype, dev, args, bandwidth, log) -> dict:
     row = {"model": shape, "dtype": str(dtype).replace("torch.", ""), "params_M": round(weight_bytes / 2 / 1e6, 1),
            "fixed_rows": be._fixed is not None}
     ids = torch.randint(300, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    if be._fixed is not None:  # the graphs of every key span the prompts reach, with a progress bar
+        row["graphs"] = be._fixed.prepare(be, 4096)
+    row["capture_s"] = round(time.perf_counter() - t0, 2)
     be.reset()
     t0 = time.perf_counter()
     be.forward(ids[:256], 0, logits=False)

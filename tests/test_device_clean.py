@@ -72,3 +72,26 @@ def test_every_method_runs_with_no_default_device(setup, method, kw):
         with _Meta():
             run_batch(batch, reqs)
         assert all(r.error is None for r in reqs), [r.error for r in reqs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fixed_shape_passes_run_with_no_default_device(dtype):
+    """The GPU's fixed-shape passes (``backends/fixed_rows.py``): chains, token trees, the batch engine."""
+    from forerun.backends.native import NativeBackend
+
+    lm = wrap(tiny_gemma(2))
+    lm.backend = NativeBackend(lm.hf_model.to(dtype), fixed_rows=True, pack_linear=False)
+    for method, kw in (("ngram", {}), ("suffix", {"tree": (8, 4)})):
+        for params in (GREEDY, SAMPLED):
+            want = Engine(lm.backend, make_drafter(method, lm, **kw), lm.eos_token_ids).generate(
+                PROMPT, max_new_tokens=10, k=3, params=params)
+            eng = Engine(lm.backend, make_drafter(method, lm, **kw), lm.eos_token_ids)
+            with _Meta():
+                got = eng.generate(PROMPT, max_new_tokens=10, k=3, params=params)
+            assert got.token_ids == want.token_ids
+            batch = BatchEngine(lm.backend, lm.eos_token_ids, drafter=make_drafter(method, lm, **kw), max_batch=2)
+            reqs = [BatchRequest(prompt=PROMPT, max_new_tokens=8, params=params),
+                    BatchRequest(prompt=PROMPT[:9], max_new_tokens=8, params=params)]
+            with _Meta():
+                run_batch(batch, reqs)
+            assert all(r.error is None for r in reqs), [r.error for r in reqs]

@@ -25,6 +25,7 @@ captured graph, replayed (``CUDA_GRAPHS``): one launch instead of a few hundred 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ log = logging.getLogger("forerun")
 ROW_BUCKET = 16  # rows of every product
 MAX_ROWS = 64  # longer passes (prompts) take the library kernels, for every method alike
 MIN_KEYS = 256
+FIXED_DEFAULT_CONTEXT = 16384  # positions cached when the caller names no context (the cache is allocated whole)
 CUDA_GRAPHS = True  # replay captured graphs of chain chunks on CUDA
 
 
@@ -105,9 +107,9 @@ class FixedRows:
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         tok[:n] = tokens
         p = torch.zeros(B, dtype=torch.long, device="cpu")
-        p[:n] = torch.tensor([r[0] for r in rows])
+        p[:n] = torch.tensor([r[0] for r in rows], device="cpu")
         slot = torch.full((B,), limit, dtype=torch.long, device="cpu")  # padding rows: the spare slot
-        slot[:n] = torch.tensor([r[1] for r in rows])
+        slot[:n] = torch.tensor([r[1] for r in rows], device="cpu")
         p, slot = p.to(dev), slot.to(dev)
         if chain and len(spans) == 1 and not self.graphs_off:
             h, lg, ft = self._replay(be, tok, p, slot, spans.pop(), layers, want_logits)
@@ -207,8 +209,8 @@ class FixedRows:
         position, _, path = row
         pos = position - (len(path) - 1)
         idx = torch.zeros(span, dtype=torch.long, device="cpu")
-        idx[:pos] = torch.arange(pos)
-        idx[pos: pos + len(path)] = torch.tensor(path)
+        idx[:pos] = torch.arange(pos, device="cpu")
+        idx[pos: pos + len(path)] = torch.tensor(path, device="cpu")
         idx = idx.to(be.device)
         scratch = be._tree_scratch
         if scratch is None or scratch[0].shape != kc.shape or scratch[0].dtype != kc.dtype:
@@ -219,6 +221,28 @@ class FixedRows:
         return kk, vk
 
     # -- CUDA graphs ---------------------------------------------------------------------------
+    def prepare(self, be, up_to: int, layers=(), progress: bool = True) -> int:
+        """Capture now, with a progress bar, the graphs of chain chunks at every key span a pass
+        up to position ``up_to`` can read (otherwise each is captured on its first use); the
+        padding rows' spare slot is all they write. Returns how many were captured."""
+        from tqdm.auto import tqdm
+
+        if self.graphs_off:
+            return 0
+        be._ensure_capacity(1)
+        last = min(up_to, be.max_context) - 1
+        spans = sorted({key_span(q, be.max_context) for q in [0, last] + [1 << i for i in range(last.bit_length())]})
+        before = self.captures
+        dev, B = be.device, ROW_BUCKET
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        p = torch.zeros(B, dtype=torch.long, device=dev)
+        slot = torch.full((B,), be.max_context, dtype=torch.long, device=dev)
+        with torch.inference_mode():
+            for span in tqdm(spans, desc="capturing CUDA graphs", unit="graph", disable=not progress, leave=False):
+                for want_logits in (True, False):
+                    self._replay(be, tok, p, slot, span, tuple(layers), want_logits)
+        return self.captures - before
+
     def _replay(self, be, tok, p, slot, span, layers, want_logits):
         key = (be.k_cache.data_ptr(), span, layers, want_logits)
         entry = self.graphs.get(key)
@@ -237,6 +261,7 @@ class FixedRows:
         """A graph of ``core`` for one chain chunk shape (replayed with new inputs; its outputs are
         static buffers, read before the next replay). False where capture fails (logged once)."""
         ins = (tok.clone(), p.clone(), slot.clone())
+        t0 = time.perf_counter()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -250,4 +275,6 @@ class FixedRows:
             log.warning("CUDA graph capture failed (%s: %s): this pass shape runs eagerly", type(e).__name__, e)
             return False
         self.captures += 1
+        log.info("CUDA graph of a %d-row pass over %d keys captured in %.0f ms (once per cache and shape)",
+                 ROW_BUCKET, span, (time.perf_counter() - t0) * 1e3)
         return graph, ins, outs

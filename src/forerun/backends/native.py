@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.ckernels import kernel
-from forerun.backends.fixed_rows import MAX_ROWS, FixedRows
+from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, MAX_ROWS, FixedRows
 
 log = logging.getLogger("forerun")
 
@@ -460,6 +460,14 @@ class NativeBackend(BackendBase):
         self.scale = arch.scale
         self.window = arch.window
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if fixed_rows is None:
+            fixed_rows = self.device.type != "cpu"
+        if fixed_rows and max_context is None and self.max_context > FIXED_DEFAULT_CONTEXT:
+            # fixed-shape passes allocate the whole cache at once: a long-context model gets a
+            # default the GPU can hold for several sequences; ``max_context`` raises it
+            log.info("cache for %d positions (the model allows %d; max_context raises it)", FIXED_DEFAULT_CONTEXT,
+                     self.max_context)
+            self.max_context = FIXED_DEFAULT_CONTEXT
         self._files = file_tensors
         # the token embeddings, shared with forks: {"t": tensor}, on the meta device until
         # ``embed`` is first asked for where the file holds them (steps read their rows alone)
@@ -500,8 +508,6 @@ class NativeBackend(BackendBase):
         self._rope_tabs = {}  # the integer path's rotary tables (see _rope_table), shared with forks
         self._len = 0
         self.k_cache = self.v_cache = None
-        if fixed_rows is None:
-            fixed_rows = self.device.type != "cpu"
         self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
 
