@@ -88,6 +88,8 @@ class FixedRows:
             rows = []
             for r in range(T):
                 path = [pos + j for j in anc[r].nonzero().view(-1).tolist()]  # ancestors and itself, by depth
+                if path == list(range(pos, pos + len(path))):  # the path in consecutive slots: a chain row
+                    path = None
                 rows.append((pos + int(depth[r]), pos + r, path))
         hs, logits, feats = [], [], []
         for c in range(0, T, ROW_BUCKET):
