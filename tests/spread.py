@@ -22,7 +22,10 @@ PROMPT = [2, 7, 8, 7, 8, 7, 8]  # repeated pairs: the n-gram and suffix drafters
 K = 3
 NEW = K + 2
 # the settings every sampling test runs at: neither is temperature 1 without top-k/top-p
-SETTINGS = {"t0.7-k4": dict(temperature=0.7, top_k=4), "t1.4-k6-p0.85": dict(temperature=1.4, top_k=6, top_p=0.85)}
+SETTINGS = {"t0.7-k4": dict(temperature=0.7, top_k=4), "t1.4-k6-p0.85": dict(temperature=1.4, top_k=6, top_p=0.85),
+            # where the temperature alone moves the distribution past the bound (the two above keep
+            # within it at temperature 1 with their own top-k/top-p: a test that checks it)
+            "t0.5-k6": dict(temperature=0.5, top_k=6)}
 N = 1200  # generations per check
 
 

@@ -40,6 +40,10 @@ def test_the_target_is_spread_and_every_setting_matters(spread):
             greedy_tv = 1 - float(m.max())  # what a greedy sampler's counts would be at best
             assert greedy_tv > 3 * bound(m), (setting, j)
         assert tv(plain, marg[0]) > 3 * bound(marg[0]), setting  # the setting changes the distribution
+    # the temperature alone (top-k kept) moves some setting's first token past the bound
+    sharp = SETTINGS["t0.5-k6"]
+    at_one = logits_to_probs(logits, SamplingParams(**{**sharp, "temperature": 1.0}))
+    assert tv(at_one, exact(spread, "t0.5-k6")[0][0]) > 2 * bound(at_one)
     assert torch.allclose(exact(spread, "t0.7-k4")[0][0].float(),
                           logits_to_probs(logits, SamplingParams(**SETTINGS["t0.7-k4"])),
                           atol=1e-6)
@@ -47,7 +51,7 @@ def test_the_target_is_spread_and_every_setting_matters(spread):
 
 # each method at one of the two settings (both settings are covered, and the run stays short)
 ENGINE_CASES = [("none", "t1.4-k6-p0.85"), ("ngram", "t0.7-k4"), ("suffix", "t1.4-k6-p0.85"),
-                ("draft", "t0.7-k4"), ("draft", "t1.4-k6-p0.85"), ("layerskip", "t0.7-k4")]
+                ("draft", "t0.7-k4"), ("draft", "t1.4-k6-p0.85"), ("layerskip", "t0.7-k4"), ("ngram", "t0.5-k6")]
 
 
 @pytest.mark.parametrize("method,setting", ENGINE_CASES)

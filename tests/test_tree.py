@@ -205,3 +205,30 @@ def test_engine_keeps_an_accepted_path_off_the_first_branch(gemma):
     fresh.forward(torch.tensor(prompt + ref[:-1]), 0)
     assert torch.allclose(be.k_cache[:, :, :n], fresh.k_cache[:, :, :n], atol=1e-5)
     assert torch.allclose(be.v_cache[:, :, :n], fresh.v_cache[:, :, :n], atol=1e-5)
+
+
+def test_trees_are_cut_to_the_room_left_before_the_context_limit(gemma):
+    """A drafter proposing 8-node trees every step, on prompts 3-13 positions short of the context
+    limit: each tree is cut to the positions left, so generation ends at the limit ("context")
+    instead of failing on a pass past it."""
+    from forerun.drafters.base import Drafter
+    from forerun.engine import Engine
+
+    class Bushy(Drafter):
+        name = "bushy"
+
+        def propose(self, tokens, k):
+            g = torch.Generator().manual_seed(len(tokens))
+            n = {0: 0, 1: 2, 2: 5}.get(k, 8)  # depth 3 (8 nodes) where k allows
+            toks = torch.randint(4, 90, (8,), generator=g)[:n]
+            return Draft(tokens=toks, parents=torch.tensor([-1, -1, 0, 0, 1, 2, 3, 4])[:n])
+
+        def fork(self):
+            return Bushy()
+
+    be = gemma.backend
+    limit = be.max_context
+    for short in range(3, 14):
+        prompt = [2] + [int(t) for t in torch.randint(4, 90, (limit - short - 1,), generator=torch.Generator().manual_seed(short))]
+        res = Engine(be, Bushy(), ()).generate(prompt, max_new_tokens=64, k=8)
+        assert res.finish_reason == "context" and len(prompt) + len(res.token_ids) == limit, short
