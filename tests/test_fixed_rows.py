@@ -77,6 +77,30 @@ def test_every_row_of_every_pass_is_its_one_token_step(arch, dtype):
     assert torch.equal(both[1].logits, _steps(s2, ids, 100, 101))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_batched_pass_is_each_sequence_alone_across_shared_chunks(dtype):
+    """Three sequences in one batched pass (20 rows: the second's tree spans both chunks, which mix
+    sequences): every row bit for bit what that sequence's pass alone gives."""
+    _, be = fixed("gemma3", dtype)
+    ids = torch.randint(4, 96, (120,), generator=torch.Generator().manual_seed(4))
+    parents = torch.tensor([-1, 0, 0, 1])  # root, a chain of two under it, a second child
+    feeds = [ids[60:72], ids[30:35], ids[90:93]]
+    starts, trees = [60, 30, 90], [None, parents, None]
+    alone = []
+    for feed, pos, tree in zip(feeds, starts, trees):
+        s = be.fork()
+        s.forward(ids[:pos], 0, logits=False)
+        alone.append(s.forward(feed, pos, **({} if tree is None else {"tree": tree})).logits)
+    seqs = []
+    for pos in starts:
+        s = be.fork()
+        s.forward(ids[:pos], 0, logits=False)
+        seqs.append(s)
+    both = be.forward_batch(seqs, feeds, starts, trees=trees)
+    for i, (out, want) in enumerate(zip(both, alone)):
+        assert torch.equal(out.logits, want), i
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_greedy_speculation_equals_plain_decoding_in_half_precision(dtype):
     from forerun.batching import BatchEngine, BatchRequest

@@ -76,61 +76,88 @@ class FixedRows:
         self.graphs_off = not (CUDA_GRAPHS and be.device.type == "cuda")
         self.captures = 0
 
-    # -- one pass ------------------------------------------------------------------------------
+    # -- passes ------------------------------------------------------------------------------
+    @staticmethod
+    def _rows(seq, pos: int, T: int, tree) -> list[tuple]:
+        """A pass's rows: (position, slot written, key map or None, sequence's backend)."""
+        if tree is None:
+            return [(pos + r, pos + r, None, seq) for r in range(T)]
+        depth, anc = tree_layout(tree)
+        rows = []
+        for r in range(T):
+            path = [pos + j for j in anc[r].nonzero().view(-1).tolist()]  # ancestors and itself, by depth
+            if path == list(range(pos, pos + len(path))):  # the path in consecutive slots: a chain row
+                path = None
+            rows.append((pos + int(depth[r]), pos + r, path, seq))
+        return rows
+
     def forward(self, be, tokens: torch.Tensor, pos: int, tree, layers, want_logits: bool):
         """Final normed hidden states [T, hidden], float32 logits [T, vocab] (or None) and the
         outputs of ``layers`` [T, len(layers) * hidden] (or None) of a pass at ``pos``."""
-        T = tokens.numel()
-        if tree is None:
-            rows = [(pos + r, pos + r, None) for r in range(T)]  # (position, slot written, key map)
-        else:
-            depth, anc = tree_layout(tree)
-            rows = []
-            for r in range(T):
-                path = [pos + j for j in anc[r].nonzero().view(-1).tolist()]  # ancestors and itself, by depth
-                if path == list(range(pos, pos + len(path))):  # the path in consecutive slots: a chain row
-                    path = None
-                rows.append((pos + int(depth[r]), pos + r, path))
+        return self._run(be, tokens, self._rows(be, pos, tokens.numel(), tree), tuple(layers), want_logits)
+
+    def forward_batch(self, be, seqs, feeds, positions, trees, layers, want_logits: bool) -> list[tuple]:
+        """One pass over several sequences (forks of ``be``): their rows one after another, in
+        chunks that may hold rows of several sequences (the products read each weight once per
+        chunk); each sequence's rows write and read its own cache. Per sequence, as ``forward``."""
+        rows, sizes = [], []
+        for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
+            rows += self._rows(seq, pos, feed.numel(), trees[i] if i < len(trees) else None)
+            sizes.append(feed.numel())
+        tokens = torch.cat([f.to(be.device) for f in feeds])
+        outs = self._run(be, tokens, rows, tuple(layers), want_logits)
+        split = [x.split(sizes) if x is not None else [None] * len(sizes) for x in outs]
+        return list(zip(*split))
+
+    def _run(self, be, tokens, rows, layers, want_logits):
         hs, logits, feats = [], [], []
-        for c in range(0, T, ROW_BUCKET):
-            chunk = rows[c: c + ROW_BUCKET]
-            h, lg, ft = self._chunk(be, tokens[c: c + ROW_BUCKET], chunk, pos, tuple(layers), want_logits)
+        for c in range(0, len(rows), ROW_BUCKET):
+            h, lg, ft = self._chunk(be, tokens[c: c + ROW_BUCKET], rows[c: c + ROW_BUCKET], layers, want_logits)
             hs.append(h)
             logits.append(lg)
             feats.append(ft)
         cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
         return cat(hs), cat(logits), cat(feats)
 
-    def _chunk(self, be, tokens, rows, pos, layers, want_logits):
+    def _chunk(self, be, tokens, rows, layers, want_logits):
         n, B, dev = len(rows), ROW_BUCKET, be.device
         limit = be.max_context
-        spans = {key_span(p, limit) for p, _, _ in rows}
-        chain = all(m is None for _, _, m in rows)
+        spans = {key_span(r[0], limit) for r in rows}
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         tok[:n] = tokens
         p = torch.zeros(B, dtype=torch.long, device="cpu")
         p[:n] = torch.tensor([r[0] for r in rows], device="cpu")
-        slot = torch.full((B,), limit, dtype=torch.long, device="cpu")  # padding rows: the spare slot
-        slot[:n] = torch.tensor([r[1] for r in rows], device="cpu")
-        p, slot = p.to(dev), slot.to(dev)
-        if chain and len(spans) == 1 and not self.graphs_off:
-            h, lg, ft = self._replay(be, tok, p, slot, spans.pop(), layers, want_logits)
+        p = p.to(dev)
+        seq = rows[0][3]
+        one_chain = all(r[2] is None and r[3] is seq for r in rows) and len(spans) == 1
+        if one_chain and not self.graphs_off:
+            slot = torch.full((B,), limit, dtype=torch.long, device="cpu")  # padding rows: the spare slot
+            slot[:n] = torch.tensor([r[1] for r in rows], device="cpu")
+            h, lg, ft = self._replay(seq, tok, p, slot.to(dev), spans.pop(), layers, want_logits)
         else:
-            h, lg, ft = self.core(be, tok, p, slot, rows, layers, want_logits)
+            h, lg, ft = self.core(be, tok, p, None, rows, layers, want_logits)
         return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]
 
     def core(self, be, tok, p, slot, rows, layers, want_logits):
         """The layers over one chunk of ``ROW_BUCKET`` rows (static shapes: what a graph captures).
-        ``rows``: per real row (position, slot, key map or None), or an int: the one key span of a
-        chain chunk."""
+        ``rows``: an int, the one key span of a chain chunk of ``be``'s own rows whose cache slots
+        are ``slot``; or per real row (position, slot, key map or None, sequence's backend)."""
         B, D, H, KVH = ROW_BUCKET, be.head_dim, be.n_heads, be.n_kv_heads
         limit = be.max_context
         if isinstance(rows, int):
-            groups = {(rows, None): None}  # every row: one key span, keys in cache order
-        else:  # rows sharing a key span (and chain rows) attend together; a tree row alone
-            groups = {}
-            for j, (pos_j, _, path) in enumerate(rows):
-                groups.setdefault((key_span(pos_j, limit), None if path is None else j), []).append(j)
+            writes = [(be, slot)]
+            groups = {(be, rows, None): None}  # every row: one key span, keys in cache order
+        else:
+            writes = []  # per sequence: where each row's keys and values go (other rows: the spare slot)
+            for seq in dict.fromkeys(r[3] for r in rows):
+                sl = torch.full((B,), limit, dtype=torch.long, device="cpu")
+                for j, r in enumerate(rows):
+                    if r[3] is seq:
+                        sl[j] = r[1]
+                writes.append((seq, sl.to(be.device)))
+            groups = {}  # rows of a sequence sharing a key span attend together; a tree row alone
+            for j, (pos_j, _, path, seq) in enumerate(rows):
+                groups.setdefault((seq, key_span(pos_j, limit), None if path is None else j), []).append(j)
         keys_at = torch.arange(limit, device=be.device)
         h = be._embeddings(tok) * be.embed_scale
         ropes = _rope(be, p)
@@ -148,16 +175,17 @@ class FixedRows:
             c, s = cos[:, None, :], sin[:, None, :]
             q = q * c + _rotate_half(q) * s
             k = k * c + _rotate_half(k) * s
-            kc, vc = be.k_cache[i], be.v_cache[i]  # [kv_heads, slots, D]
-            kc.index_copy_(1, slot, k.transpose(0, 1))
-            vc.index_copy_(1, slot, v.transpose(0, 1))
+            for seq, sl in writes:  # [kv_heads, slots, D] per layer
+                seq.k_cache[i].index_copy_(1, sl, k.transpose(0, 1))
+                seq.v_cache[i].index_copy_(1, sl, v.transpose(0, 1))
             window = be.window if layer.sliding else None
             att = None
-            for (span, tree_row), members in groups.items():
+            for (seq, span, tree_row), members in groups.items():
+                kc, vc = seq.k_cache[i], seq.v_cache[i]
                 if tree_row is None:
                     out = self._attend(be, q, kc[:, :span], vc[:, :span], p, keys_at[:span], window)
                 else:  # the row's keys laid out as a one-token step at its position reads them
-                    kk, vk = self._gathered(be, kc, vc, rows[tree_row], span)
+                    kk, vk = self._gathered(seq, kc, vc, rows[tree_row], span)
                     out = self._attend(be, q, kk, vk, p, keys_at[:span], window)
                 if members is None or len(groups) == 1:
                     att = out
@@ -208,7 +236,7 @@ class FixedRows:
     def _gathered(be, kc, vc, row, span):
         """A tree row's keys and values in a scratch buffer shaped like the cache: slot s < pos is
         cache slot s, slot pos + d is its ancestor at depth d; the rest masked (slot 0)."""
-        position, _, path = row
+        position, _, path, _ = row
         pos = position - (len(path) - 1)
         idx = torch.zeros(span, dtype=torch.long, device="cpu")
         idx[:pos] = torch.arange(pos, device="cpu")

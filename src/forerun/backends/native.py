@@ -1024,15 +1024,17 @@ class NativeBackend(BackendBase):
         the exact argmax of every row instead of logits (``ArgmaxOutput``), where it is found without logits
         (``argmax_hidden``: the integer path or the screened exact head)."""
         if self._fixed is not None and all(f.numel() <= MAX_ROWS for f in feeds):
-            # each sequence in its own fixed-shape passes: its rows cannot depend on the batch
-            outs = []
+            # fixed-shape chunks over every sequence's rows: a row's result cannot depend on the batch
             for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
+                seq._check_forward(feed, pos)
+                seq._ensure_capacity(pos + feed.numel())
                 tree = trees[i] if i < len(trees) else None
                 if tree is not None and tree.numel() != feed.numel() - 1:
                     raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
-                o = seq.forward(feed, pos, layers=layers, **({} if tree is None else {"tree": tree}))
-                outs.append(ForwardOutput(logits=o.logits, layers=o.layers))
-            return outs
+            outs = self._fixed.forward_batch(self, seqs, feeds, positions, trees, layers, True)
+            for seq, feed, pos in zip(seqs, feeds, positions):
+                seq._len = pos + feed.numel()
+            return [ForwardOutput(logits=lg, layers=ft) for _, lg, ft in outs]
         parts, ids = [], []
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             seq._check_forward(feed, pos)
