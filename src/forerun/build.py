@@ -180,12 +180,6 @@ class Setup:
 
         return Engine(self.target.backend, self.drafter, self.target.eos_token_ids)
 
-    def batch_engine(self, **kw):
-        """Many sequences per step (``BatchEngine``; keyword options as its own)."""
-        from forerun.batching import BatchEngine
-
-        return BatchEngine(self.target.backend, self.target.eos_token_ids, drafter=self.drafter, **kw)
-
 
 def build(options: Options) -> Setup:
     """Check the options, load the target (and a draft model), build the drafter."""

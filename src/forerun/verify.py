@@ -35,11 +35,6 @@ class Verdict:
     head_rows: int  # rows the LM head ran on
     head_calls: int  # LM head calls
 
-    @property
-    def kept_rows(self) -> list[int]:
-        """Rows of the pass the cache keeps: the last committed token's, then the accepted drafts'."""
-        return kept_rows(self.rows, self.accepted)
-
 
 def kept_rows(path: list[int] | None, accepted: int) -> list[int]:
     """The pass rows kept after ``accepted`` drafts: 0.. for a chain (``path`` None), else the root

@@ -60,13 +60,6 @@ static inline float q8_weight(const int8_t *codes, const float *scale, const flo
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum8(__m256 a) { /* the lane sum of f32_rows.c */
-    __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
-    __m128 s = _mm_add_ps(lo, hi);
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Eight weights of row v from column k (k % 8 == 0) as float32. */
 static inline __m256 q4_load8(const uint8_t *codes, const float *scale, const float *offset, __m256i bias, int64_t v,

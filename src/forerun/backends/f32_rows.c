@@ -32,13 +32,6 @@
 int forerun_f32_threads(int n) { return rows_threads(n); }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum8(__m256 a) {
-    __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
-    __m128 s = _mm_add_ps(lo, hi);
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* The k loop of a tile over nr activation rows. Inlined into each call: called with the constant
  * TR (the common case) it is fully unrolled, with a smaller nr (the last group) it loops.

@@ -59,14 +59,6 @@ static inline __m256i dot_i8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 #endif
 }
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -163,7 +155,7 @@ int forerun_q8_rows(const int8_t *qw, const uint16_t *dw, int64_t V, int nb,
                             acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot_i8(w, x)), acc[r]);
                         }
                     }
-                    for (int r = 0; r < m; r++) vals[r0 + r] = hsum(acc[r]);
+                    for (int r = 0; r < m; r++) vals[r0 + r] = hsum8(acc[r]);
                 }
 #else
                 for (int r = 0; r < n; r++) {

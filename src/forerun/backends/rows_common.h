@@ -14,6 +14,15 @@
 #endif
 #if defined(__AVX2__)
 #include <immintrin.h>
+
+/* The sum of 8 float lanes in one fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the two. */
+static inline float hsum8(__m256 a) {
+    __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
+    __m128 s = _mm_add_ps(lo, hi);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #endif
 
 static inline int rows_threads(int n) {
