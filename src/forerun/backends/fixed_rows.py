@@ -47,17 +47,6 @@ def key_span(position: int, limit: int) -> int:
     return min(limit, max(MIN_KEYS, 1 << int(position).bit_length()))
 
 
-def _rope(be, positions: torch.Tensor) -> dict:
-    """cos and sin [rows, head_dim] per attention type, elementwise per row (as the float path)."""
-    out = {}
-    for t, inv in be._inv_freq.items():
-        freqs = positions[:, None].float() * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        s = be._rope_scale[t]
-        out[t] = ((emb.cos() * s).to(be.dtype), (emb.sin() * s).to(be.dtype))
-    return out
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -160,7 +149,7 @@ class FixedRows:
                 groups.setdefault((seq, key_span(pos_j, limit), None if path is None else j), []).append(j)
         keys_at = torch.arange(limit, device=be.device)
         h = be._embeddings(tok) * be.embed_scale
-        ropes = _rope(be, p)
+        ropes = be._rope(p)  # elementwise per row, as the float path rotates
         want = {}
         for i, layer in enumerate(be.layers):
             x = be._norm(h, layer.norms[0])
