@@ -52,13 +52,19 @@ def word_tokenizer(vocab: int = VOCAB):
 
 # FORERUN_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (the default is the CPU).
 TEST_DEVICE = os.environ.get("FORERUN_TEST_DEVICE", "cpu")
+# FORERUN_TEST_FIXED_ROWS=1 gives the tiny models the GPU's fixed-shape passes on the CPU too
+FIXED_ROWS = os.environ.get("FORERUN_TEST_FIXED_ROWS") == "1"
 
 
 def wrap(model, backend="auto", name="tiny"):
+    from forerun.backends.native import NativeBackend
     from forerun.models import wrap_model
 
     model = model.to(TEST_DEVICE)
-    return wrap_model(name, model, word_tokenizer(model.config.vocab_size), backend=backend)
+    lm = wrap_model(name, model, word_tokenizer(model.config.vocab_size), backend=backend)
+    if FIXED_ROWS and isinstance(lm.backend, NativeBackend) and lm.backend._fixed is None:
+        lm.backend = NativeBackend(model, fixed_rows=True)
+    return lm
 
 
 @pytest.fixture(params=ckernels.runnable_builds())

@@ -441,8 +441,8 @@ class NativeBackend(BackendBase):
         (weights on the meta device, ``file_tensors`` from it) runs on the integer path or not at
         all (ValueError); its token embeddings and LM head are read from the file when used.
         ``fixed_rows``: passes of up to ``fixed_rows.MAX_ROWS`` rows run in fixed shapes (see
-        ``fixed_rows``; lossless in any dtype on a GPU): None (the default) on every device but the
-        CPU, whose float32 path is batch-invariant by its own kernels."""
+        ``fixed_rows``; lossless in any dtype): None (the default) everywhere but the CPU's float32
+        path, which is batch-invariant by its own kernels."""
         cfg = hf_model.config
         arch = Arch.of(cfg)
         self.arch = arch
@@ -460,8 +460,8 @@ class NativeBackend(BackendBase):
         self.scale = arch.scale
         self.window = arch.window
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if fixed_rows is None:
-            fixed_rows = self.device.type != "cpu"
+        if fixed_rows is None:  # the CPU's float32 kernels are batch-invariant on their own; nothing else is
+            fixed_rows = self.device.type != "cpu" or self.dtype != torch.float32
         if fixed_rows and max_context is None and self.max_context > FIXED_DEFAULT_CONTEXT:
             # fixed-shape passes allocate the whole cache at once: a long-context model gets a
             # default the GPU can hold for several sequences; ``max_context`` raises it
@@ -560,6 +560,7 @@ class NativeBackend(BackendBase):
             return False
         self.lm_head.qlin = QLinear(codes)
         self.quant = quant
+        self._fixed = None  # the integer path computes every row alone already, in its own kernels
         self._qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
         # float16 keys and values from now on (as llama.cpp keeps them): half the bytes a step reads
         # at long contexts; a cache of the float32 path is not carried over
