@@ -194,10 +194,7 @@ def check_model(shape, dtype, dev, args, bandwidth, log, full: bool = True) -> d
         log(f"{shape} {row['dtype']}: transformers generate() dynamic {row['tok_s_hf_dynamic']}, static {row['tok_s_hf_static']}")
     for k in ("tok_s_none", "tok_s_ngram", "tok_s_suffix"):
         row[k] = round(row[k], 1)
-    del model, be, lm
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    return row  # the model and its caches go with this frame (main empties CUDA's cache after)
 
 
 def table(rows: list[dict]) -> str:
@@ -245,6 +242,8 @@ def main(argv=None) -> int:
     for shape in args.models.split(","):
         for i, name in enumerate(args.dtypes.split(",")):
             rows.append(check_model(shape, getattr(torch, name), dev, args, bandwidth, log, full=i == 0))
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
             (out / "gpu_check.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     text = table(rows)
     (out / "gpu_check.md").write_text(f"{info['device']}, torch {info['torch']}, {info['date']}\n\n{text}\n")

@@ -45,7 +45,7 @@ def test_forward_batch_equals_single_passes(gemma):
 def test_one_attention_call_for_all_sequences_equals_one_per_sequence(gemma, each_build):
     """The batched pass attends for every sequence in one kernel call: each row's output equals,
     bit for bit, attention over that sequence's own cache alone (chains and a window)."""
-    from forerun.backends.native import RowKeys, SequenceRows, attention_rows, attn_rows_kernel
+    from forerun.backends.attention import RowKeys, SequenceRows, attention_rows, attn_rows_kernel
 
     if attn_rows_kernel() is None:
         pytest.skip("no C compiler")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forerun.backends import block_weights as bw
-from forerun.backends.native import f32_rows, f32_rows_kernel
+from forerun.backends.linear import f32_rows, f32_rows_kernel
 from forerun.gguf_file import BLOCKS
 
 needs_kernels = pytest.mark.skipif(bw.block_rows_kernel() is None or f32_rows_kernel() is None,

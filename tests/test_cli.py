@@ -216,7 +216,7 @@ def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
                             max(1, round(m["head_calls"] / m["target_passes"])))
         assert key in res["verify_cost_ratio"] and res["config"]["greedy_head"] in ("exact-q8-screened", "float32")
         assert m["head_calls"] >= m["target_passes"]
-        from forerun.backends.native import f32_rows_kernel
+        from forerun.backends.linear import f32_rows_kernel
 
         assert res["config"]["batch_invariant"] == (f32_rows_kernel() is not None) and "llama_cpp" not in res["config"]
         assert res["methods"]["eagle-tree+lookup:3"]["head_rows"] > 0

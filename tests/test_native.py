@@ -177,7 +177,7 @@ def test_f32_rows_kernel_matches_float64_and_is_a_tuning_candidate(each_build):
     float32 rounding, for vector-sized and odd shapes, and the LM head's autotuner offers it."""
     import pytest
 
-    from forerun.backends.native import PackedLinear, f32_rows, f32_rows_kernel
+    from forerun.backends.linear import PackedLinear, f32_rows, f32_rows_kernel
 
     if f32_rows_kernel() is None:
         pytest.skip("no C compiler for the f32_rows kernel")
@@ -208,7 +208,7 @@ def test_f16_weight_rows_kernel_matches_float64_and_is_used_only_where_exact(eac
     alone; a layer takes the float16 copy only when float16 holds its weights exactly."""
     import pytest
 
-    from forerun.backends.native import PackedLinear, f16w_rows, f32_rows_kernel
+    from forerun.backends.linear import PackedLinear, f16w_rows, f32_rows_kernel
 
     if f32_rows_kernel() is None:
         pytest.skip("no C compiler for the f32_rows kernel")
@@ -237,7 +237,7 @@ def test_body_kernel_is_chosen_once_and_both_kernels_agree():
     generation identical to oneDNN's on the tiny model."""
     import pytest
 
-    from forerun.backends.native import f32_rows_kernel
+    from forerun.backends.linear import f32_rows_kernel
     from forerun.engine import Engine
 
     be = wrap(tiny_gemma(1)).backend
@@ -359,7 +359,7 @@ def test_attention_rows_of_a_pass_read_the_cache_once_and_give_each_rows_own_bit
     float64."""
     import pytest
 
-    from forerun.backends.native import RowKeys, attention_rows, attn_rows_kernel
+    from forerun.backends.attention import RowKeys, attention_rows, attn_rows_kernel
 
     lib = attn_rows_kernel()
     if lib is None:

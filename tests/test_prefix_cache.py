@@ -90,7 +90,7 @@ def test_served_with_the_cache_equals_plain_decoding(gemma, chunk16):
 def test_a_batched_pass_past_the_invariant_rows_is_still_row_by_row(gemma):
     """Sixteen sequences of five rows (80 rows, more than one pass computes row by row on its own):
     every sequence's layer outputs equal, bit for bit, its pass alone."""
-    from forerun.backends.native import INVARIANT_ROWS
+    from forerun.backends.linear import INVARIANT_ROWS
 
     be = gemma.backend
     if not be.batch_invariant:

@@ -475,7 +475,8 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     from transformers import AutoModelForCausalLM
 
     from forerun.backends.gguf_model import skeleton
-    from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
+    from forerun.backends.arch import SUPPORTED_MODEL_TYPES
+    from forerun.backends.native import NativeBackend
 
     timed = _TIMED.pop(str(path.resolve()), None)  # loaded a moment ago to time it (``timed_backend``)
     if timed is not None and max_context is None:
@@ -520,7 +521,8 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
     """Put an already-built transformers model behind a backend (``gguf``: the file its weights
     were dequantized from, whose blocks the native backend reads)."""
     from forerun.backends.hf import HFBackend
-    from forerun.backends.native import SUPPORTED_MODEL_TYPES, NativeBackend
+    from forerun.backends.arch import SUPPORTED_MODEL_TYPES
+    from forerun.backends.native import NativeBackend
 
     model_type = getattr(hf_model.config, "model_type", None)
     if backend == "auto":

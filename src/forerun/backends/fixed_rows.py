@@ -29,7 +29,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from forerun.backends.arch import rotate_half
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")
@@ -45,11 +47,6 @@ def key_span(position: int, limit: int) -> int:
     """The slots a row at ``position`` attends over: the smallest power of two above it (at least
     ``MIN_KEYS``), at most ``limit`` (the model's context)."""
     return min(limit, max(MIN_KEYS, 1 << int(position).bit_length()))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def _linear(lin, x: torch.Tensor, bias) -> torch.Tensor:
@@ -162,8 +159,8 @@ class FixedRows:
             kind = "sliding_attention" if layer.sliding else "full_attention"
             cos, sin = ropes[kind] if kind in ropes else next(iter(ropes.values()))
             c, s = cos[:, None, :], sin[:, None, :]
-            q = q * c + _rotate_half(q) * s
-            k = k * c + _rotate_half(k) * s
+            q = q * c + rotate_half(q) * s
+            k = k * c + rotate_half(k) * s
             for seq, sl in writes:  # [kv_heads, slots, D] per layer
                 seq.k_cache[i].index_copy_(1, sl, k.transpose(0, 1))
                 seq.v_cache[i].index_copy_(1, sl, v.transpose(0, 1))
@@ -244,8 +241,6 @@ class FixedRows:
         """Capture now, with a progress bar, the graphs of chain chunks at every key span a pass
         up to position ``up_to`` can read (otherwise each is captured on its first use); the
         padding rows' spare slot is all they write. Returns how many were captured."""
-        from tqdm.auto import tqdm
-
         if self.graphs_off:
             return 0
         be._ensure_capacity(1)

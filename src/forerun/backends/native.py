@@ -4,419 +4,28 @@ per-position KV cache.
 Why not the transformers module: we need positions we choose, a cache rolled back by
 bookkeeping, layer skipping for self-speculation, hidden states, and the least possible
 per-step overhead. The weights are the transformers model's own tensors (no copy),
-except that linear layers are prepacked for oneDNN on CPU (see ``_linear``).
+except that linear layers are prepacked for oneDNN on CPU (``backends/linear.py``); the architecture
+and its layers in ``backends/arch.py``, attention that is every row's own in ``backends/attention.py``,
+fixed-shape passes for GPUs in ``backends/fixed_rows.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
-from forerun.backends.ckernels import kernel
+from forerun.backends.arch import Arch, Layer, add_bias, norm_weight, rms_norm, rotate_half
+from forerun.backends.attention import RowKeys, SequenceRows, attention_rows, attn_rows_kernel
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, MAX_ROWS, FixedRows
+from forerun.backends.linear import INVARIANT_ROWS, ROWS_ANY, PackedLinear, f32_rows_kernel
+from forerun.timing import median_s
 
 log = logging.getLogger("forerun")
-
-# Passes of up to this many rows (one-token steps, chains, token trees with a lookup branch) are
-# computed row by row alike where the backend is batch-invariant (see NativeBackend.batch_invariant);
-# longer ones (prompts, shared by every method) take the library kernels.
-INVARIANT_ROWS = 64
-# The body kernel of a batched pass on a batch-invariant backend: ``rows`` whatever the pass's size
-# (several sequences' chains add up past INVARIANT_ROWS, and each row must still be computed alone).
-ROWS_ANY = "rows-any"
-
-
-class PackedLinear:
-    """y = x @ W.T, with the fastest measured kernel for each row count on CPU.
-
-    Measured on a 2-core AVX-512 CPU, float32, the 640 x 262,144 LM head: plain
-    ``F.linear`` takes ~45 ms for 1 row and ~80-140 ms for 2-9 rows; a oneDNN-prepacked
-    weight ~16 ms for 1 row and ~25-30 ms for 4-9; ``(W @ x.T).T`` ~17-24 ms for 2-4 rows
-    but ~45 ms for 1. Which wins depends on the machine, so with ``autotune`` the first
-    call for each row count times the candidates, also with the rows padded up to a multiple
-    of 4 (MKL's sgemm took ~20 ms for 4 rows but ~45 ms for 3 here), and keeps the fastest. A
-    fourth candidate, ``rows`` (``f32_rows.c``, compiled on first use where a C compiler exists),
-    reads each weight row once for all rows of the pass. Small-row
-    products are what verify passes are made of. (The body's small layers are not tuned one by
-    one: timed in isolation their weights sit in cache, which misleads the choice; the backend
-    picks one kernel for all of them from whole body passes, see ``NativeBackend.body_kernel``,
-    and passes it as ``how``.)
-    """
-
-    def __init__(self, weight: torch.Tensor, pack: bool, autotune: bool = False, half: bool = False,
-                 source=None):
-        """``source``: builds the weight on first use where ``weight`` is on the meta device (an
-        LM head left in its GGUF file, see ``gguf_model``)."""
-        self._weight = weight
-        self._source = source
-        self.packed = None
-        # float32 only: oneDNN's half-precision products need instructions many CPUs lack
-        if pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.packed = weight.detach().to_mkldnn()
-        self.autotune = autotune and self.packed is not None
-        self.choice: dict[int, str] = {}
-        self.blocks = None  # the GGUF file's blocks of these weights (``block_weights``), set by the backend
-        self.qlin = None  # the same blocks for the integer kernels (``qweights``), set by the backend
-        # half: passes of up to INVARIANT_ROWS rows read a float16 copy (``f16w_rows``), where
-        # float16 holds the weights exactly (a head saved in float16) and the kernel builds
-        self.half = None
-        if (half and self.packed is not None and weight.dtype == torch.float32 and weight.shape[1] % 8 == 0
-                and f32_rows_kernel() is not None):
-            w16 = weight.detach().half()
-            if torch.equal(w16.float(), weight):
-                self.half = w16.contiguous()
-
-    @property
-    def weight(self) -> torch.Tensor:
-        if self._source is not None and self._weight.is_meta:
-            self._weight, self._source = self._source(), None
-        return self._weight
-
-    @weight.setter
-    def weight(self, w: torch.Tensor) -> None:
-        self._weight, self._source = w, None
-
-    def _run(self, x: torch.Tensor, how: str) -> torch.Tensor:
-        if how == "onednn":
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, None).to_dense()
-        if how == "wxt":
-            return (self.weight @ x.t()).t()
-        if how == "rows":
-            return f32_rows(self.weight, x)
-        return F.linear(x, self.weight)
-
-    def __call__(self, x: torch.Tensor, how: str | None = None) -> torch.Tensor:  # x: [T, in]
-        if self.qlin is not None:
-            return self.qlin(x)
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        rows = x.shape[0]
-        small = rows <= INVARIANT_ROWS or how == ROWS_ANY
-        if how == ROWS_ANY:
-            how = "rows"
-        if self.blocks is not None and small and how in (None, "rows"):
-            return self.blocks(x)  # the same sums as ``rows``, from the GGUF blocks
-        if self.half is not None and small:
-            return f16w_rows(self.half, x)
-        if how == "rows" and small:  # the body's choice (NativeBackend.body_kernel)
-            return self._run(x, how)
-        if not self.autotune or rows > self.AUTOTUNE_ROWS:
-            return self._run(x, "onednn")
-        choice = self.choice.get(rows)
-        if choice is None:
-            choice = self.choice[rows] = self._measure(x)
-        how, padded = choice
-        if padded > rows:  # a larger pass can be faster (e.g. 4 rows on MKL's sgemm): pad with zero rows
-            return self._run(_pad_rows(x, padded), how)[:rows]
-        return self._run(x, how)
-
-    KERNELS = ("onednn", "wxt", "plain", "rows")
-    AUTOTUNE_ROWS = 32  # verify passes of one sequence (trees too); batched passes of more rows stay on oneDNN
-
-    @property
-    def kernels(self) -> tuple[str, ...]:
-        """The candidates on this machine: ``rows`` (``f32_rows.c``) needs a C compiler."""
-        return self.KERNELS if _f32_rows_fits(self.weight) and f32_rows_kernel() is not None else self.KERNELS[:-1]
-
-    def time_kernels(self, x: torch.Tensor, reps: int = 3, kernels=None) -> dict[str, float]:
-        """Median seconds of each candidate kernel (or of ``kernels``) on ``x`` (one untimed run each first)."""
-        from forerun.timing import median_s
-
-        return {how: median_s(lambda: self._run(x, how), reps) for how in (kernels or self.kernels)}
-
-    def _measure(self, x: torch.Tensor) -> tuple[str, int]:
-        """(kernel, rows to run) fastest for x's row count; padding up to the next multiple of 4 is a
-        candidate for the library kernels. Plain ``F.linear`` is never timed here: it lost at every
-        row count measured (bench tables), and it is the slowest to time."""
-        rows = x.shape[0]
-        times = {(how, rows): t for how, t in self.time_kernels(x, 5, [k for k in self.kernels if k != "plain"]).items()}
-        padded = -(-rows // 4) * 4
-        if padded != rows:
-            times.update({(how, padded): t for how, t in self.time_kernels(_pad_rows(x, padded), 5, ("onednn", "wxt")).items()})
-        return min(times, key=times.get)
-
-
-def f32_rows_kernel():
-    """The compiled ``f32_rows.c`` (see there), or None where it cannot be built (logged once)."""
-    return kernel("f32_rows")
-
-
-def _f32_rows_fits(weight: torch.Tensor) -> bool:
-    """Whether ``f32_rows`` takes this weight as it is: contiguous float32 on the CPU."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-
-
-def attn_rows_kernel():
-    """The compiled ``attn_rows.c`` (see there), or None where it cannot be built (logged once)."""
-    return kernel("attn_rows")
-
-
-class RowKeys:
-    """The cache slots each row of a pass attends to, in order: ``lo[t]``..``hi[t]``-1, then
-    ``extra[xp[t]:xp[t+1]]`` (a tree row: its ancestors and itself). Exactly the slots a one-token
-    step at that row's position sees once the row's path is the cache's content."""
-
-    def __init__(self, lo, hi, extras=None):
-        extras = extras or [[] for _ in range(len(lo))]
-        self.rows = [(a, b, e) for a, b, e in zip(lo, hi, extras)]
-
-    # int32 tensors for the C kernels, made on first use
-    @functools.cached_property
-    def lo(self) -> torch.Tensor:
-        return torch.tensor([r[0] for r in self.rows], dtype=torch.int32, device="cpu")
-
-    @functools.cached_property
-    def hi(self) -> torch.Tensor:
-        return torch.tensor([r[1] for r in self.rows], dtype=torch.int32, device="cpu")
-
-    @functools.cached_property
-    def xp(self) -> torch.Tensor:
-        return torch.tensor([0] + [len(r[2]) for r in self.rows], dtype=torch.int32, device="cpu").cumsum(0, dtype=torch.int32)
-
-    @functools.cached_property
-    def extra(self) -> torch.Tensor:
-        return torch.tensor([j for r in self.rows for j in r[2]] or [0], dtype=torch.int32, device="cpu")
-
-    @classmethod
-    def chain(cls, pos: int, T: int, window: int | None) -> "RowKeys":
-        ends = range(pos + 1, pos + T + 1)
-        return cls([max(0, e - window) if window else 0 for e in ends], list(ends))
-
-    def slots(self, t: int) -> torch.Tensor | tuple[int, int]:
-        a, b, e = self.rows[t]
-        return (a, b) if not e else torch.cat([torch.arange(a, b, device="cpu"), torch.tensor(e, dtype=torch.long, device="cpu")])
-
-    def keys_values(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row t's keys and values [kv_heads, S_t, D] from one layer's cache k, v [kv_heads, cap, D]."""
-        sel = self.slots(t)
-        return (k[:, sel[0]: sel[1]], v[:, sel[0]: sel[1]]) if isinstance(sel, tuple) else (k[:, sel], v[:, sel])
-
-
-class SequenceRows:
-    """The rows of a batched pass over several sequences, for one ``attn_rows.c`` call per layer:
-    every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
-
-    def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys], positions: Sequence[int]):
-        """``positions``: where each sequence's rows start in its cache. Built from plain lists, one
-        tensor per field: a one-token step spends little here."""
-        pos, lo, hi, xp, extra, kb, vb, caps = [], [], [], [0], [], [], [], []
-        for s, k, p in zip(seqs, keys, positions):
-            n = len(k.rows)
-            pos += range(p, p + n)
-            for a, b, e in k.rows:
-                lo.append(a)
-                hi.append(b)
-                extra += e
-                xp.append(xp[-1] + len(e))
-            kb += [s.k_cache.data_ptr()] * n
-            vb += [s.v_cache.data_ptr()] * n
-            caps += [s.k_cache.shape[2]] * n
-        i32 = lambda v: torch.from_numpy(np.array(v, dtype=np.int32))  # noqa: E731  (numpy: cheaper than torch.tensor)
-        i64 = lambda v: torch.from_numpy(np.array(v, dtype=np.int64))  # noqa: E731
-        self.pos, self.lo, self.hi, self.xp, self.extra = i32(pos), i32(lo), i32(hi), i32(xp), i32(extra + [0])
-        self.k_base, self.v_base, self.caps = i64(kb), i64(vb), i64(caps)
-        _, self.kv_heads, _, D = seqs[0].k_cache.shape  # [layers, kv_heads, cap, D]
-        self.layer_bytes = i64([c * self.kv_heads * D * 4 for c in caps])  # one layer of one cache, float32
-
-    def store(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> None:
-        """Keys and values k, v [rows, kv_heads, D] of every row into layer ``idx`` of its own cache."""
-        k, v = k.contiguous(), v.contiguous()
-        kp = self.k_base + idx * self.layer_bytes  # held here: the kernel reads these addresses
-        vp = self.v_base + idx * self.layer_bytes
-        attn_rows_kernel().forerun_store_rows(k.data_ptr(), v.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.caps.data_ptr(),
-                                              self.pos.data_ptr(), k.shape[0], self.kv_heads, k.shape[2])
-
-    def attend(self, q: torch.Tensor, idx: int, scale: float) -> torch.Tensor:
-        """q [rows, heads, D] of every sequence against layer ``idx`` of each row's own cache."""
-        T, H, D = q.shape
-        lib = attn_rows_kernel()
-        q = q.contiguous()
-        out = torch.empty(T, H, D, dtype=torch.float32, device="cpu")
-        kp = self.k_base + idx * self.layer_bytes
-        vp = self.v_base + idx * self.layer_bytes
-        lib.forerun_attn_threads(torch.get_num_threads())
-        rc = lib.forerun_attn_rows_multi(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.caps.data_ptr(), T, H,
-                                         self.kv_heads, D, self.lo.data_ptr(), self.hi.data_ptr(), self.xp.data_ptr(),
-                                         self.extra.data_ptr(), scale, out.data_ptr())
-        if rc != 0:
-            raise MemoryError("attn_rows: out of memory")
-        return out.view(T, H * D)
-
-
-def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowKeys, scale: float) -> torch.Tensor:
-    """Batch-invariant attention: q [T, heads, D] over one layer's cache k, v [kv_heads, cap, D],
-    row t over ``keys``' slots for row t only; [T, heads * D]. ``attn_rows.c`` where it builds,
-    else one PyTorch call per row (each row then as a one-token step computes it)."""
-    T, H, D = q.shape
-    lib = attn_rows_kernel()
-    if lib is None or q.dtype != torch.float32 or q.device.type != "cpu":
-        qt = q.transpose(0, 1)[None]
-        outs = []
-        for t in range(T):
-            kk, vv = keys.keys_values(t, k, v)
-            outs.append(F.scaled_dot_product_attention(qt[:, :, t: t + 1], kk[None], vv[None], scale=scale,
-                                                       enable_gqa=H != k.shape[0]))
-        return torch.cat(outs, 2)[0].transpose(0, 1).reshape(T, H * D)
-    q = q.contiguous()
-    out = torch.empty(T, H, D, dtype=torch.float32, device="cpu")
-    lib.forerun_attn_threads(torch.get_num_threads())
-    rc = lib.forerun_attn_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], T, H, k.shape[0], D,
-                               keys.lo.data_ptr(), keys.hi.data_ptr(), keys.xp.data_ptr(), keys.extra.data_ptr(),
-                               scale, out.data_ptr())
-    if rc != 0:
-        raise MemoryError("attn_rows: out of memory")
-    return out.view(T, H * D)
-
-
-def f32_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [n, D] @ weight[V, D].T in float32 on the CPU with ``f32_rows.c``: one pass over the
-    weights for all n rows (the LM head of a verify pass)."""
-    if not _f32_rows_fits(weight):
-        raise ValueError("f32_rows needs a contiguous float32 weight on the CPU")
-    return _rows_product("forerun_f32_rows", weight, x)
-
-
-def f16w_rows(weight16: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [n, D] @ weight16[V, D].T with float16 weights (half the bytes of float32), each product
-    and sum in float32 as ``f32_rows`` does them; for weights that float16 holds exactly (a trained
-    head saved in float16), the same values as the float32 weights give."""
-    if weight16.dtype != torch.float16 or weight16.device.type != "cpu" or not weight16.is_contiguous():
-        raise ValueError("f16w_rows needs a contiguous float16 weight on the CPU")
-    return _rows_product("forerun_f16w_rows", weight16, x)
-
-
-def _rows_product(fn: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    lib = f32_rows_kernel()
-    if lib is None:
-        raise RuntimeError("the f32_rows kernel is not available (no C compiler)")
-    name = fn.removeprefix("forerun_")
-    x = x.to(torch.float32).contiguous()
-    n, D = x.shape
-    V = weight.shape[0]
-    if weight.shape[1] != D:
-        raise ValueError(f"{name}: rows of {D} against a weight of {tuple(weight.shape)}")
-    out = torch.empty(n, V, dtype=torch.float32, device="cpu")
-    lib.forerun_f32_threads(torch.get_num_threads())
-    if getattr(lib, fn)(weight.data_ptr(), V, D, x.data_ptr(), n, out.data_ptr()) != 0:
-        raise ValueError(f"{name}: bad sizes {n} x {D} against {V}")
-    return out
-
-
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [T, in] with zero rows appended up to ``rows``."""
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = True) -> torch.Tensor:
-    """RMS norm with the norm's effective weight (Gemma's ``1 + w`` folded in). ``weight_in_float``:
-    Gemma multiplies by the weight before casting back to x's dtype, Llama-style norms after."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight_in_float:
-        return (xf * weight).type_as(x)
-    return weight * xf.type_as(x)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-# Architectures the native forward runs, checked against transformers' own modules in the tests
-# (tiny random configurations). What differs between them is data, see ``Arch``.
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma2", "gemma", "llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ARCHITECTURES = "Llama, Mistral, Qwen2/3 or Gemma 1/2/3"  # the same, as users name them
-_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What sets one decoder-only architecture of the Llama lineage apart from another."""
-
-    gemma_norms: bool  # norms scale by (1 + w) in float32; token embeddings scale by sqrt(hidden)
-    sandwich: bool  # Gemma 2/3: norms after attention and after the MLP too (four per layer)
-    act: str  # the MLP's gate activation
-    scale: float  # attention scale
-    attn_softcap: float | None  # Gemma 2: tanh soft cap on attention scores
-    final_softcap: float | None  # Gemma 2/3: tanh soft cap on the logits
-    layer_types: tuple  # "full_attention" / "sliding_attention" per layer
-    window: int | None  # sliding window of the sliding layers
-
-    @classmethod
-    def of(cls, cfg) -> "Arch":
-        mt = cfg.model_type
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"native backend does not support model type {mt!r}")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        qpas = getattr(cfg, "query_pre_attn_scalar", None)
-        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"native backend: unsupported activation {act!r}")
-        window = getattr(cfg, "sliding_window", None)
-        types = getattr(cfg, "layer_types", None)
-        if not types:  # Mistral: every layer slides when a window is set
-            types = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
-        if not window:
-            types = ["full_attention"] * cfg.num_hidden_layers
-        gemma = mt.startswith("gemma")
-        return cls(gemma_norms=gemma, sandwich=mt in ("gemma2", "gemma3_text"), act=act,
-                   scale=(qpas if qpas else head_dim) ** -0.5,
-                   attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
-                   final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
-                   layer_types=tuple(types), window=window or None)
-
-
-class _Layer:
-    def __init__(self, hf_layer, attention_type: str, pack: bool, arch: Arch):
-        a, m = hf_layer.self_attn, hf_layer.mlp
-        self.n_q = a.q_proj.out_features
-        self.n_kv = a.k_proj.out_features
-        self.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), pack)
-        self.qkv_bias = _bias(a.q_proj, a.k_proj, a.v_proj)  # Qwen2
-        self.o = PackedLinear(a.o_proj.weight.detach(), pack)
-        self.o_bias = _bias(a.o_proj)
-        self.inter = m.gate_proj.out_features
-        self.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), pack)
-        self.gate_up_bias = _bias(m.gate_proj, m.up_proj)
-        self.down = PackedLinear(m.down_proj.weight.detach(), pack)
-        self.down_bias = _bias(m.down_proj)
-        self.act = _ACTIVATIONS[arch.act]
-        names = (("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm") if arch.sandwich else ("input_layernorm", "post_attention_layernorm"))
-        fold = _norm_weight if arch.gemma_norms else (lambda n: n.weight.detach())
-        # sandwich: [before attention, after attention, before the MLP, after the MLP]; else
-        # [before attention, before the MLP]
-        self.norms = [fold(getattr(hf_layer, n)) for n in names]
-        # Gemma 3 and Qwen3 norm queries and keys per head
-        self.q_norm = fold(a.q_norm) if hasattr(a, "q_norm") else None
-        self.k_norm = fold(a.k_norm) if hasattr(a, "k_norm") else None
-        self.sliding = attention_type == "sliding_attention"
-
-
-def _norm_weight(norm) -> torch.Tensor:
-    """Gemma's norms scale by (1 + w): fold the 1 in once."""
-    return 1.0 + norm.weight.detach().float()
-
-
-def _bias(*linears) -> torch.Tensor | None:
-    """The linear layers' biases side by side, or None where they have none."""
-    if all(getattr(l, "bias", None) is None for l in linears):
-        return None
-    return torch.cat([l.bias.detach() if l.bias is not None else l.weight.new_zeros(l.out_features)
-                      for l in linears])
-
-
-def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x if bias is None else x + bias
 
 
 class NativeBackend(BackendBase):
@@ -473,14 +82,14 @@ class NativeBackend(BackendBase):
         # ``embed`` is first asked for where the file holds them (steps read their rows alone)
         self._embed = {"t": inner.embed_tokens.weight.detach()}
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if arch.gemma_norms else 1.0, dtype=self.dtype, device=self.device)
-        self.final_norm = _norm_weight(inner.norm) if arch.gemma_norms else inner.norm.weight.detach()
+        self.final_norm = norm_weight(inner.norm) if arch.gemma_norms else inner.norm.weight.detach()
         head_source = None
         if file_tensors is not None:
             head_source = ((lambda: self.embed) if file_tensors.head_name is None
                            else (lambda: file_tensors.full(file_tensors.head_name)))
         self.lm_head = PackedLinear(hf_model.lm_head.weight.detach(), pack_linear, autotune=True, source=head_source)
         self.softcap = arch.final_softcap
-        self.layers = [_Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
+        self.layers = [Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
         self.quant = None  # QLayer per layer: the integer path (``_qbody``)
         lean = file_tensors is not None
         if gguf and pack_linear and self.device.type == "cpu" and self.dtype == torch.float32:
@@ -511,7 +120,7 @@ class NativeBackend(BackendBase):
         self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
 
-    # GGUF layer names of each _Layer linear, in the order its weight stacks them
+    # GGUF layer names of each Layer linear, in the order its weight stacks them
     _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                    "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 
@@ -724,8 +333,6 @@ class NativeBackend(BackendBase):
         return self.body_kernel in ("rows", "int8") and self._want_invariant
 
     def _time_body_kernels(self) -> str:
-        from forerun.timing import median_s
-
         twin = self._twin()
         ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0), device="cpu")
         twin.forward(ids[:64], 0, logits=False)
@@ -861,8 +468,6 @@ class NativeBackend(BackendBase):
         return "exact-q8-screened" if self._exact else "float32"
 
     def _exact_is_faster(self, head, h: torch.Tensor | None) -> bool:
-        from forerun.timing import median_s
-
         if h is None:
             g = torch.Generator().manual_seed(0)
             h = self._norm(torch.randn(1, self.hidden_size, generator=g, device="cpu").to(self.device, self.dtype), self.final_norm)
@@ -941,7 +546,7 @@ class NativeBackend(BackendBase):
             if i in skip:
                 continue
             x = self._norm(h, layer.norms[0])
-            qkv = _add(layer.qkv(x, how), layer.qkv_bias)
+            qkv = add_bias(layer.qkv(x, how), layer.qkv_bias)
             q = qkv[:, : layer.n_q].view(n_all, self.n_heads, D)
             k = qkv[:, layer.n_q : layer.n_q + layer.n_kv].view(n_all, self.n_kv_heads, D)
             v = qkv[:, layer.n_q + layer.n_kv :].view(n_all, self.n_kv_heads, D)
@@ -951,8 +556,8 @@ class NativeBackend(BackendBase):
             kind = "sliding_attention" if layer.sliding else "full_attention"
             cos, sin = ropes[kind] if kind in ropes else next(iter(ropes.values()))
             c, s = cos[:, None, :], sin[:, None, :]
-            q = q * c + _rotate_half(q) * s
-            k = k * c + _rotate_half(k) * s
+            q = q * c + rotate_half(q) * s
+            k = k * c + rotate_half(k) * s
             if joined is None:
                 outs, r = [], 0
                 for seq, pos, T, _, masks in parts:
@@ -962,15 +567,15 @@ class NativeBackend(BackendBase):
                 rows = joined[layer.sliding]
                 rows.store(k, v, i)
                 outs = [rows.attend(q, i, self.scale)]
-            x = _add(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
+            x = add_bias(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
             if self.arch.sandwich:  # Gemma 2/3: normed outputs, then a norm before the MLP
                 h = h + self._norm(x, layer.norms[1])
                 x = self._norm(h, layer.norms[2])
             else:
                 h = h + x
                 x = self._norm(h, layer.norms[1])
-            gu = _add(layer.gate_up(x, how), layer.gate_up_bias)
-            x = _add(layer.down(layer.act(gu[:, : layer.inter]) * gu[:, layer.inter :], how), layer.down_bias)
+            gu = add_bias(layer.gate_up(x, how), layer.gate_up_bias)
+            x = add_bias(layer.down(layer.act(gu[:, : layer.inter]) * gu[:, layer.inter :], how), layer.down_bias)
             h = h + (self._norm(x, layer.norms[3]) if self.arch.sandwich else x)
             if i in want:
                 want[i] = h
@@ -1128,7 +733,7 @@ class NativeBackend(BackendBase):
         self.k_cache[idx, :, pos: pos + k.shape[0]] = k.transpose(0, 1)
         self.v_cache[idx, :, pos: pos + k.shape[0]] = v.transpose(0, 1)
 
-    def _attention(self, layer: _Layer, idx: int, q, k, v, pos, mask_info):
+    def _attention(self, layer: Layer, idx: int, q, k, v, pos, mask_info):
         """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys
         and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D], before the
         output projection."""

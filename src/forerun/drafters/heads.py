@@ -189,7 +189,7 @@ class DraftHead(nn.Module):
         self._native = None
 
     def _pack_layer(self, m: nn.Linear):
-        from forerun.backends.native import PackedLinear
+        from forerun.backends.linear import PackedLinear
 
         if getattr(self, "_int8", False):
             return _Q8Linear(m.weight.detach())

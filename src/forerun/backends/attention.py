@@ -1,0 +1,138 @@
+"""Attention that computes every row as a one-token step at its position would (``attn_rows.c``):
+each row over exactly the cache slots it sees, in an order fixed by those slots alone, and the
+rows of several sequences of a batched pass in one call."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from forerun.backends.ckernels import kernel
+
+if TYPE_CHECKING:
+    from forerun.backends.native import NativeBackend
+
+def attn_rows_kernel():
+    """The compiled ``attn_rows.c`` (see there), or None where it cannot be built (logged once)."""
+    return kernel("attn_rows")
+
+
+class RowKeys:
+    """The cache slots each row of a pass attends to, in order: ``lo[t]``..``hi[t]``-1, then
+    ``extra[xp[t]:xp[t+1]]`` (a tree row: its ancestors and itself). Exactly the slots a one-token
+    step at that row's position sees once the row's path is the cache's content."""
+
+    def __init__(self, lo, hi, extras=None):
+        extras = extras or [[] for _ in range(len(lo))]
+        self.rows = [(a, b, e) for a, b, e in zip(lo, hi, extras)]
+
+    # int32 tensors for the C kernels, made on first use
+    @functools.cached_property
+    def lo(self) -> torch.Tensor:
+        return torch.tensor([r[0] for r in self.rows], dtype=torch.int32, device="cpu")
+
+    @functools.cached_property
+    def hi(self) -> torch.Tensor:
+        return torch.tensor([r[1] for r in self.rows], dtype=torch.int32, device="cpu")
+
+    @functools.cached_property
+    def xp(self) -> torch.Tensor:
+        return torch.tensor([0] + [len(r[2]) for r in self.rows], dtype=torch.int32, device="cpu").cumsum(0, dtype=torch.int32)
+
+    @functools.cached_property
+    def extra(self) -> torch.Tensor:
+        return torch.tensor([j for r in self.rows for j in r[2]] or [0], dtype=torch.int32, device="cpu")
+
+    @classmethod
+    def chain(cls, pos: int, T: int, window: int | None) -> "RowKeys":
+        ends = range(pos + 1, pos + T + 1)
+        return cls([max(0, e - window) if window else 0 for e in ends], list(ends))
+
+    def slots(self, t: int) -> torch.Tensor | tuple[int, int]:
+        a, b, e = self.rows[t]
+        return (a, b) if not e else torch.cat([torch.arange(a, b, device="cpu"), torch.tensor(e, dtype=torch.long, device="cpu")])
+
+    def keys_values(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row t's keys and values [kv_heads, S_t, D] from one layer's cache k, v [kv_heads, cap, D]."""
+        sel = self.slots(t)
+        return (k[:, sel[0]: sel[1]], v[:, sel[0]: sel[1]]) if isinstance(sel, tuple) else (k[:, sel], v[:, sel])
+
+
+class SequenceRows:
+    """The rows of a batched pass over several sequences, for one ``attn_rows.c`` call per layer:
+    every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
+
+    def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys], positions: Sequence[int]):
+        """``positions``: where each sequence's rows start in its cache. Built from plain lists, one
+        tensor per field: a one-token step spends little here."""
+        pos, lo, hi, xp, extra, kb, vb, caps = [], [], [], [0], [], [], [], []
+        for s, k, p in zip(seqs, keys, positions):
+            n = len(k.rows)
+            pos += range(p, p + n)
+            for a, b, e in k.rows:
+                lo.append(a)
+                hi.append(b)
+                extra += e
+                xp.append(xp[-1] + len(e))
+            kb += [s.k_cache.data_ptr()] * n
+            vb += [s.v_cache.data_ptr()] * n
+            caps += [s.k_cache.shape[2]] * n
+        i32 = lambda v: torch.from_numpy(np.array(v, dtype=np.int32))  # noqa: E731  (numpy: cheaper than torch.tensor)
+        i64 = lambda v: torch.from_numpy(np.array(v, dtype=np.int64))  # noqa: E731
+        self.pos, self.lo, self.hi, self.xp, self.extra = i32(pos), i32(lo), i32(hi), i32(xp), i32(extra + [0])
+        self.k_base, self.v_base, self.caps = i64(kb), i64(vb), i64(caps)
+        _, self.kv_heads, _, D = seqs[0].k_cache.shape  # [layers, kv_heads, cap, D]
+        self.layer_bytes = i64([c * self.kv_heads * D * 4 for c in caps])  # one layer of one cache, float32
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> None:
+        """Keys and values k, v [rows, kv_heads, D] of every row into layer ``idx`` of its own cache."""
+        k, v = k.contiguous(), v.contiguous()
+        kp = self.k_base + idx * self.layer_bytes  # held here: the kernel reads these addresses
+        vp = self.v_base + idx * self.layer_bytes
+        attn_rows_kernel().forerun_store_rows(k.data_ptr(), v.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.caps.data_ptr(),
+                                              self.pos.data_ptr(), k.shape[0], self.kv_heads, k.shape[2])
+
+    def attend(self, q: torch.Tensor, idx: int, scale: float) -> torch.Tensor:
+        """q [rows, heads, D] of every sequence against layer ``idx`` of each row's own cache."""
+        T, H, D = q.shape
+        lib = attn_rows_kernel()
+        q = q.contiguous()
+        out = torch.empty(T, H, D, dtype=torch.float32, device="cpu")
+        kp = self.k_base + idx * self.layer_bytes
+        vp = self.v_base + idx * self.layer_bytes
+        lib.forerun_attn_threads(torch.get_num_threads())
+        rc = lib.forerun_attn_rows_multi(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.caps.data_ptr(), T, H,
+                                         self.kv_heads, D, self.lo.data_ptr(), self.hi.data_ptr(), self.xp.data_ptr(),
+                                         self.extra.data_ptr(), scale, out.data_ptr())
+        if rc != 0:
+            raise MemoryError("attn_rows: out of memory")
+        return out.view(T, H * D)
+
+
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowKeys, scale: float) -> torch.Tensor:
+    """Batch-invariant attention: q [T, heads, D] over one layer's cache k, v [kv_heads, cap, D],
+    row t over ``keys``' slots for row t only; [T, heads * D]. ``attn_rows.c`` where it builds,
+    else one PyTorch call per row (each row then as a one-token step computes it)."""
+    T, H, D = q.shape
+    lib = attn_rows_kernel()
+    if lib is None or q.dtype != torch.float32 or q.device.type != "cpu":
+        qt = q.transpose(0, 1)[None]
+        outs = []
+        for t in range(T):
+            kk, vv = keys.keys_values(t, k, v)
+            outs.append(F.scaled_dot_product_attention(qt[:, :, t: t + 1], kk[None], vv[None], scale=scale,
+                                                       enable_gqa=H != k.shape[0]))
+        return torch.cat(outs, 2)[0].transpose(0, 1).reshape(T, H * D)
+    q = q.contiguous()
+    out = torch.empty(T, H, D, dtype=torch.float32, device="cpu")
+    lib.forerun_attn_threads(torch.get_num_threads())
+    rc = lib.forerun_attn_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], T, H, k.shape[0], D,
+                               keys.lo.data_ptr(), keys.hi.data_ptr(), keys.xp.data_ptr(), keys.extra.data_ptr(),
+                               scale, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("attn_rows: out of memory")
+    return out.view(T, H * D)
