@@ -1,10 +1,11 @@
-"""Fixed-shape passes: the native forward on a GPU, lossless by construction in any dtype.
+"""Fixed-shape passes: the native forward on a GPU (and for half-precision weights on the CPU),
+lossless by construction in any dtype.
 
 A GPU's matrix and attention kernels sum in an order that depends on the shapes they are given, so
 a row computed in a pass of 5 rows can differ in its last bits from the same row computed alone,
 and in bfloat16 that flips near-tied greedy tokens. Here every pass of up to ``MAX_ROWS`` rows (a
-one-token step, a verify chain or token tree, each sequence of a batched pass) runs in the same
-shapes whatever its size:
+one-token step, a verify chain or token tree, a batched pass over several sequences) runs in the
+same shapes whatever its size:
 
 - rows go through the layers in chunks of exactly ``ROW_BUCKET`` rows (a short chunk is padded;
   padding rows write their keys and values to a slot no position reads), so every product has the
@@ -18,7 +19,8 @@ shapes whatever its size:
   cache.
 
 Chunks run one after another (the rows of a pass are in causal order: parents before children), so
-a row sees exactly what it would see as a one-token step. On CUDA, a chunk of chain rows is a
+a row sees exactly what it would see as a one-token step. A batched pass puts its sequences' rows
+one after another into shared chunks, each row writing and reading its own sequence's cache. On CUDA, a chunk of chain rows is a
 captured graph, replayed (``CUDA_GRAPHS``): one launch instead of a few hundred per pass.
 """
 
