@@ -4,9 +4,10 @@ per-position KV cache.
 Why not the transformers module: we need positions we choose, a cache rolled back by
 bookkeeping, layer skipping for self-speculation, hidden states, and the least possible
 per-step overhead. The weights are the transformers model's own tensors (no copy),
-except that linear layers are prepacked for oneDNN on CPU (``backends/linear.py``); the architecture
-and its layers in ``backends/arch.py``, attention that is every row's own in ``backends/attention.py``,
-fixed-shape passes for GPUs in ``backends/fixed_rows.py``.
+except that linear layers are prepacked for oneDNN on CPU (``backends/linear.py``). Beside this file:
+the architecture and its layers (``arch.py``), the cache (``kv_cache.py``), positions and masks
+(``positions.py``), greedy targets (``greedy_targets.py``), GGUF blocks (``gguf_weights.py``),
+attention that is every row's own (``attention.py``), fixed-shape passes for GPUs (``fixed_rows.py``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.arch import Arch, Layer, add_bias, norm_weight, rms_norm, rotate_half
-from forerun.backends.attention import RowKeys, SequenceRows, attention_rows, attn_rows_kernel
+from forerun.backends.attention import SequenceRows, attention_rows, attn_rows_kernel
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, MAX_ROWS, FixedRows
-from forerun.backends.linear import INVARIANT_ROWS, ROWS_ANY, PackedLinear, f32_rows_kernel
+from forerun.backends.gguf_weights import GGUFWeights
+from forerun.backends.greedy_targets import GreedyTargets
+from forerun.backends.kv_cache import KVCache
+from forerun.backends.linear import ROWS_ANY, PackedLinear, f32_rows_kernel
+from forerun.backends.positions import PassPositions
 from forerun.timing import median_s
 
 log = logging.getLogger("forerun")
 
 
-class NativeBackend(BackendBase):
+class NativeBackend(KVCache, PassPositions, GreedyTargets, GGUFWeights, BackendBase):
     """Our own forward pass for the architectures in ``SUPPORTED_MODEL_TYPES``."""
 
     @property
@@ -120,102 +125,6 @@ class NativeBackend(BackendBase):
         self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
 
-    # GGUF layer names of each Layer linear, in the order its weight stacks them
-    _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
-                   "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
-
-    def _attach_integer(self, path: str) -> bool:
-        """Repack every layer's GGUF blocks and the LM head for ``qrows.c``; False (nothing kept)
-        where a weight's type is not handled or the kernels do not build."""
-        from forerun.backends.block_weights import gguf_codes
-        from forerun.gguf_file import GGUFFile
-
-        try:
-            g = GGUFFile.open(path)
-        except (OSError, ValueError) as e:
-            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
-            return False
-        files = self._files
-        if files is not None:
-            head = files.head_name or files.embed_name
-        else:
-            head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w,
-                                                               files.row_orders if files is not None else None))
-
-    def attach_integer(self, codes_of) -> bool:
-        """Run every layer and the LM head on the integer kernels, with the blocks that
-        ``codes_of(gguf_names, weight)`` gives ((Codes, GGUF type) per tensor, stacked as ``weight``
-        stacks them, or None); the head is asked for as ``["output"]``. False (nothing changed)
-        where one is missing or the kernels cannot run it."""
-        from forerun.backends.qweights import ACT_CODES, QLayer, QLayerC, QLinear, qrows_lib
-
-        if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
-                or self.hidden_size % 32 or self.device.type != "cpu" or self.dtype != torch.float32):
-            return False
-        quant = []
-        for i, layer in enumerate(self.layers):
-            lins = {}
-            for attr, parts in self._GGUF_PARTS.items():
-                codes = codes_of([f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
-                if codes is None or any(c.codes.shape[1] % 32 for c, _ in codes):
-                    log.info("layer %d %s: a weight type the integer kernels do not take; float32 path", i, attr)
-                    return False
-                lins[attr] = QLinear(codes)
-            quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
-        codes = codes_of(["output"], self.lm_head._weight)  # not built from a file where it was left there
-        if codes is None:
-            log.info("LM head: a weight type the integer kernels do not take; float32 path")
-            return False
-        self.lm_head.qlin = QLinear(codes)
-        self.quant = quant
-        self._fixed = None  # the integer path computes every row alone already, in its own kernels
-        self._qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
-        # float16 keys and values from now on (as llama.cpp keeps them): half the bytes a step reads
-        # at long contexts; a cache of the float32 path is not carried over
-        self.k_cache = self.v_cache = None
-        self._cap = self._len = 0
-        self._exact = None
-        # never read again: the layers' float32 weights (stacked copies of the model's) and
-        # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
-        for layer in self.layers:
-            for attr in self._GGUF_PARTS:
-                lin = getattr(layer, attr)
-                lin.packed = None
-                lin.weight = lin.weight.to("meta")
-        self.lm_head.packed, self.lm_head.autotune = None, False
-        log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
-                 (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
-        return True
-
-    def _attach_blocks(self, path: str) -> None:
-        """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""
-        from forerun.backends.block_weights import block_rows_kernel, from_gguf
-        from forerun.gguf_file import GGUFFile
-
-        if block_rows_kernel() is None or f32_rows_kernel() is None:
-            return
-        try:
-            g = GGUFFile.open(path)
-        except (OSError, ValueError) as e:
-            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
-            return
-        done = total = 0
-        blocks = floats = 0
-        for i, layer in enumerate(self.layers):
-            for attr, parts in self._GGUF_PARTS.items():
-                lin = getattr(layer, attr)
-                total += 1
-                lin.blocks = from_gguf(g, [f"blk.{i}.{p}.weight" for p in parts], lin.weight)
-                if lin.blocks is not None:
-                    done += 1
-                    blocks += lin.blocks.nbytes
-                    floats += lin.weight.numel() * 4
-        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        self.lm_head.blocks = from_gguf(g, [head], self.lm_head.weight)
-        log.info("%d of %d layer products and %s LM head read GGUF blocks (%.0f MB instead of %.0f MB of float32)",
-                 done, total, "the" if self.lm_head.blocks is not None else "not the", blocks / 1e6, floats / 1e6)
-
     @property
     def embed(self) -> torch.Tensor:
         """The token embeddings [vocab, hidden] (drafters and training read them whole; a model
@@ -235,62 +144,6 @@ class NativeBackend(BackendBase):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.arch.gemma_norms)
 
-    # -- cache -----------------------------------------------------------------------------
-    @property
-    def length(self) -> int:
-        return self._len
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The cache's type: float16 on the integer path (its kernels widen each value exactly), else
-        the model's."""
-        return torch.float16 if self.quant is not None else self.dtype
-
-    def _ensure_capacity(self, n: int) -> None:
-        if n <= self._cap:
-            return
-        cap = max(256, self._cap)
-        while cap < n:
-            cap *= 2
-        cap = min(cap, self.max_context)
-        if self._fixed is not None:  # whole at once (its strides never change), and a spare slot for padding rows
-            cap = self.max_context + 1
-        shape = (self.num_layers, self.n_kv_heads, cap, self.head_dim)
-        k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        if self.k_cache is not None:
-            k[:, :, : self._cap] = self.k_cache
-            v[:, :, : self._cap] = self.v_cache
-        self.k_cache, self.v_cache, self._cap = k, v, cap
-
-    def reserve(self, n: int) -> None:
-        """Allocate the cache for ``n`` positions now (a server slot: memory stays flat afterwards)."""
-        self._ensure_capacity(min(n, self.max_context))
-
-    def truncate(self, length: int) -> None:
-        # Static cache: positions past `length` are overwritten by the next forward.
-        self._len = min(self._len, max(0, length))
-
-    def reset(self) -> None:
-        self._len = 0
-
-    def kv_segment(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the cached keys and values of positions start..end-1 (see ``load_kv_segment``)."""
-        if not 0 <= start <= end <= self._len:
-            raise ValueError(f"kv_segment({start}, {end}) but {self._len} positions are cached")
-        return self.k_cache[:, :, start:end].clone(), self.v_cache[:, :, start:end].clone()
-
-    def load_kv_segment(self, pos: int, segment: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Put a ``kv_segment`` back at positions pos..: the cache then holds exactly what the
-        forward pass that made it left there (a prompt's prefix shared by an earlier request)."""
-        k, v = segment
-        n = k.shape[2]
-        if pos > self._len or pos + n > self.max_context:
-            raise ValueError(f"load_kv_segment at {pos} of {n} positions with {self._len} cached")
-        self._ensure_capacity(pos + n)
-        self.k_cache[:, :, pos: pos + n] = k
-        self.v_cache[:, :, pos: pos + n] = v
-        self._len = pos + n
 
     def fork(self) -> "NativeBackend":
         self.exact_head()  # decided once, so that every twin takes greedy tokens the same way
@@ -356,41 +209,6 @@ class NativeBackend(BackendBase):
         return PackedLinear(self.lm_head.weight[rows.to(self.device)].contiguous(), self._pack)
 
     # -- forward ---------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor, start: int | None = None):
-        """Rotary cos and sin [T, head_dim] per attention type for ``positions`` (``start``: they
-        are start, start + 1, ..., read as a slice). The integer path reads them from tables kept
-        for every cached position (``_rope_table``); the float path computes them as transformers does."""
-        if self.quant is not None:
-            tab = self._rope_table(int(positions.max()) + 1 if positions.numel() else 0)
-            if start is not None:
-                end = start + positions.numel()
-                return {t: (c[start:end], s[start:end]) for t, (c, s) in tab.items()}
-            return {t: (c[positions], s[positions]) for t, (c, s) in tab.items()}
-        out = {}
-        for t, inv in self._inv_freq.items():
-            freqs = positions[:, None].float() * inv[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            s = self._rope_scale[t]
-            out[t] = ((emb.cos() * s).to(self.dtype), (emb.sin() * s).to(self.dtype))
-        return out
-
-    def _rope_table(self, n: int) -> dict:
-        """cos and sin [>= n, head_dim] (float32) per attention type for positions 0.., shared with
-        forks, grown by doubling: every row of every pass reads the same values for its position
-        (one-token steps and verify passes alike). The angle is the float32 product transformers
-        forms (position x inverse frequency); its cos and sin are taken in float64, then rounded."""
-        tab = self._rope_tabs
-        have = next(iter(tab.values()))[0].shape[0] if tab else 0
-        if n > have:
-            size = max(256, 2 * have, n)
-            pos = torch.arange(size, dtype=torch.float32, device="cpu")  # the table is made on the CPU (float64)
-            for t, inv in self._inv_freq.items():
-                freqs = (pos[:, None] * inv.cpu()[None, :]).double()
-                emb = torch.cat((freqs, freqs), dim=-1)
-                sc = self._rope_scale[t]
-                tab[t] = ((emb.cos() * sc).float().contiguous(), (emb.sin() * sc).float().contiguous())
-        return tab
-
     @torch.inference_mode()
     def forward(
         self,
@@ -436,88 +254,6 @@ class NativeBackend(BackendBase):
         return ForwardOutput(logits=self._logits(h, head) if logits else None, hidden=h if return_hidden else None,
                              layers=feats)
 
-    # -- exact greedy targets --------------------------------------------------------------
-    def exact_head(self, h: torch.Tensor | None = None):
-        """The screened exact argmax head (``greedy_head.ExactFloatArgmax``), built on first use;
-        None on GPUs, without a C compiler, with ``exact_greedy`` off, or where it lost the timing
-        (then greedy takes the argmax of float32 logits). With ``exact_greedy="auto"`` (the
-        default) the first call times both on one row of ``h`` (final normed hidden states; a
-        random row when None) and keeps the faster for the model's lifetime, so every pass size,
-        method and forked twin decides greedy tokens the same way."""
-        if self._exact is None and self.quant is not None:
-            self._exact = False  # integer logits: each row's own, so their argmax is batch-invariant already
-        if self._exact is None:
-            head = None
-            if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
-                from forerun.backends.greedy_head import ExactFloatArgmax
-
-                head = ExactFloatArgmax(self.lm_head.weight, threads=torch.get_num_threads(), float_logits=self.lm_head)
-                if not head.available:
-                    head = None
-            if head is not None and self.exact_greedy == "auto":
-                head = head if self._exact_is_faster(head, h) else None
-            self._exact = head if head is not None else False
-        return self._exact or None
-
-    @property
-    def greedy_head(self) -> str:
-        """What decides greedy tokens: ``integer`` on the integer path (the argmax of its logits),
-        ``exact-q8-screened`` once the exact head is in use, else ``float32``."""
-        if self.quant is not None:
-            return "integer"
-        return "exact-q8-screened" if self._exact else "float32"
-
-    def _exact_is_faster(self, head, h: torch.Tensor | None) -> bool:
-        if h is None:
-            g = torch.Generator().manual_seed(0)
-            h = self._norm(torch.randn(1, self.hidden_size, generator=g, device="cpu").to(self.device, self.dtype), self.final_norm)
-        row = h[-1:].float().cpu()
-        exact_s = median_s(lambda: head.argmax(row), 3)
-        float_s = median_s(lambda: self._logits(row.to(self.device, self.dtype)).argmax(-1), 3)
-        log.info("greedy head: %s (one row: screened exact %.1f ms, float32 logits %.1f ms)",
-                 "screened exact" if exact_s < float_s else "float32 logits", exact_s * 1000, float_s * 1000)
-        return exact_s < float_s
-
-    def argmax_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens [n] of final normed hidden states h [n, hidden], each decided from its
-        own row: the screened exact head where it is in use, on the integer path the argmax of its
-        logits found inside the kernel (no logits formed; tanh soft-capped heads, where capping can
-        make near logits equal, take the logits), else the argmax of float32 logits."""
-        fn = self._argmax_without_logits(h)
-        return self._logits(h).argmax(-1) if fn is None else fn(h)
-
-    def _argmax_without_logits(self, h: torch.Tensor | None = None):
-        """What ``argmax_hidden`` runs instead of float32 logits, or None."""
-        if self.quant is not None and self.lm_head.qlin is not None and not self.softcap:
-            return lambda x: self.lm_head.qlin.argmax(x)[0]
-        head = self.exact_head(h)
-        return None if head is None else (lambda x: head.argmax(x).to(self.device))
-
-    @property
-    def lazy_tree_head(self) -> bool:
-        """Greedy token trees run the LM head only on the rows the acceptance walk reaches
-        (``forerun.tree.greedy_tree_walk``): on the CPU each head row costs a pass over the
-        262,144-row head, while a GPU does all rows of a pass in about the time of one."""
-        return self.device.type == "cpu"
-
-    @torch.inference_mode()
-    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
-                       tree: torch.Tensor | None = None) -> ArgmaxOutput:
-        """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
-        decided from each row's own hidden state alone, and the outputs of ``layers``."""
-        tree_kw = {} if tree is None else {"tree": tree}
-        if self._fixed is not None and tokens.numel() <= MAX_ROWS:  # each row's logits from its own fixed-shape pass
-            passed = self.forward(tokens, pos, layers=layers, **tree_kw)
-            return ArgmaxOutput(passed.logits.argmax(-1), passed.layers if layers else None)
-        passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
-        return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
-
-    def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None) -> torch.Tensor:
-        """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""
-        out = (head or self.lm_head)(h).float()
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        return out
 
     def _body(self, h, parts, skip, layers):
         """The transformer layers over the rows ``h`` [rows, hidden] of one or more sequences.
@@ -674,64 +410,6 @@ class NativeBackend(BackendBase):
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]
 
-    def _masks(self, pos: int, T: int):
-        """Boolean masks [T, S] (True = attend) with the first key index, for full and sliding layers."""
-        end = pos + T
-        if self.quant is not None:  # the integer path reads each row's keys only
-            start = max(0, pos - self.window + 1) if self.window else 0
-            return {False: (0, None, RowKeys.chain(pos, T, None)), True: (start, None, RowKeys.chain(pos, T, self.window))}
-        q = torch.arange(pos, end, device=self.device)[:, None]
-        full_k = torch.arange(0, end, device=self.device)[None, :]
-        full = None if T == 1 else (full_k <= q)
-        start = max(0, pos - self.window + 1) if self.window else 0
-        k = torch.arange(start, end, device=self.device)[None, :]
-        sliding = (k <= q) & (k > q - self.window) if self.window else (k <= q)
-        if T == 1 and bool(sliding.all()):
-            sliding = None
-        if (T <= INVARIANT_ROWS or self.quant is not None) and self.batch_invariant:  # each row: exactly the keys a one-token step sees
-            return {False: (0, full, RowKeys.chain(pos, T, None)), True: (start, sliding, RowKeys.chain(pos, T, self.window))}
-        return {False: (0, full), True: (start, sliding)}
-
-    def _tree_masks(self, pos: int, parents: torch.Tensor):
-        """Positions [T] and masks like ``_masks`` for a tree pass (keys: the prefix, then the rows)."""
-        from forerun.tree import tree_layout
-
-        depth, anc = tree_layout(parents)
-        T = depth.numel()
-        dev = self.device
-        qpos = (pos + depth).to(dev)
-        kpos = torch.cat([torch.arange(pos, device=dev), qpos])
-        seen = torch.cat([torch.ones(T, pos, dtype=torch.bool, device=dev), anc.to(dev)], 1)  # [T, pos + T]
-        start = max(0, pos - self.window + 1) if self.window else 0
-        sliding = seen
-        if self.window:
-            sliding = seen & (kpos[None, :] > qpos[:, None] - self.window)
-        if (T <= INVARIANT_ROWS or self.quant is not None) and self.batch_invariant:  # the prefix, then the row's ancestors and itself
-            rows = [r.nonzero().view(-1).tolist() for r in anc]  # each row's ancestors and itself, in row order
-            dep = depth.tolist()
-            w = self.window
-            extras = [[pos + j for j in a] for a in rows]
-            return qpos, {False: (0, seen, RowKeys([0] * T, [pos] * T, extras)),
-                          True: (start, sliding[:, start:], RowKeys(
-                              [min(pos, max(0, pos + dep[i] - w + 1)) if w else 0 for i in range(T)], [pos] * T,
-                              [[pos + j for j in a if not w or dep[j] > dep[i] - w] for i, a in enumerate(rows)]))}
-        return qpos, {False: (0, seen), True: (start, sliding[:, start:])}
-
-    @torch.inference_mode()
-    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
-        """After a tree pass at ``pos``: move the kept rows (1-based, in path order) to the slots
-        right after the root's, so the cache holds the accepted path only."""
-        if rows:
-            src = torch.tensor([pos + r for r in rows], device=self.device)
-            n = len(rows)
-            self.k_cache[:, :, pos + 1 : pos + 1 + n] = self.k_cache[:, :, src]
-            self.v_cache[:, :, pos + 1 : pos + 1 + n] = self.v_cache[:, :, src]
-        self._len = min(self._len, pos + 1 + len(rows))
-
-    def _store(self, idx: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
-        """Keys and values k, v [T, kv_heads, D] of positions pos.. into layer ``idx`` of the cache."""
-        self.k_cache[idx, :, pos: pos + k.shape[0]] = k.transpose(0, 1)
-        self.v_cache[idx, :, pos: pos + k.shape[0]] = v.transpose(0, 1)
 
     def _attention(self, layer: Layer, idx: int, q, k, v, pos, mask_info):
         """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys

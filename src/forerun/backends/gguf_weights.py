@@ -1,0 +1,111 @@
+"""The native backend on a GGUF file's own blocks: every layer and the LM head repacked for the
+integer kernels (``qrows.c``, 8-bit activations; the default), or the blocks serving the float32
+path's small passes bit for bit as the dequantized weights (``block_weights``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_codes
+from forerun.backends.linear import f32_rows_kernel
+from forerun.backends.qweights import ACT_CODES, QLayer, QLayerC, QLinear, qrows_lib
+from forerun.gguf_file import GGUFFile
+
+log = logging.getLogger("forerun")
+
+
+class GGUFWeights:
+    """GGUF attachment methods of ``NativeBackend``."""
+
+    # GGUF layer names of each Layer linear, in the order its weight stacks them
+    _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+                   "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+
+    def _attach_integer(self, path: str) -> bool:
+        """Repack every layer's GGUF blocks and the LM head for ``qrows.c``; False (nothing kept)
+        where a weight's type is not handled or the kernels do not build."""
+
+        try:
+            g = GGUFFile.open(path)
+        except (OSError, ValueError) as e:
+            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
+            return False
+        files = self._files
+        if files is not None:
+            head = files.head_name or files.embed_name
+        else:
+            head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w,
+                                                               files.row_orders if files is not None else None))
+
+    def attach_integer(self, codes_of) -> bool:
+        """Run every layer and the LM head on the integer kernels, with the blocks that
+        ``codes_of(gguf_names, weight)`` gives ((Codes, GGUF type) per tensor, stacked as ``weight``
+        stacks them, or None); the head is asked for as ``["output"]``. False (nothing changed)
+        where one is missing or the kernels cannot run it."""
+
+        if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
+                or self.hidden_size % 32 or self.device.type != "cpu" or self.dtype != torch.float32):
+            return False
+        quant = []
+        for i, layer in enumerate(self.layers):
+            lins = {}
+            for attr, parts in self._GGUF_PARTS.items():
+                codes = codes_of([f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
+                if codes is None or any(c.codes.shape[1] % 32 for c, _ in codes):
+                    log.info("layer %d %s: a weight type the integer kernels do not take; float32 path", i, attr)
+                    return False
+                lins[attr] = QLinear(codes)
+            quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
+        codes = codes_of(["output"], self.lm_head._weight)  # not built from a file where it was left there
+        if codes is None:
+            log.info("LM head: a weight type the integer kernels do not take; float32 path")
+            return False
+        self.lm_head.qlin = QLinear(codes)
+        self.quant = quant
+        self._fixed = None  # the integer path computes every row alone already, in its own kernels
+        self._qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
+        # float16 keys and values from now on (as llama.cpp keeps them): half the bytes a step reads
+        # at long contexts; a cache of the float32 path is not carried over
+        self.k_cache = self.v_cache = None
+        self._cap = self._len = 0
+        self._exact = None
+        # never read again: the layers' float32 weights (stacked copies of the model's) and
+        # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
+        for layer in self.layers:
+            for attr in self._GGUF_PARTS:
+                lin = getattr(layer, attr)
+                lin.packed = None
+                lin.weight = lin.weight.to("meta")
+        self.lm_head.packed, self.lm_head.autotune = None, False
+        log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
+                 (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
+        return True
+
+    def _attach_blocks(self, path: str) -> None:
+        """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""
+
+        if block_rows_kernel() is None or f32_rows_kernel() is None:
+            return
+        try:
+            g = GGUFFile.open(path)
+        except (OSError, ValueError) as e:
+            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
+            return
+        done = total = 0
+        blocks = floats = 0
+        for i, layer in enumerate(self.layers):
+            for attr, parts in self._GGUF_PARTS.items():
+                lin = getattr(layer, attr)
+                total += 1
+                lin.blocks = from_gguf(g, [f"blk.{i}.{p}.weight" for p in parts], lin.weight)
+                if lin.blocks is not None:
+                    done += 1
+                    blocks += lin.blocks.nbytes
+                    floats += lin.weight.numel() * 4
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        self.lm_head.blocks = from_gguf(g, [head], self.lm_head.weight)
+        log.info("%d of %d layer products and %s LM head read GGUF blocks (%.0f MB instead of %.0f MB of float32)",
+                 done, total, "the" if self.lm_head.blocks is not None else "not the", blocks / 1e6, floats / 1e6)

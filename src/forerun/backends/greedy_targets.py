@@ -1,0 +1,101 @@
+"""How the native backend decides greedy tokens: the argmax of each row's own logits (integer
+path, fixed-shape passes), the screened exact head where it is faster, or float32 logits."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from forerun.backends.base import ArgmaxOutput
+from forerun.backends.fixed_rows import MAX_ROWS
+from forerun.backends.greedy_head import ExactFloatArgmax
+from forerun.backends.linear import PackedLinear
+from forerun.timing import median_s
+
+log = logging.getLogger("forerun")
+
+
+class GreedyTargets:
+    """Greedy-target methods of ``NativeBackend``."""
+
+    def exact_head(self, h: torch.Tensor | None = None):
+        """The screened exact argmax head (``greedy_head.ExactFloatArgmax``), built on first use;
+        None on GPUs, without a C compiler, with ``exact_greedy`` off, or where it lost the timing
+        (then greedy takes the argmax of float32 logits). With ``exact_greedy="auto"`` (the
+        default) the first call times both on one row of ``h`` (final normed hidden states; a
+        random row when None) and keeps the faster for the model's lifetime, so every pass size,
+        method and forked twin decides greedy tokens the same way."""
+        if self._exact is None and self.quant is not None:
+            self._exact = False  # integer logits: each row's own, so their argmax is batch-invariant already
+        if self._exact is None:
+            head = None
+            if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
+                head = ExactFloatArgmax(self.lm_head.weight, threads=torch.get_num_threads(), float_logits=self.lm_head)
+                if not head.available:
+                    head = None
+            if head is not None and self.exact_greedy == "auto":
+                head = head if self._exact_is_faster(head, h) else None
+            self._exact = head if head is not None else False
+        return self._exact or None
+
+    @property
+    def greedy_head(self) -> str:
+        """What decides greedy tokens: ``integer`` on the integer path (the argmax of its logits),
+        ``exact-q8-screened`` once the exact head is in use, else ``float32``."""
+        if self.quant is not None:
+            return "integer"
+        return "exact-q8-screened" if self._exact else "float32"
+
+    def _exact_is_faster(self, head, h: torch.Tensor | None) -> bool:
+        if h is None:
+            g = torch.Generator().manual_seed(0)
+            h = self._norm(torch.randn(1, self.hidden_size, generator=g, device="cpu").to(self.device, self.dtype), self.final_norm)
+        row = h[-1:].float().cpu()
+        exact_s = median_s(lambda: head.argmax(row), 3)
+        float_s = median_s(lambda: self._logits(row.to(self.device, self.dtype)).argmax(-1), 3)
+        log.info("greedy head: %s (one row: screened exact %.1f ms, float32 logits %.1f ms)",
+                 "screened exact" if exact_s < float_s else "float32 logits", exact_s * 1000, float_s * 1000)
+        return exact_s < float_s
+
+    def argmax_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [n] of final normed hidden states h [n, hidden], each decided from its
+        own row: the screened exact head where it is in use, on the integer path the argmax of its
+        logits found inside the kernel (no logits formed; tanh soft-capped heads, where capping can
+        make near logits equal, take the logits), else the argmax of float32 logits."""
+        fn = self._argmax_without_logits(h)
+        return self._logits(h).argmax(-1) if fn is None else fn(h)
+
+    def _argmax_without_logits(self, h: torch.Tensor | None = None):
+        """What ``argmax_hidden`` runs instead of float32 logits, or None."""
+        if self.quant is not None and self.lm_head.qlin is not None and not self.softcap:
+            return lambda x: self.lm_head.qlin.argmax(x)[0]
+        head = self.exact_head(h)
+        return None if head is None else (lambda x: head.argmax(x).to(self.device))
+
+    @property
+    def lazy_tree_head(self) -> bool:
+        """Greedy token trees run the LM head only on the rows the acceptance walk reaches
+        (``forerun.tree.greedy_tree_walk``): on the CPU each head row costs a pass over the
+        262,144-row head, while a GPU does all rows of a pass in about the time of one."""
+        return self.device.type == "cpu"
+
+    @torch.inference_mode()
+    def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
+                       tree: torch.Tensor | None = None) -> ArgmaxOutput:
+        """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
+        decided from each row's own hidden state alone, and the outputs of ``layers``."""
+        tree_kw = {} if tree is None else {"tree": tree}
+        if self._fixed is not None and tokens.numel() <= MAX_ROWS:  # each row's logits from its own fixed-shape pass
+            passed = self.forward(tokens, pos, layers=layers, **tree_kw)
+            return ArgmaxOutput(passed.logits.argmax(-1), passed.layers if layers else None)
+        passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
+        return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
+
+    def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None) -> torch.Tensor:
+        """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""
+        out = (head or self.lm_head)(h).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
