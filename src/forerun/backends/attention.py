@@ -136,3 +136,57 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowK
     if rc != 0:
         raise MemoryError("attn_rows: out of memory")
     return out.view(T, H * D)
+
+
+class CacheAttention:
+    """Attention over ``NativeBackend``'s own cache for the library path (prompt passes, backends
+    that need not be batch-invariant) and the batch-invariant one row by row (``attention_rows``)."""
+
+    def _attention(self, layer, idx: int, q, k, v, pos, mask_info):
+        """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys
+        and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D], before the
+        output projection."""
+        T, D = q.shape[0], self.head_dim
+        end = pos + T
+        self._store(idx, k, v, pos)
+        start, mask = mask_info[:2]
+        if self.arch.attn_softcap:
+            return self._capped_attention(q, idx, start, end, mask_info)
+        if len(mask_info) > 2:  # batch-invariant: every row as a one-token step over its own keys
+            return attention_rows(q, self.k_cache[idx], self.v_cache[idx], mask_info[2], self.scale)
+        keys = self.k_cache[idx, :, start:end]  # [kv_heads, S, D]
+        vals = self.v_cache[idx, :, start:end]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys[None],
+            vals[None],
+            attn_mask=None if mask is None else mask[None, None],
+            scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )  # [1, heads, T, D]
+        return out[0].transpose(0, 1).reshape(T, self.n_heads * D)
+
+    def _capped_attention(self, q, idx, start, end, mask_info):
+        """Attention with Gemma 2's soft cap on the scores (cap * tanh(s / cap)), which the fused
+        kernels lack: q [T, heads, D] -> [T, heads * D]. Batch-invariant passes take each row alone
+        over its own keys (as a one-token step does)."""
+        T, H, D = q.shape
+        cap, group = self.arch.attn_softcap, self.n_heads // self.n_kv_heads
+        k_all, v_all = self.k_cache[idx], self.v_cache[idx]
+
+        def attend(qr, kk, vv, mask=None):  # qr [H, t, D], kk/vv [kv_heads, S, D]
+            kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
+            scores = torch.tanh((qr @ kk.transpose(1, 2)).float() * self.scale / cap) * cap
+            if mask is not None:
+                scores = scores.masked_fill(~mask[None], float("-inf"))
+            return (scores.softmax(-1).to(vv.dtype) @ vv).transpose(0, 1)  # [t, H, D]
+
+        qt = q.transpose(0, 1)
+        if len(mask_info) > 2:
+            keys = mask_info[2]
+            outs = [attend(qt[:, t: t + 1], *keys.keys_values(t, k_all, v_all)) for t in range(T)]
+            return torch.cat(outs).reshape(T, H * D)
+        mask = mask_info[1]
+        if mask is None:
+            mask = torch.ones(T, end - start, dtype=torch.bool, device=q.device)
+        return attend(qt, k_all[:, start:end], v_all[:, start:end], mask).reshape(T, H * D)

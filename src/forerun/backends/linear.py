@@ -4,11 +4,15 @@ the choice between them; ``INVARIANT_ROWS`` says which passes must be computed r
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from forerun.backends.ckernels import kernel
 from forerun.timing import median_s
+
+log = logging.getLogger("forerun")
 
 # Passes of up to this many rows (one-token steps, chains, token trees with a lookup branch) are
 # computed row by row alike where the backend is batch-invariant (see NativeBackend.batch_invariant);
@@ -175,3 +179,43 @@ def _rows_product(fn: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tenso
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [T, in] with zero rows appended up to ``rows``."""
     return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+
+
+class BodyKernelChoice:
+    """Which kernel ``NativeBackend``'s layers run their small passes on, chosen once per model."""
+
+    @property
+    def body_kernel(self) -> str:
+        """How the layers' linear products run for passes of up to ``INVARIANT_ROWS`` rows:
+        ``onednn`` (prepacked weights) or ``rows`` (``f32_rows.c``: each weight row read once for
+        all rows of the pass; a row's sums do not depend on the other rows). ``rows`` wherever it
+        builds when the backend is to be batch-invariant (the default), else chosen on first use
+        by timing whole body passes of 1 and 5 rows both ways (timed alone, a small layer's weights
+        sit in cache and mislead the choice); longer passes (prompts) stay on oneDNN."""
+        if self.quant is not None:
+            return "int8"
+        if self._body_choice["kernel"] is None:
+            self._body_choice["kernel"] = "onednn"  # meanwhile, and wherever ``rows`` cannot run
+            if (self._pack and self.device.type == "cpu" and self.dtype == torch.float32
+                    and f32_rows_kernel() is not None):
+                self._body_choice["kernel"] = "rows" if self._want_invariant else self._time_body_kernels()
+        return self._body_choice["kernel"]
+
+    def _time_body_kernels(self) -> str:
+        twin = self._twin()
+        ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0), device="cpu")
+        twin.forward(ids[:64], 0, logits=False)
+        times = {}
+        for how in ("onednn", "rows"):
+            self._body_choice["kernel"] = how
+
+            def passes():
+                for n in (1, 5):
+                    twin.truncate(64)
+                    twin.forward(ids[64: 64 + n], 64, logits=False)
+
+            times[how] = median_s(passes, 3)
+        best = min(times, key=times.get)
+        log.info("body kernel: %s (passes of 1 and 5 rows: oneDNN %.1f ms, rows %.1f ms)",
+                 best, times["onednn"] * 1000, times["rows"] * 1000)
+        return best

@@ -4,10 +4,11 @@ per-position KV cache.
 Why not the transformers module: we need positions we choose, a cache rolled back by
 bookkeeping, layer skipping for self-speculation, hidden states, and the least possible
 per-step overhead. The weights are the transformers model's own tensors (no copy),
-except that linear layers are prepacked for oneDNN on CPU (``backends/linear.py``). Beside this file:
-the architecture and its layers (``arch.py``), the cache (``kv_cache.py``), positions and masks
-(``positions.py``), greedy targets (``greedy_targets.py``), GGUF blocks (``gguf_weights.py``),
-attention that is every row's own (``attention.py``), fixed-shape passes for GPUs (``fixed_rows.py``).
+except that linear layers are prepacked for oneDNN on CPU. Here: loading, the forward and the
+batched forward. Beside this file, the class's other parts: the cache (``kv_cache.py``), positions
+and masks (``positions.py``), attention over the cache (``attention.py``), the body's kernel choice
+(``linear.py``), greedy targets (``greedy_targets.py``), GGUF blocks (``gguf_weights.py``); and the
+architecture and its layers (``arch.py``), fixed-shape passes for GPUs (``fixed_rows.py``).
 """
 
 from __future__ import annotations
@@ -21,19 +22,19 @@ import torch.nn.functional as F
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.arch import Arch, Layer, add_bias, norm_weight, rms_norm, rotate_half
-from forerun.backends.attention import SequenceRows, attention_rows, attn_rows_kernel
+from forerun.backends.attention import CacheAttention, SequenceRows, attn_rows_kernel
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, MAX_ROWS, FixedRows
 from forerun.backends.gguf_weights import GGUFWeights
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
-from forerun.backends.linear import ROWS_ANY, PackedLinear, f32_rows_kernel
+from forerun.backends.linear import ROWS_ANY, BodyKernelChoice, PackedLinear
 from forerun.backends.positions import PassPositions
-from forerun.timing import median_s
 
 log = logging.getLogger("forerun")
 
 
-class NativeBackend(KVCache, PassPositions, GreedyTargets, GGUFWeights, BackendBase):
+class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, GreedyTargets, GGUFWeights,
+                    BackendBase):
     """Our own forward pass for the architectures in ``SUPPORTED_MODEL_TYPES``."""
 
     @property
@@ -156,23 +157,6 @@ class NativeBackend(KVCache, PassPositions, GreedyTargets, GGUFWeights, BackendB
         return twin
 
     @property
-    def body_kernel(self) -> str:
-        """How the layers' linear products run for passes of up to ``INVARIANT_ROWS`` rows:
-        ``onednn`` (prepacked weights) or ``rows`` (``f32_rows.c``: each weight row read once for
-        all rows of the pass; a row's sums do not depend on the other rows). ``rows`` wherever it
-        builds when the backend is to be batch-invariant (the default), else chosen on first use
-        by timing whole body passes of 1 and 5 rows both ways (timed alone, a small layer's weights
-        sit in cache and mislead the choice); longer passes (prompts) stay on oneDNN."""
-        if self.quant is not None:
-            return "int8"
-        if self._body_choice["kernel"] is None:
-            self._body_choice["kernel"] = "onednn"  # meanwhile, and wherever ``rows`` cannot run
-            if (self._pack and self.device.type == "cpu" and self.dtype == torch.float32
-                    and f32_rows_kernel() is not None):
-                self._body_choice["kernel"] = "rows" if self._want_invariant else self._time_body_kernels()
-        return self._body_choice["kernel"]
-
-    @property
     def batch_invariant(self) -> bool:
         """Whether every row of a pass of up to ``INVARIANT_ROWS`` rows (a chain, a token tree) is
         computed bit for bit as a one-token step at that position computes it: the layers' products
@@ -184,25 +168,6 @@ class NativeBackend(KVCache, PassPositions, GreedyTargets, GGUFWeights, BackendB
         if self._fixed is not None:
             return True  # fixed shapes (``fixed_rows``)
         return self.body_kernel in ("rows", "int8") and self._want_invariant
-
-    def _time_body_kernels(self) -> str:
-        twin = self._twin()
-        ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0), device="cpu")
-        twin.forward(ids[:64], 0, logits=False)
-        times = {}
-        for how in ("onednn", "rows"):
-            self._body_choice["kernel"] = how
-
-            def passes():
-                for n in (1, 5):
-                    twin.truncate(64)
-                    twin.forward(ids[64: 64 + n], 64, logits=False)
-
-            times[how] = median_s(passes, 3)
-        best = min(times, key=times.get)
-        log.info("body kernel: %s (passes of 1 and 5 rows: oneDNN %.1f ms, rows %.1f ms)",
-                 best, times["onednn"] * 1000, times["rows"] * 1000)
-        return best
 
     def sub_head(self, rows: torch.Tensor) -> PackedLinear:
         """An LM head over the vocabulary rows ``rows`` only (logits come back in that order)."""
@@ -409,53 +374,3 @@ class NativeBackend(KVCache, PassPositions, GreedyTargets, GGUFWeights, BackendB
         lg, am = run(self._logits, False), run(argmax, True)
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]
-
-
-    def _attention(self, layer: Layer, idx: int, q, k, v, pos, mask_info):
-        """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys
-        and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D], before the
-        output projection."""
-        T, D = q.shape[0], self.head_dim
-        end = pos + T
-        self._store(idx, k, v, pos)
-        start, mask = mask_info[:2]
-        if self.arch.attn_softcap:
-            return self._capped_attention(q, idx, start, end, mask_info)
-        if len(mask_info) > 2:  # batch-invariant: every row as a one-token step over its own keys
-            return attention_rows(q, self.k_cache[idx], self.v_cache[idx], mask_info[2], self.scale)
-        keys = self.k_cache[idx, :, start:end]  # [kv_heads, S, D]
-        vals = self.v_cache[idx, :, start:end]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys[None],
-            vals[None],
-            attn_mask=None if mask is None else mask[None, None],
-            scale=self.scale,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )  # [1, heads, T, D]
-        return out[0].transpose(0, 1).reshape(T, self.n_heads * D)
-
-    def _capped_attention(self, q, idx, start, end, mask_info):
-        """Attention with Gemma 2's soft cap on the scores (cap * tanh(s / cap)), which the fused
-        kernels lack: q [T, heads, D] -> [T, heads * D]. Batch-invariant passes take each row alone
-        over its own keys (as a one-token step does)."""
-        T, H, D = q.shape
-        cap, group = self.arch.attn_softcap, self.n_heads // self.n_kv_heads
-        k_all, v_all = self.k_cache[idx], self.v_cache[idx]
-
-        def attend(qr, kk, vv, mask=None):  # qr [H, t, D], kk/vv [kv_heads, S, D]
-            kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
-            scores = torch.tanh((qr @ kk.transpose(1, 2)).float() * self.scale / cap) * cap
-            if mask is not None:
-                scores = scores.masked_fill(~mask[None], float("-inf"))
-            return (scores.softmax(-1).to(vv.dtype) @ vv).transpose(0, 1)  # [t, H, D]
-
-        qt = q.transpose(0, 1)
-        if len(mask_info) > 2:
-            keys = mask_info[2]
-            outs = [attend(qt[:, t: t + 1], *keys.keys_values(t, k_all, v_all)) for t in range(T)]
-            return torch.cat(outs).reshape(T, H * D)
-        mask = mask_info[1]
-        if mask is None:
-            mask = torch.ones(T, end - start, dtype=torch.bool, device=q.device)
-        return attend(qt, k_all[:, start:end], v_all[:, start:end], mask).reshape(T, H * D)
