@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from forerun import kept
+from forerun.backends.ckernels import chosen_isa
 
 CONTEXT, REPS = 128, 5
 
@@ -58,8 +59,6 @@ def measure(path: Path, threads: int, load_torch) -> dict:
 
 def _key(path: Path, threads: int) -> list:
     import llama_cpp
-
-    from forerun.backends.ckernels import chosen_isa
 
     return [kept.file_key(path), chosen_isa(), threads, getattr(llama_cpp, "__version__", "?")]
 

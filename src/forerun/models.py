@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from forerun.backends.arch import SUPPORTED_MODEL_TYPES
 from forerun.errors import ForerunError
 from forerun.paths import cache_dir  # noqa: F401  (models.cache_dir stays importable)
 
@@ -475,7 +476,6 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     from transformers import AutoModelForCausalLM
 
     from forerun.backends.gguf_model import skeleton
-    from forerun.backends.arch import SUPPORTED_MODEL_TYPES
     from forerun.backends.native import NativeBackend
 
     timed = _TIMED.pop(str(path.resolve()), None)  # loaded a moment ago to time it (``timed_backend``)
@@ -521,7 +521,6 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
     """Put an already-built transformers model behind a backend (``gguf``: the file its weights
     were dequantized from, whose blocks the native backend reads)."""
     from forerun.backends.hf import HFBackend
-    from forerun.backends.arch import SUPPORTED_MODEL_TYPES
     from forerun.backends.native import NativeBackend
 
     model_type = getattr(hf_model.config, "model_type", None)

@@ -5,7 +5,7 @@ rows of several sequences of a batched pass in one call."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -13,8 +13,6 @@ import torch.nn.functional as F
 
 from forerun.backends.ckernels import kernel
 
-if TYPE_CHECKING:
-    from forerun.backends.native import NativeBackend
 
 def attn_rows_kernel():
     """The compiled ``attn_rows.c`` (see there), or None where it cannot be built (logged once)."""
@@ -66,7 +64,7 @@ class SequenceRows:
     """The rows of a batched pass over several sequences, for one ``attn_rows.c`` call per layer:
     every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
 
-    def __init__(self, seqs: Sequence["NativeBackend"], keys: Sequence[RowKeys], positions: Sequence[int]):
+    def __init__(self, seqs: Sequence, keys: Sequence[RowKeys], positions: Sequence[int]):  # seqs: forks of one NativeBackend
         """``positions``: where each sequence's rows start in its cache. Built from plain lists, one
         tensor per field: a one-token step spends little here."""
         pos, lo, hi, xp, extra, kb, vb, caps = [], [], [], [0], [], [], [], []

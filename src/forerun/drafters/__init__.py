@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from forerun.backends.arch import SUPPORTED_ARCHITECTURES
 from forerun.drafters.base import Draft, Drafter
 from forerun.errors import ForerunError
 
@@ -47,8 +48,6 @@ def require_hidden_states(target, what: str, alternative: str = "") -> None:
     """Refuse ``what`` (a method or command) unless ``target``'s backend hands out its hidden
     states and embeddings, as trained heads need."""
     if not target.backend.capabilities.hidden_states:
-        from forerun.backends.arch import SUPPORTED_ARCHITECTURES
-
         raise ForerunError(f"{what} reads the target's hidden states: it needs the torch backend on a "
                            f"{SUPPORTED_ARCHITECTURES} model{alternative}")
 
@@ -172,8 +171,6 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
     if not target.backend.capabilities.layer_skip:
-        from forerun.backends.arch import SUPPORTED_ARCHITECTURES
-
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
                            "llama.cpp has no per-call layer selection")
     from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration

@@ -27,7 +27,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from forerun.backends.linear import PackedLinear
 from forerun.errors import ForerunError
 
 FORMAT_VERSION = 1
@@ -189,8 +192,6 @@ class DraftHead(nn.Module):
         self._native = None
 
     def _pack_layer(self, m: nn.Linear):
-        from forerun.backends.linear import PackedLinear
-
         if getattr(self, "_int8", False):
             return _Q8Linear(m.weight.detach())
         return PackedLinear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=self._half)
@@ -218,11 +219,9 @@ class DraftHead(nn.Module):
     def save(self, path: str | Path, dtype: torch.dtype | str = torch.float16) -> None:
         """Weights are stored as ``dtype`` (half the size of float32) and computed in float32 after
         loading; a loaded head saves back bit-identically. ``dtype="q8"``: every matrix as 8-bit
-        blocks with scales; ``"q5"`` etc. fewer bits (``store_quantized``; the shipped heads are q5)."""
+        blocks with scales; ``"q5"`` etc. fewer bits (``store_quantized``; the shipped heads are q5 and q6)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        from safetensors.torch import save_file
-
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         meta = None
         if isinstance(dtype, str):  # "q8", "q5", ...: codes of that many bits
@@ -591,8 +590,6 @@ def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | 
         raise ForerunError(f"{path} was trained for another target ({why})")
     vocab = fingerprint["vocab_size"] if fingerprint is not None else cfg.vocab_size
     try:
-        from safetensors import safe_open
-
         with safe_open(str(weights), "pt") as f:
             tensors = load_quantized({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
     except Exception as e:  # safetensors raises its own error types for a damaged file

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from forerun.backends.arch import rms_norm
 from forerun.drafters.heads import (DraftHead, HeadConfig, build_head, default_feature_layers, eagle3_feature_layers,
                                     target_fingerprint)
 from forerun.errors import ForerunError
@@ -305,8 +306,6 @@ class Trainer:
         exactly as it computes them (renormalised over the draft vocabulary)."""
         if self.extract_layers[-1] != self.num_layers - 1 or self.final_norm is None:
             raise ForerunError("soft labels need the target's last layer among the feature layers")
-        from forerun.backends.arch import rms_norm
-
         h = rms_norm(feats[..., -self.embed.shape[1]:].float(), self.final_norm.float(), self.eps)
         logits = h @ self.lm_head[d2t].float().T
         if self.softcap:
