@@ -19,17 +19,9 @@ PROMPT = [2, 5, 6, 7, 8, 5, 6, 7, 9, 10, 11, 5, 6, 7]
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)
 
 
-class _Meta:
-    def __enter__(self):
-        torch.set_default_device("meta")
-
-    def __exit__(self, *exc):
-        torch.set_default_device(None)
-
-
 def test_an_undeviced_tensor_fails_under_the_check():
     """The check itself: a tensor made without a device cannot mix with the model's."""
-    with _Meta(), pytest.raises((RuntimeError, NotImplementedError)):
+    with torch.device("meta"), pytest.raises((RuntimeError, NotImplementedError)):
         (torch.ones(3, device="cpu") + torch.ones(3)).tolist()
 
 
@@ -63,13 +55,13 @@ def test_every_method_runs_with_no_default_device(setup, method, kw):
 
         want = Engine(lm.backend, drafter(), lm.eos_token_ids).generate(PROMPT, max_new_tokens=10, k=3, params=params)
         eng = Engine(lm.backend, drafter(), lm.eos_token_ids)
-        with _Meta():
+        with torch.device("meta"):
             got = eng.generate(PROMPT, max_new_tokens=10, k=3, params=params)
         assert got.token_ids == want.token_ids  # the same run, only the default device differs
         batch = BatchEngine(lm.backend, lm.eos_token_ids, drafter=drafter(), max_batch=2)
         reqs = [BatchRequest(prompt=PROMPT, max_new_tokens=8, params=params),
                 BatchRequest(prompt=PROMPT[:9], max_new_tokens=8, params=params)]
-        with _Meta():
+        with torch.device("meta"):
             run_batch(batch, reqs)
         assert all(r.error is None for r in reqs), [r.error for r in reqs]
 
@@ -86,12 +78,12 @@ def test_fixed_shape_passes_run_with_no_default_device(dtype):
             want = Engine(lm.backend, make_drafter(method, lm, **kw), lm.eos_token_ids).generate(
                 PROMPT, max_new_tokens=10, k=3, params=params)
             eng = Engine(lm.backend, make_drafter(method, lm, **kw), lm.eos_token_ids)
-            with _Meta():
+            with torch.device("meta"):
                 got = eng.generate(PROMPT, max_new_tokens=10, k=3, params=params)
             assert got.token_ids == want.token_ids
             batch = BatchEngine(lm.backend, lm.eos_token_ids, drafter=make_drafter(method, lm, **kw), max_batch=2)
             reqs = [BatchRequest(prompt=PROMPT, max_new_tokens=8, params=params),
                     BatchRequest(prompt=PROMPT[:9], max_new_tokens=8, params=params)]
-            with _Meta():
+            with torch.device("meta"):
                 run_batch(batch, reqs)
             assert all(r.error is None for r in reqs), [r.error for r in reqs]

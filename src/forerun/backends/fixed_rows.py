@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from forerun.backends.arch import rotate_half
+from forerun.backends.arch import add_bias, rotate_half
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")
@@ -52,8 +52,7 @@ def key_span(position: int, limit: int) -> int:
 
 
 def _linear(lin, x: torch.Tensor, bias) -> torch.Tensor:
-    out = F.linear(x, lin.weight)
-    return out if bias is None else out + bias
+    return add_bias(F.linear(x, lin.weight), bias)  # the library product at this chunk's fixed shape
 
 
 class FixedRows:
@@ -193,11 +192,7 @@ class FixedRows:
             if i in layers:
                 want[i] = h
         hn = be._norm(h, be.final_norm)
-        logits = None
-        if want_logits:
-            logits = F.linear(hn, be.lm_head.weight).float()
-            if be.softcap:
-                logits = torch.tanh(logits / be.softcap) * be.softcap
+        logits = be._logits(hn) if want_logits else None
         return hn, logits, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @staticmethod

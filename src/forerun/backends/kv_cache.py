@@ -25,12 +25,13 @@ class KVCache:
     def _ensure_capacity(self, n: int) -> None:
         if n <= self._cap:
             return
-        cap = max(256, self._cap)
-        while cap < n:
-            cap *= 2
-        cap = min(cap, self.max_context)
         if self._fixed is not None:  # whole at once (its strides never change), and a spare slot for padding rows
             cap = self.max_context + 1
+        else:
+            cap = max(256, self._cap)
+            while cap < n:
+                cap *= 2
+            cap = min(cap, self.max_context)
         shape = (self.num_layers, self.n_kv_heads, cap, self.head_dim)
         k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
