@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from forerun.training.trainer import chain_tau
+from forerun.drafters.head_training import chain_tau
 
 
 def main(argv):

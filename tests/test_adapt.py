@@ -10,7 +10,7 @@ from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 from forerun.training.evaluate import replay_generation
-from forerun.training.trainer import TrainConfig, Trainer
+from forerun.drafters.head_training import TrainConfig, Trainer
 
 from test_engine import PROMPTS
 from test_heads import _sequences

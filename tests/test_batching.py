@@ -406,7 +406,7 @@ def test_calibration_is_bounded_in_time(gemma):
     costs = eng.calibrate(reps=1, budget_s=0.0)
     assert list(costs) == [1, 2]
     assert eng.policy.cost(3) > 0
-    full = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2).calibrate(reps=1)
+    full = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2, k_max=8).calibrate(reps=1)
     assert list(full) == list(range(1, 17))  # within the budget: every row count up to 2 x (8 + 1)
 
 
@@ -417,10 +417,10 @@ def test_calibration_is_kept_for_the_next_start(gemma, tmp_path, monkeypatch):
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
     key = model_key(gemma)
-    first = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2)
+    first = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2, k_max=8)
     costs = first.calibrate(reps=1, keep_as=key)
     assert list(costs) == list(range(1, 17))
-    second = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2)
+    second = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2, k_max=8)
     monkeypatch.setattr(second, "_pass", lambda *a, **k: pytest.fail("timed again"))
     assert second.calibrate(reps=1, keep_as=key) == costs
     other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1)

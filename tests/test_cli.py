@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import tiny_gemma, word_tokenizer
+
 from forerun.cli import main
 
 
@@ -141,9 +141,9 @@ def test_bench_writes_results(capsys, tiny_folder, tmp_path):
     assert (out / "results.md").exists()
     # the draft lengths the methods ran with, not the --k default they did not use
     assert "k per method: ngram 4, layerskip:2 2" in (out / "results.md").read_text()
-    from forerun.bench import _k_text
+    from forerun.bench_report import k_text
 
-    assert _k_text({"k": 4, "peers": ["llama.cpp"], "method_k": {"none": 4, "ngram:auto": "auto"}}) == "k=auto"
+    assert k_text({"k": 4, "peers": ["llama.cpp"], "method_k": {"none": 4, "ngram:auto": "auto"}}) == "k=auto"
     # charts beside the report, linked from it: real PNG files
     for chart in ("tokens_per_s", "acceptance_by_position", "verify_cost"):
         png = out / f"{chart}.png"

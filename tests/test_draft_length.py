@@ -3,10 +3,10 @@ the tree-or-lookup choice."""
 
 import random
 
-from forerun.bench import _predicted_speedup
+from forerun.bench_report import predicted_speedup
 from forerun.draft_length import AcceptanceTable, DraftLength, chain_yield, expected_tokens, interpolate
-from forerun.stats import GenerationStats
 from forerun.drafters.ngram import NgramDrafter, lookup_match
+from forerun.stats import GenerationStats
 
 
 def _measured(pol, base=0.010, per_row=0.003, rows=range(1, 20), kind="pass"):
@@ -235,7 +235,7 @@ def test_alpha_estimate_recovers_iid_acceptance():
     # free drafts and a verify pass costing one step: predicted speedup = tokens per pass
     none = {"new_tokens": 100, "wall_s": 1.0}
     m = {"drafted": st.drafted, "target_passes": st.target_passes, "alpha": st.alpha, "draft_s": 0.0}
-    assert abs(_predicted_speedup(m, none, {"4": 1.0}) - expected_tokens(0.6, 4)) < 0.03
+    assert abs(predicted_speedup(m, none, {"4": 1.0}) - expected_tokens(0.6, 4)) < 0.03
     assert expected_tokens(st.acceptance_rate, 4) < 1.7  # accepted / drafted as alpha: far too low
 
 

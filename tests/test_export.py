@@ -17,7 +17,7 @@ from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.training.export import (SPECULATORS_REQUIRED, check_speculators_config, export_head, export_tensors,
                                      refusal)
-from forerun.training.trainer import TrainConfig, Trainer
+from forerun.drafters.head_training import TrainConfig, Trainer
 
 from test_engine import PROMPTS
 from test_heads import _train

@@ -18,6 +18,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 from forerun.server.run import build_service  # noqa: E402
+from serving import setup_for  # noqa: E402
 from test_server import Live  # noqa: E402
 
 # Cases per operation: a bounded number in the suite; FORERUN_FUZZ_CASES=2000 for the long run (docs/server.md).
@@ -28,7 +29,7 @@ CHECKS = (not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def fuzzed(gemma):
-    srv = Live(build_service(gemma, method="ngram", name="tiny", max_batch=4, max_tokens=16, calibrate=False))
+    srv = Live(build_service(setup_for(gemma, "ngram"), name="tiny", max_batch=4, max_tokens=16, calibrate=False))
     yield srv
     status, health = srv.request("GET", "/health")  # after every case: still up, engine alive
     srv.close()

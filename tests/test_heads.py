@@ -14,7 +14,7 @@ from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 from forerun.training.data import Sequence
-from forerun.training.trainer import TrainConfig, Trainer, extract_features
+from forerun.drafters.head_training import TrainConfig, Trainer, extract_features
 
 from test_engine import PROMPTS
 
@@ -642,7 +642,8 @@ def test_int8_head_layers_track_float_and_fall_back():
     import torch.nn as nn
 
     from forerun.backends.qweights import qrows_lib
-    from forerun.drafters.heads import HeadConfig, _Q8Linear, build_head
+    from forerun.backends.head_kernels import Q8Linear
+    from forerun.drafters.heads import HeadConfig, build_head
 
     if qrows_lib() is None:
         pytest.skip("qrows.c did not build here (no C compiler)")
@@ -650,7 +651,7 @@ def test_int8_head_layers_track_float_and_fall_back():
     w = torch.randn(48, 96)
     x = torch.randn(3, 96)
     exact = x @ w.T
-    got = _Q8Linear(w)(x)
+    got = Q8Linear(w)(x)
     # weights off by at most half a step (max|w|/254 per block), activations likewise
     bound = (w.abs().amax() / 254 * x.abs().sum(-1, keepdim=True) + x.abs().amax() / 254 * w.abs().sum(-1)) * 1.01
     assert ((got - exact).abs() <= bound).all() and not torch.equal(got, exact)
@@ -661,11 +662,11 @@ def test_int8_head_layers_track_float_and_fall_back():
         return build_head(cfg, torch.arange(50)).eval()
 
     packed = head(64).pack_for_inference()
-    assert all(isinstance(k, _Q8Linear) for k in packed._packed.values())
+    assert all(isinstance(k, Q8Linear) for k in packed._packed.values())
     assert len(packed._packed) == sum(isinstance(m, nn.Linear) for m in packed.modules())
     odd = head(48).pack_for_inference()  # 48 is not whole blocks of 32
-    assert not any(isinstance(k, _Q8Linear) for k in odd._packed.values())
-    assert not any(isinstance(k, _Q8Linear) for k in head(64).pack_for_inference(int8=False)._packed.values())
+    assert not any(isinstance(k, Q8Linear) for k in odd._packed.values())
+    assert not any(isinstance(k, Q8Linear) for k in head(64).pack_for_inference(int8=False)._packed.values())
 
 
 @pytest.mark.parametrize("bits", [8, 5, 4])

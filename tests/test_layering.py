@@ -1,5 +1,6 @@
 """The package's layers: drafters and backends never import what drives them (the engines, the
-server, the CLI, bench), and no module imports another that imports it back at load time."""
+server, the CLI, bench, training), no module or folder imports another that imports it back, and
+imports sit at the top of their modules."""
 
 import ast
 from pathlib import Path
@@ -8,7 +9,11 @@ import forerun
 
 ROOT = Path(forerun.__file__).parent
 DRIVERS = ("forerun.engine", "forerun.batching", "forerun.decode", "forerun.build", "forerun.server", "forerun.cli",
-           "forerun.bench")
+           "forerun.bench", "forerun.training")
+# What a function may import where it runs rather than at the top of its module: dependencies that
+# an install may lack (the llamacpp and server extras; matplotlib is imported only to draw).
+OPTIONAL = ("llama_cpp", "uvicorn", "fastapi", "psutil", "matplotlib", "forerun.server.run")
+MAX_LOCAL_IMPORTS = 25
 
 
 def _module(path: Path) -> str:
@@ -19,28 +24,35 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, top_level_only: bool):
-    """forerun modules imported by the file (at load time only, or anywhere in it)."""
+FILES = {_module(f): f for f in ROOT.rglob("*.py")}
+
+
+def _imports(path: Path):
+    """(forerun module imported, whether at module level) for every import in the file, local
+    ones included; ``from forerun import kept`` names the module ``forerun.kept``."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    for node in nodes:
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("forerun"):
-            yield node.module
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in FILES]
+            for m in subs or [node.module]:
+                yield m, id(node) in top
         elif isinstance(node, ast.Import):
-            yield from (a.name for a in node.names if a.name.startswith("forerun"))
+            yield from ((a.name, id(node) in top) for a in node.names if a.name.startswith("forerun"))
 
 
-def test_drafters_and_backends_do_not_import_their_drivers():
-    bad = []
-    for sub in ("drafters", "backends"):
-        for f in sorted((ROOT / sub).rglob("*.py")):
-            bad += [(_module(f), m) for m in _imports(f, top_level_only=False) if m.startswith(DRIVERS)]
-    assert not bad, bad
+def _local_imports(path: Path):
+    """(line, module) of each import made inside a function."""
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    yield from ((node.lineno, a.name) for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    yield node.lineno, node.module
 
 
-def test_no_import_cycles_at_load_time():
-    files = {_module(f): f for f in ROOT.rglob("*.py")}
-    graph = {m: {i for i in _imports(f, top_level_only=True) if i in files} for m, f in files.items()}
+def _cycles(graph: dict) -> list:
     seen, stack, cycles = set(), [], []
 
     def visit(m):
@@ -51,13 +63,54 @@ def test_no_import_cycles_at_load_time():
             return
         seen.add(m)
         stack.append(m)
-        for n in sorted(graph[m]):
+        for n in sorted(graph.get(m, ())):
             visit(n)
         stack.pop()
 
     for m in sorted(graph):
         visit(m)
-    assert not cycles, cycles
+    return cycles
+
+
+def test_drafters_and_backends_do_not_import_their_drivers():
+    bad = []
+    for sub in ("drafters", "backends"):
+        for f in sorted((ROOT / sub).rglob("*.py")):
+            bad += [(_module(f), m) for m, _ in _imports(f) if m.startswith(DRIVERS)]
+    assert not bad, bad
+
+
+def test_no_import_cycles_between_modules():
+    """Counting every import, local ones too: no module needs one that needs it back."""
+    graph = {m: {i for i, _ in _imports(f) if i in FILES and i != m} for m, f in FILES.items()}
+    graph["forerun"] = set()  # the package's own __init__ names only leaf modules
+    assert not _cycles(graph)
+
+
+def test_no_import_cycles_between_folders():
+    """Each folder (backends, drafters, server, training) taken as one node beside the top-level
+    modules: no folder imports a module that imports the folder back."""
+
+    def node(m):
+        parts = m.split(".")
+        return parts[1] + "/" if len(parts) > 1 and (ROOT / parts[1]).is_dir() else m
+
+    graph: dict = {}
+    for m, f in FILES.items():
+        graph.setdefault(node(m), set()).update(node(i) for i, _ in _imports(f) if i in FILES and node(i) != node(m))
+    graph["forerun"] = set()
+    assert not _cycles(graph)
+
+
+def test_imports_at_the_top():
+    """Functions import only what an install may lack, and each such import says why."""
+    local = [(_module(f), line, m) for f in sorted(ROOT.rglob("*.py")) for line, m in _local_imports(f)]
+    bad = [x for x in local if not x[2].startswith(OPTIONAL)]
+    assert not bad, bad
+    assert len(local) <= MAX_LOCAL_IMPORTS, local
+    for mod, line, _ in local:
+        text = FILES[mod].read_text().splitlines()[line - 1]
+        assert "#" in text, f"{mod}:{line}: say why this import is local"
 
 
 def test_no_private_imports_across_modules():

@@ -109,7 +109,7 @@ def test_train_draft_prompt_set_slices_per_seed(capsys, tiny_folder, tmp_path):
 
 
 def test_running_estimate_text():
-    from forerun.training.trainer import running_estimate
+    from forerun.drafters.head_training import running_estimate
 
     assert running_estimate([None, None]) == ""
     # a chain of depths each agreeing half the time: 1 + 0.5 + 0.25 tokens per pass

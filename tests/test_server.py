@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 
 from forerun.engine import Engine  # noqa: E402
 from forerun.server.run import build_service  # noqa: E402
+from serving import setup_for  # noqa: E402
 
 
 class Live:
@@ -78,7 +79,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(gemma):
-    srv = Live(build_service(gemma, method="ngram", name="tiny", max_batch=4, max_tokens=100))
+    srv = Live(build_service(setup_for(gemma, "ngram"), name="tiny", max_batch=4, max_tokens=100))
     yield srv
     srv.close()
 
@@ -270,7 +271,7 @@ def test_json_only_and_loopback_host_names_only(gemma, live, monkeypatch):
     assert live.request("POST", "/v1/completions", body=body)[0] == 200
     assert live.request("GET", "/v1/models", headers={"Host": "evil.example"})[0] == 200  # not bound to loopback
 
-    srv = Live(build_service(gemma, method="none", name="tiny", calibrate=False, loopback_hosts=True))
+    srv = Live(build_service(setup_for(gemma, "none"), name="tiny", calibrate=False, loopback_hosts=True))
     try:
         for host, status in (("evil.example", 421), ("evil.example:80", 421), (f"127.0.0.1:{srv.port}", 200),
                              (f"localhost:{srv.port}", 200), ("[::1]:80", 200), ("LOCALHOST", 200), ("127.0.0.2", 200),
@@ -294,14 +295,14 @@ def test_json_only_and_loopback_host_names_only(gemma, live, monkeypatch):
         with pytest.raises(ForerunError, match="empty"):
             resolve_api_key(empty)
         with pytest.raises(ForerunError, match="empty"):
-            build_service(gemma, method="none", api_key=empty, calibrate=False)
+            build_service(setup_for(gemma, "none"), api_key=empty, calibrate=False)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_health_reports_a_dead_engine(gemma):
     """The engine loop dying answers the requests it held (500), refuses new ones (503) and turns
     /health to 503."""
-    service = build_service(gemma, method="none", name="tiny", calibrate=False)
+    service = build_service(setup_for(gemma, "none"), name="tiny", calibrate=False)
     srv = Live(service)
     try:
         assert srv.request("GET", "/health") == (200, {"status": "ok", "running": 0, "waiting": 0})
@@ -375,7 +376,7 @@ def test_metrics_present_and_moving(live):
 
 
 def test_disconnect_mid_stream_frees_the_slot(gemma):
-    service = build_service(gemma, method="ngram", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
+    service = build_service(setup_for(gemma, "ngram"), name="tiny", max_batch=2, max_tokens=200, calibrate=False)
     slow = service.engine.decoder.step
 
     def slow_pass(*a, **kw):  # make generation outlast the client
@@ -406,7 +407,7 @@ def test_disconnect_mid_stream_frees_the_slot(gemma):
 
 def test_disconnect_without_streaming_frees_the_slot(gemma):
     """A client that leaves a non-streaming request while tokens keep coming stops its generation."""
-    service = build_service(gemma, method="none", name="tiny", max_batch=2, max_tokens=200, calibrate=False)
+    service = build_service(setup_for(gemma, "none"), name="tiny", max_batch=2, max_tokens=200, calibrate=False)
     slow, submit = service.engine.decoder.step, service.engine.submit
     submitted = []
 
@@ -440,7 +441,7 @@ def test_disconnect_without_streaming_frees_the_slot(gemma):
 
 
 def test_auth_queue_and_timeout(gemma):
-    service = build_service(gemma, method="none", name="tiny", api_key="s3cret", max_batch=1, max_waiting=0,
+    service = build_service(setup_for(gemma, "none"), name="tiny", api_key="s3cret", max_batch=1, max_waiting=0,
                             max_tokens=200, request_timeout=0.6, calibrate=False)
     slow = service.engine.decoder.step
 
@@ -539,8 +540,8 @@ def test_loadtest_compares_named_servers_in_one_table(gemma, capsys):
                           "y": {"levels": [{"concurrency": 1, "output_tokens_per_s": 20.0}]}}}
     assert "| x | 30.0 (1.50x) |" in comparison_table(report) and "| y | 20.0 (0.67x) |" in comparison_table(report)
 
-    a = Live(build_service(gemma, method="none", name="tiny", calibrate=False))
-    b = Live(build_service(gemma, method="ngram", name="tiny", calibrate=False))
+    a = Live(build_service(setup_for(gemma, "none"), name="tiny", calibrate=False))
+    b = Live(build_service(setup_for(gemma, "ngram"), name="tiny", calibrate=False))
     try:
         code = main(["loadtest", "--url", f"plain={a.url}", "--url", f"ngram={b.url}", "--concurrency", "1,2",
                      "--requests", "4", "--max-tokens", "6"])
@@ -612,7 +613,7 @@ def test_connection_limits(gemma):
     connections beyond the cap get 503. Every refusal is counted in /metrics."""
     from forerun.server.limits import Limits
 
-    service = build_service(gemma, method="none", name="tiny", calibrate=False)
+    service = build_service(setup_for(gemma, "none"), name="tiny", calibrate=False)
     srv = Live(service, Limits(keep_alive_s=0.6, read_timeout_s=1.0, max_connections=4, max_header_bytes=4096,
                                linger_s=1.0))
     try:
@@ -699,7 +700,7 @@ def test_served_sampling_follows_the_target():
     from conftest import VOCAB
 
     lm = spread_target()
-    srv = Live(build_service(lm, method="ngram", name="tiny", max_batch=8, calibrate=False))
+    srv = Live(build_service(setup_for(lm, "ngram"), name="tiny", max_batch=8, calibrate=False))
     setting = "t1.4-k6-p0.85"
     marg, _ = exact(lm, setting)
     n = 600

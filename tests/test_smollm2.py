@@ -106,9 +106,10 @@ def test_openai_client_chat_on_smollm2(smollm2):
     """The official client's chat.completions.create, plain and streaming, against the real template."""
     pytest.importorskip("openai")
     from forerun.server.run import build_service
+    from serving import setup_for
     from test_server import Live
 
-    srv = Live(build_service(smollm2, method="ngram", max_batch=2, max_tokens=64))
+    srv = Live(build_service(setup_for(smollm2, "ngram"), max_batch=2, max_tokens=64))
     try:
         client = srv.client()
         ids = [m.id for m in client.models.list().data]

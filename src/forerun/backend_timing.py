@@ -16,16 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from forerun import kept
 from forerun.backends.ckernels import chosen_isa
+from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
+from forerun.timing import median_forward_s
 
 CONTEXT, REPS = 128, 5
 
 
 def _time(backend) -> dict:
-    from forerun.timing import median_forward_s
-
     ids = torch.randint(10, min(backend.vocab_size, 20000), (CONTEXT + 5,), generator=torch.Generator().manual_seed(0), device="cpu")
     fn = "argmax_forward" if backend.capabilities.exact_argmax else "forward"
     step = median_forward_s(backend, ids[: CONTEXT + 1], 1, REPS, method=fn)
@@ -38,10 +39,6 @@ def measure(path: Path, threads: int, load_torch) -> dict:
     """Time both backends on the file at ``path`` (seconds: both load it). ``load_torch()``: the
     torch backend's integer path on the file, or None where it cannot run it (the caller loads it,
     and may keep it for the run that follows)."""
-    from tqdm.auto import tqdm
-
-    from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
-
     bar = tqdm(total=4, desc=f"timing both backends on {path.name} (once)", unit="step", leave=False)
     torch_backend = load_torch()
     bar.update(1)
@@ -58,7 +55,7 @@ def measure(path: Path, threads: int, load_torch) -> dict:
 
 
 def _key(path: Path, threads: int) -> list:
-    import llama_cpp
+    import llama_cpp  # optional (the llamacpp extra): only a llama.cpp timing asks
 
     return [kept.file_key(path), chosen_isa(), threads, getattr(llama_cpp, "__version__", "?")]
 

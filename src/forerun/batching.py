@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
+from forerun import kept
 from forerun.decode import Decoder, Sequence
-from forerun.draft_length import DraftLength
+from forerun.draft_length import K_MAX, DraftLength
 from forerun.errors import ForerunError
 from forerun.prefix_cache import PrefixCache
 from forerun.sampling import SamplingParams
@@ -86,7 +88,7 @@ class BatchEngine:
     RESERVE_POSITIONS = 4096  # cache positions each slot allocates at its start
 
     def __init__(self, target, eos_token_ids=(), *, drafter=None, max_batch: int = 8, max_waiting: int = 64,
-                 k_max: int = 8, speculate: bool = True, prefix_cache_bytes: int = 0):
+                 k_max: int = K_MAX, speculate: bool = True, prefix_cache_bytes: int = 0):
         """``drafter``: a prototype; every slot gets its own ``drafter.fork()``. None (or
         ``speculate=False``): plain batched decoding. ``prefix_cache_bytes``: memory for prompt
         prefixes shared between requests (``forerun.prefix_cache``; 0: none), on backends that can
@@ -206,8 +208,6 @@ class BatchEngine:
         if self.drafter is None:
             return {}
         if keep_as is not None:
-            from forerun import kept
-
             key = [*keep_as, self.max_batch, self.policy.k_max, rows, reps, torch.get_num_threads(),
                    type(self.target).__name__, getattr(self.target, "body_kernel", None)]
             costs = kept.measured("batch-costs", key, lambda: {str(r): t for r, t in self.calibrate(
@@ -222,7 +222,6 @@ class BatchEngine:
         scratch = self.target.fork()
         g = torch.Generator().manual_seed(0)
         t_start = time.perf_counter()
-        from tqdm import tqdm
 
         bar = tqdm(order, desc="timing batched passes", unit="size", disable=not progress, leave=False)
         for r in bar:

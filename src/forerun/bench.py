@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import transformers
+from tqdm import tqdm
 
-from forerun.draft_length import expected_tokens
+from forerun.backend_timing import kept_timing
+from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel, plain_generate
+from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
+from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
+from forerun.chat import prompt_ids, uses_chat
+from forerun.draft_length import DraftLength
+from forerun.drafters import HEAD_METHODS
 from forerun.errors import ForerunError
+from forerun.machine import cpu_name
+from forerun.models import resolve_source
+from forerun.plots import bench_charts
+from forerun.sampling import SamplingParams
+from forerun.timing import median_s
 
 PEERS = ("hf", "hf-lookup", "llama.cpp")
 
@@ -54,10 +69,6 @@ def load_prompts(path: str, categories=None, limit_per_category=None) -> list[di
 
 
 def machine_info(dtype) -> dict:
-    import transformers
-
-    from forerun.kept import cpu_name
-
     return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
@@ -163,7 +174,6 @@ def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7, text=Non
            | {"chosen": _kernel_name(head.choice.get(n), n)} for n in rows}
     exact = backend.exact_head() if hasattr(backend, "exact_head") else None
     if exact is not None:  # the greedy path: screened exact argmax, timed on the model's own final hidden states
-        from forerun.timing import median_s
 
         if text is not None and len(text) >= max(rows):
             ids = torch.tensor(text[: backend.max_context])
@@ -201,9 +211,6 @@ def _llamacpp_peer(spec, target, threads):
     """llama.cpp decoding plainly with its own sampler, on the same GGUF file with llama.cpp's default
     settings (repacked weights, flash attention as llama.cpp chooses): its fastest plain decoding,
     not the exact-mode settings forerun verifies with."""
-    from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
-    from forerun.models import resolve_source
-
     kind, loc = resolve_source(spec)
     if kind != "gguf":
         raise ForerunError("the llama.cpp peer needs a .gguf model (or bundled)")
@@ -212,8 +219,6 @@ def _llamacpp_peer(spec, target, threads):
 
 def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
     if name == "llama.cpp":
-        from forerun.backends.llamacpp import plain_generate
-
         timings = {}
         t = time.perf_counter()
         out = plain_generate(llama_peer, ids, max_new, eos, timings=timings)
@@ -221,261 +226,9 @@ def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
     return (*_hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup"), None)
 
 
-def _summarise(records, names, ref_of=None):
-    """Totals per method and category; ``ref_of``: the plain-decoding run each method's "vs none"
-    compares with (its own backend's, when methods ran on different backends)."""
-    ref_of = ref_of or {}
-
-    def agg(rs):
-        new = sum(r["new_tokens"] for r in rs)
-        wall = sum(r["wall_s"] for r in rs)
-        passes = sum(r.get("target_passes", 0) for r in rs)
-        drafted = sum(r.get("drafted", 0) for r in rs)
-        acc = sum(r.get("accepted", 0) for r in rs)
-        rej = sum(r.get("rejections", 0) for r in rs)
-        timed = all("prefill_s" in r for r in rs)  # the transformers peers do not split their time
-        decode = wall - sum(r.get("prefill_s", 0.0) for r in rs)
-        return {
-            "tokens_per_s": new / wall if wall else 0.0,
-            "decode_tokens_per_s": new / decode if timed and decode > 0 else None,
-            "new_tokens": new,
-            "wall_s": wall,
-            "mean_accepted_len": (acc + passes) / passes if passes else None,
-            "acceptance_rate": acc / drafted if drafted else None,
-            "alpha": acc / (acc + rej) if acc + rej else None,
-            "drafted": drafted,
-            "accepted": acc,
-            "rejections": rej,
-            "target_passes": passes,
-            "head_rows": sum(r.get("head_rows", 0) for r in rs),
-            "head_calls": sum(r.get("head_calls", 0) for r in rs),
-            "verified_rows": sum(r.get("verified_rows", 0) for r in rs),
-            "greedy_equal": sum(1 for r in rs if r["equal_none"]),
-            "prompts": len(rs),
-        }
-
-    out = {}
-    for name in names:
-        rs = [r for r in records if r["method"] == name]
-        if not rs:
-            continue
-        m = agg(rs)
-        m["draft_s"] = sum(r.get("draft_s", 0.0) for r in rs)
-        m["verify_s"] = sum(r.get("verify_s", 0.0) for r in rs)
-        m["prefill_s"] = sum(r.get("prefill_s", 0.0) for r in rs)
-        dpp = [0] * 32
-        app = [0] * 32
-        for r in rs:
-            for i, (d, a) in enumerate(zip(r.get("drafted_per_position", []), r.get("accepted_per_position", []))):
-                dpp[i] += d
-                app[i] += a
-        m["acceptance_per_position"] = [a / d for a, d in zip(app, dpp) if d]
-        if any("steps_by_choice" in r for r in rs):
-            m["steps_by_choice"] = {c: sum(r.get("steps_by_choice", {}).get(c, 0) for r in rs) for c in ("tree", "chain", "none")}
-        if len(rs) >= 3:  # in prompt order: a drafter that learns across the run shows it here
-            third = len(rs) // 3
-            m["tau_first_third"] = agg(rs[:third])["mean_accepted_len"]
-            m["tau_last_third"] = agg(rs[-third:])["mean_accepted_len"]
-            m["tokens_per_s_first_third"] = agg(rs[:third])["tokens_per_s"]
-            m["tokens_per_s_last_third"] = agg(rs[-third:])["tokens_per_s"]
-        m["by_category"] = {}
-        for cat in sorted({r["category"] for r in rs}):
-            m["by_category"][cat] = agg([r for r in rs if r["category"] == cat])
-        out[name] = m
-    # Speedups, overall and per category.
-    for peer in ("none", "hf", "hf-lookup", "llama.cpp"):
-        key = "speedup_vs_" + peer.replace("-", "_").replace(".", "_")
-        for name, m in out.items():
-            ref = ref_of.get(name, peer) if peer == "none" else peer
-            if ref not in out:
-                continue
-            m[key] = m["tokens_per_s"] / out[ref]["tokens_per_s"] if out[ref]["tokens_per_s"] else None
-            d, rd = m["decode_tokens_per_s"], out[ref]["decode_tokens_per_s"]
-            m["decode_" + key] = d / rd if d and rd else None
-            for cat, c in m["by_category"].items():
-                rc = out[ref]["by_category"].get(cat)
-                c[key] = c["tokens_per_s"] / rc["tokens_per_s"] if rc and rc["tokens_per_s"] else None
-    return out
-
-
-def _predicted_speedup(m: dict, none: dict, ratios: dict, rows: int | str | None = None,
-                       tree: bool = False) -> float | None:
-    """Leviathan et al.'s speedup with measured inputs.
-
-    alpha = per-token acceptance estimated from the drafts the target tested (accepted /
-    (accepted + rejections), ``GenerationStats.alpha``; a draft after a rejected one is never
-    tested, so accepted / drafted would undercount it), gamma = mean draft length per verify
-    pass, c = measured draft time per drafted token over our plain step time (none's wall time
-    per token), and the verify pass costs the measured ratio r(gamma) of a step instead of 1:
-    speedup = E[tokens per pass](alpha, gamma) / (gamma c + r).
-
-    A token tree has no one chain to put into the formula: its tokens per pass are the measured
-    tau, gamma is its depth per pass, and the pass is charged the ratio of a pass of ``rows``, the
-    mean number of nodes it verified (head tree and any lookup branch; on the CPU, greedy:
-    ``"N+headH/C"``, the body on N + 1 rows and the LM head on the H rows its walks took, in C
-    calls). For trees the prediction thus checks the cost side alone.
-    """
-    if not m.get("drafted") or not m.get("target_passes") or not none.get("new_tokens"):
-        return None
-    alpha = min(m["alpha"], 0.999)
-    gamma = m["drafted"] / m["target_passes"]
-    step = none["wall_s"] / none["new_tokens"]
-    c = m["draft_s"] / m["drafted"] / step
-    r = ratios.get(str(rows)) if rows else None
-    r = r or ratios.get(str(min(8, max(1, round(gamma)))), 1.0)
-    expected = m["mean_accepted_len"] if tree and m.get("mean_accepted_len") else expected_tokens(alpha, gamma)
-    return expected / (gamma * c + r)
-
-
-def _k_text(cfg: dict) -> str:
-    """The draft lengths a run used: each method's own where methods carry one (``ngram:auto``)."""
-    own = {m: k for m, k in (cfg.get("method_k") or {}).items() if m not in cfg.get("peers", []) and not m.startswith("none")}
-    if not own:
-        return f"k={cfg['k']}"
-    if len(set(map(str, own.values()))) == 1:
-        return f"k={next(iter(own.values()))}"
-    return "k per method: " + ", ".join(f"{m} {k}" for m, k in own.items())
-
-
-def write_markdown(results: dict, path: Path) -> None:
-    methods = results["methods"]
-    cats = sorted({c for m in methods.values() for c in m["by_category"]})
-    lines = [f"# forerun bench — {results['machine']['date']}", ""]
-    mc = results["machine"]
-    cfg = results["config"]
-    lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
-                 f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). Greedy, max_new_tokens={cfg['max_new_tokens']}, "
-                 f"{_k_text(cfg)}, {cfg['prompts']} prompts."
-                 + (f" Greedy head: {cfg['greedy_head']}; body kernel: {cfg['body_kernel']}." if "greedy_head" in cfg else ""))
-    if "batch_invariant" in cfg:
-        lines.append((f"llama.cpp: {cfg['llama_cpp']}; " if "llama_cpp" in cfg else "")
-                     + f"verify passes bit-identical to one-token steps (batch-invariant): {cfg['batch_invariant']}.")
-    lines.append("")
-    by_method = cfg.get("backend_by_method") or {}
-    at = cfg.get("auto_backend_timing")
-    if at and "torch" in at:
-        lines += [f"`--backend auto` measured both backends on this machine ({at['measured']}, load {at['load_per_core']:.2f} "
-                  f"per core): one-token step torch {at['torch']['step_ms']:.1f} ms, llama.cpp {at['llama.cpp']['step_ms']:.1f} ms; "
-                  f"pass of 5 rows torch {at['torch']['pass5_ms']:.1f} ms, llama.cpp {at['llama.cpp']['pass5_ms']:.1f} ms "
-                  "(the shorter sum runs every method both backends can run).", ""]
-    if len(set(by_method.values())) > 1:
-        lines += [f"`--backend auto` chose per method; each method's speedup \"vs none\" and its greedy equality "
-                  f"compare with plain decoding on its own backend ({', '.join(sorted(set(by_method.values())))}).", ""]
-    lines.append("| method | backend | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | decode tokens/s | "
-                 "decode vs llama.cpp | tau | acceptance | greedy = none |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-
-    def f(x, fmt="{:.2f}"):
-        return "-" if x is None else fmt.format(x)
-
-    def x(v):
-        return "-" if v is None else f"{v:.2f}x"
-
-    for name, m in methods.items():
-        lines.append(f"| {name} | {by_method.get(name, 'peer')} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
-                     f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
-                     f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
-                     f"{m['greedy_equal']}/{m['prompts']} |")
-    if any("tau_first_third" in m for m in methods.values()):
-        lines += ["", "Over the run, in prompt order (drafters that learn across prompts: suffix, +adapt):", "",
-                  "| method | tau, first third | tau, last third | tokens/s, first third | tokens/s, last third |",
-                  "|---|---|---|---|---|"]
-        for name, m in methods.items():
-            if "tau_first_third" in m:
-                lines.append(f"| {name} | {f(m['tau_first_third'])} | {f(m['tau_last_third'])} | "
-                             f"{f(m['tokens_per_s_first_third'])} | {f(m['tokens_per_s_last_third'])} |")
-    for name, m in methods.items():
-        if "adaptation" in m:
-            a = m["adaptation"]
-            lines += ["", f"{name}: {a['updates']} weight updates ({a['update_s']:.1f} s in all, inside the timed "
-                          f"generations), {a['reverts']} reverts to the shipped weights."]
-    for name, m in methods.items():
-        if "steps_by_choice" in m:
-            sc = m["steps_by_choice"]
-            lines += ["", f"{name}: steps that verified the tree {sc['tree']}, the lookup chain alone {sc['chain']}, "
-                          f"no draft {sc['none']}."]
-    lines += ["", "Tokens/s by category (speedup over our `none` in brackets):", ""]
-    lines.append("| category | " + " | ".join(methods) + " |")
-    lines.append("|---|" + "---|" * len(methods))
-    for cat in cats:
-        cells = []
-        for m in methods.values():
-            c = m["by_category"].get(cat)
-            cells.append("-" if c is None else f"{c['tokens_per_s']:.1f} ({x(c.get('speedup_vs_none'))}, tau {f(c['mean_accepted_len'])})")
-        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-    vr = results.get("verify_cost_ratio")
-    if vr:
-        on = (f"timed on {vr['texts']} prompts followed by the target's own greedy output, mean context {vr['context']}"
-              if vr.get("texts") else f"timed on random tokens, context {vr['context']}")
-        lines += ["", f"Verify cost ratio (time of a K+1-token pass over a 1-token step of {vr['step_ms']:.1f} ms; {on}):", ""]
-        ks = [k for k in vr if k not in ("step_ms", "context", "texts")]
-        lines.append("| K | " + " | ".join(ks) + " |")
-        lines.append("|---|" + "---|" * len(ks))
-        lines.append("| ratio | " + " | ".join(f"{vr[k]:.2f}" for k in ks) + " |")
-        if any("+head" in k for k in ks):
-            lines += ["", "N+headH/C: a greedy tree pass of N draft nodes and the root (the nodes verified per pass on "
-                      "average), with the LM head on H rows only in C calls (the rows and calls the acceptance walk took "
-                      "on average)."]
-    hk = results.get("lm_head_kernels_ms")
-    if hk:
-        kernels = [k for k in next(iter(hk.values())) if k != "chosen"]
-        lines += ["", "LM head alone, milliseconds (median of 7) per kernel; the backend uses the one chosen on first use:", ""]
-        lines.append("| rows | " + " | ".join(kernels) + " | chosen |")
-        lines.append("|---|" + "---|" * (len(kernels) + 1))
-        for n, t in hk.items():
-            lines.append(f"| {n} | " + " | ".join(f"{t[k]:.1f}" for k in kernels) + f" | {t.get('chosen') or '-'} |")
-    pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
-    if pred:
-        lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
-        tree_rows = [n for n in pred if _is_tree(n)]
-        for n, p in pred.items():
-            m = methods[n]
-            app = ", ".join(f"{x:.2f}" for x in m.get("acceptance_per_position", [])[:8])
-            lines.append(f"| {n} | {x(m.get('speedup_vs_none'))} | {p:.2f}x | {app} |")
-        if tree_rows:
-            lines += ["", f"Trees ({', '.join(tree_rows)}): tokens per pass are the measured tau; the prediction prices "
-                          "the measured pass (nodes, head rows and calls above) and the drafting, so it checks the cost side."]
-        mixed = [n for n, m in methods.items() if "steps_by_choice" in m]
-        if mixed:
-            lines += ["", f"Not predicted: {', '.join(mixed)} (each step verifies a tree, a chain or nothing, so no one draft shape prices it)."]
-    path.write_text("\n".join(lines) + "\n")
-
-
-def _is_tree(name: str) -> bool:
-    """Whether a bench method name (or a reference like none@llama.cpp) verifies token trees."""
-    from forerun.build import parse_method
-
-    try:
-        return parse_method(name).tree is not None
-    except ForerunError:
-        return False
-
-
-def _tree_pricing(summary: dict, tree_methods: list, backend):
-    """What each tree method's verify pass was on average, to price it: (nodes by method, greedy
-    CPU trees' (nodes, head rows, head calls) by method, the pass widths to time)."""
-    tree_nodes = {}
-    for name in tree_methods:
-        m = summary.get(name)
-        if m and m.get("target_passes") and m.get("verified_rows") and "steps_by_choice" not in m:
-            tree_nodes[name] = max(1, round(m["verified_rows"] / m["target_passes"]) - 1)
-    ks = list(range(1, 9)) + sorted({n for n in tree_nodes.values() if n > 8})
-    lazy = {}
-    if backend.capabilities.lazy_tree_head:
-        for name, nodes in tree_nodes.items():
-            m = summary[name]
-            lazy[name] = (nodes, max(1, round(m["head_rows"] / m["target_passes"])),
-                          max(1, round(m.get("head_calls", 0) / m["target_passes"])))
-    return tree_nodes, lazy, ks
-
-
 def default_peers(spec: str) -> str:
     """``--peers auto``: the tools a user of this model already has. llama.cpp (and transformers)
     for a GGUF file where llama-cpp-python is installed, else transformers' ``generate()``."""
-    import importlib.util
-
-    from forerun.models import resolve_source
-
     try:
         kind, _ = resolve_source(spec)
     except ForerunError:
@@ -484,16 +237,6 @@ def default_peers(spec: str) -> str:
 
 
 def run_bench(args) -> dict:
-    from tqdm import tqdm
-
-    from dataclasses import replace
-
-    from forerun.build import Options, backend_for, drafter_for, load_draft_model, load_target, parse_method
-    from forerun.draft_length import DraftLength
-    from forerun.drafters import HEAD_METHODS
-    from forerun.engine import Engine
-    from forerun.sampling import SamplingParams
-
     # A method may carry its own draft length: "ngram:6", "layerskip:auto"; else --k applies. A head
     # method may end in "+adapt": its head keeps learning over the run (online adaptation).
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -535,7 +278,6 @@ def run_bench(args) -> dict:
     tree = (tree or (32, None)) if tree_methods else None
     # --backend auto picks per method (llama.cpp where a method runs there, torch where it needs
     # layers or hidden states); plain decoding then runs on every backend used, as each one's reference.
-    from forerun.models import resolve_source
 
     kinds = {m: parsed[m].kind for m in methods}
     backend_of = {m: backend_for(options, [kinds[m]]) for m in methods}
@@ -558,23 +300,22 @@ def run_bench(args) -> dict:
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
-    def build(m):
+    def setup_of(m):
         tree_m = tree if m in tree_methods else None
         opts = replace(options, method=kinds[m], draft=heads.get(kinds[m]) if kinds[m] in HEAD_METHODS else args.draft,
                        tree_nodes=tree_m[0] if tree_m else 0, tree_depth=tree_m[1] if tree_m else None,
                        tree_lookup=parsed[m].lookup if m in parsed else None,
                        lookup_from=parsed[m].lookup_from if m in parsed else "ngram", adapt=m in parsed and parsed[m].adapt,
                        skip_layers=skip)
-        return drafter_for(opts, targets[backend_of[m]], draft)
+        return build(opts, target=targets[backend_of[m]], draft_model=draft if kinds[m] == "draft" else None)
 
-    drafters = {m: build(m) for m in methods}
-    engines = {m: Engine(targets[backend_of[m]].backend, d, targets[backend_of[m]].eos_token_ids)
-               for m, d in drafters.items()}
+    setups = {m: setup_of(m) for m in methods}
+    drafters = {m: s.drafter for m, s in setups.items()}
+    engines = {m: s.engine() for m, s in setups.items()}
     params = SamplingParams()
     tok = target.tokenizer
     limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
     encoded = []
-    from forerun.chat import prompt_ids, uses_chat
 
     chat = getattr(args, "chat", "auto")
     for p in prompts:
@@ -614,8 +355,6 @@ def run_bench(args) -> dict:
     config["backend_by_method"] = backend_of
     kind, loc = resolve_source(args.model)
     if args.backend == "auto" and kind == "gguf":
-        from forerun.backend_timing import kept_timing
-
         config["auto_backend_timing"] = kept_timing(loc)
     config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
     for t in targets.values():
@@ -653,7 +392,7 @@ def run_bench(args) -> dict:
                 rec["backend"] = backend_of[name]
             records.append(rec)
             bar.update(1)
-        results["methods"] = _summarise(records, names, ref_of)
+        results["methods"] = summarise(records, names, ref_of)
         for name, d in drafters.items():
             if getattr(d, "adapter", None) is not None:
                 results["methods"][name]["adaptation"] = d.adapter.report()
@@ -665,7 +404,7 @@ def run_bench(args) -> dict:
     results["verify_cost_ratio_by_backend"], results["lm_head_kernels_ms"] = {}, None
     for b, t in targets.items():
         mine = [m for m in methods if backend_of[m] == b]
-        tree_nodes, lazy, ks = _tree_pricing(results["methods"], [m for m in mine if m in tree_methods], t.backend)
+        tree_nodes, lazy, ks = tree_pricing(results["methods"], [m for m in mine if m in tree_methods], t.backend)
         texts = [ids + r_out for ids, r_out in zip(encoded, reference_outputs[ref_of[mine[0]]])]
         ratios = verify_cost_ratios(t.backend, ks=ks, lazy_trees=set(lazy.values()), texts=texts)
         results["verify_cost_ratio_by_backend"][b] = ratios
@@ -679,7 +418,7 @@ def run_bench(args) -> dict:
                 rows = tree_nodes.get(name)  # step (+auto) has no one draft shape to price
                 if name in lazy:
                     rows = lazy_tree_key(*lazy[name])
-                m["predicted_speedup_vs_none"] = _predicted_speedup(m, results["methods"][ref_of[name]], ratios,
+                m["predicted_speedup_vs_none"] = predicted_speedup(m, results["methods"][ref_of[name]], ratios,
                                                                     rows, tree=name in tree_methods)
     fallbacks = [t.backend.head_fallbacks for t in targets.values() if hasattr(t.backend, "head_fallbacks")]
     if fallbacks:
@@ -687,7 +426,6 @@ def run_bench(args) -> dict:
     results["records"] = records
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_markdown(results, out_dir / "results.md")
-    from forerun.plots import bench_charts
 
     charts = bench_charts(results, out_dir)
     if charts:

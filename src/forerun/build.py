@@ -15,13 +15,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from forerun.batching import BatchEngine
+from forerun.draft_length import K_MAX
+from forerun.drafters import (
+    HEAD_METHODS,
+    LOOKUP_SOURCES,
+    METHODS,
+    TREE_METHODS,
+    check_adapt_args,
+    check_method,
+    make_drafter,
+    parse_skip_layers,
+    tree_shape,
+)
+from forerun.engine import Engine, check_k
 from forerun.errors import ForerunError
+from forerun.models import load_model, method_backend
 
 # bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
 # where its chain comes from (prompt lookup, or suffix drafting over the context and earlier outputs)
 TREE_SUFFIXES = {"-tree": (None, None), "-tree+lookup": ("always", "ngram"), "-tree+auto": ("auto", "ngram"),
                  "-tree+suffix": ("always", "suffix"), "-tree+suffix-auto": ("auto", "suffix")}
-LOOKUP_SOURCES = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -45,9 +59,6 @@ class Method:
 
 def parse_method(name: str) -> Method:
     """A bench method name, checked (an unknown name is a clear error)."""
-    from forerun.drafters import HEAD_METHODS, METHODS, TREE_METHODS
-    from forerun.engine import check_k
-
     base, _, k = name.removesuffix("+adapt").partition(":")
     tree = next((s for s in TREE_SUFFIXES if base.endswith(s)), None)
     kind = base.removesuffix(tree) if tree else base
@@ -92,8 +103,6 @@ class Options:
 
     def check(self) -> "Options":
         """Everything that can be checked before a model loads; returns itself."""
-        from forerun.drafters import check_adapt_args, check_method
-
         check_method(self.method, bool(self.draft))
         check_adapt_args(self.method, self.adapt, self.adapt_save)
         self.tree  # noqa: B018 - a bad shape fails now
@@ -108,28 +117,20 @@ class Options:
 
     @property
     def tree(self):
-        from forerun.drafters import tree_shape
-
         return tree_shape(self.tree_nodes, self.tree_depth)
 
     @property
     def skip(self):
-        from forerun.drafters import parse_skip_layers
-
         return self.skip_layers if isinstance(self.skip_layers, list) else parse_skip_layers(self.skip_layers)
 
     @property
     def head_path(self):
-        from forerun.drafters import HEAD_METHODS
-
         return self.draft if self.method in HEAD_METHODS else None
 
 
 def backend_for(options: Options, methods=()) -> str:
     """The backend that runs ``methods`` (default: the options' method): ``--backend`` as given,
     else ``models.method_backend``'s choice (torch where the methods differ)."""
-    from forerun.models import method_backend
-
     if options.backend != "auto":
         return options.backend
     chosen = {method_backend(m, options.model, options.device, serving=options.serving)
@@ -139,8 +140,6 @@ def backend_for(options: Options, methods=()) -> str:
 
 def load_target(options: Options, methods=(), backend: str | None = None):
     """The target model, on ``backend`` (default: ``backend_for(options, methods)``)."""
-    from forerun.models import load_model
-
     return load_model(options.model, dtype=options.dtype, device=options.device,
                       backend=backend or backend_for(options, methods), threads=options.threads,
                       max_context=options.max_context)
@@ -148,8 +147,6 @@ def load_target(options: Options, methods=(), backend: str | None = None):
 
 def load_draft_model(options: Options, backend: str):
     """Method draft's draft model, on the target's ``backend`` (None for other methods)."""
-    from forerun.models import load_model
-
     if options.method != "draft":
         return None
     return load_model(options.draft, dtype=options.dtype, device=options.device, backend=backend,
@@ -158,8 +155,6 @@ def load_draft_model(options: Options, backend: str):
 
 def drafter_for(options: Options, target, draft_model=None):
     """The drafter the options ask for, over ``target`` (None for plain decoding)."""
-    from forerun.drafters import make_drafter
-
     return make_drafter(options.method, target, draft_model=draft_model, skip_layers=options.skip,
                         head_path=options.head_path, tree=options.tree, tree_lookup=options.tree_lookup,
                         lookup_from=options.lookup_from, adapt=options.adapt)
@@ -174,17 +169,30 @@ class Setup:
     drafter: object | None
     draft_model: object | None = None
 
-    def engine(self):
+    def engine(self) -> Engine:
         """One sequence at a time (``Engine``)."""
-        from forerun.engine import Engine
-
         return Engine(self.target.backend, self.drafter, self.target.eos_token_ids)
 
+    def batch_engine(self, *, max_batch: int = 8, max_waiting: int = 64, k_max: int = K_MAX,
+                     prefix_cache_mb: int = 0, speculate: bool = True) -> BatchEngine:
+        """Many sequences together (``BatchEngine``): every slot forks this setup's drafter
+        (``speculate=False``: plain batched decoding)."""
+        return BatchEngine(self.target.backend, self.target.eos_token_ids, drafter=self.drafter, max_batch=max_batch,
+                           max_waiting=max_waiting, k_max=k_max, speculate=speculate,
+                           prefix_cache_bytes=prefix_cache_mb << 20)
 
-def build(options: Options) -> Setup:
-    """Check the options, load the target (and a draft model), build the drafter."""
+
+def build(options: Options, *, target=None, draft_model=None) -> Setup:
+    """Check the options, load the target (and a draft model) unless given, build the drafter.
+
+    ``target``: a model already loaded (``models.LoadedModel``): bench runs its methods over one
+    load, the training data pass and the tests build over the model they hold."""
     options.check()
-    backend = backend_for(options)
-    target = load_target(options, backend=backend)
-    draft = load_draft_model(options, backend=backend)
-    return Setup(options, target, drafter_for(options, target, draft), draft)
+    if target is None:
+        backend = backend_for(options)
+        target = load_target(options, backend=backend)
+        if draft_model is None:
+            draft_model = load_draft_model(options, backend=backend)
+    elif draft_model is None and options.method == "draft":
+        raise ForerunError("method draft over a loaded target needs its draft model (draft_model=)")
+    return Setup(options, target, drafter_for(options, target, draft_model), draft_model)

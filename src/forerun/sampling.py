@@ -16,7 +16,6 @@ import torch
 
 from forerun.errors import ForerunError
 
-
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (as vLLM does)
 
 

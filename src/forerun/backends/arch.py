@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from forerun.backends.linear import PackedLinear
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = True) -> torch.Tensor:
     """RMS norm with the norm's effective weight (Gemma's ``1 + w`` folded in). ``weight_in_float``:
     Gemma multiplies by the weight before casting back to x's dtype, Llama-style norms after."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forerun.errors import ForerunError
+from forerun.machine import cpu_flags
 from forerun.paths import cache_dir
 
 log = logging.getLogger("forerun")
@@ -65,6 +66,7 @@ class Kernel:
     without: str  # what runs instead where it cannot be built
     functions: dict = field(default_factory=dict)  # name: (restype, argtypes)
     flags: tuple[str, ...] = ()
+    more_sources: tuple[str, ...] = ()  # files built into the same library after ``<name>.c``
 
 
 # ``-ffp-contract=off``: products and sums as written (no fused multiply-adds the compiler chooses),
@@ -74,7 +76,7 @@ KERNELS = {
         "forerun_q_threads": (I, [I]), "forerun_q_linear": (I, [P, I, P, I, P, I64]),
         "forerun_q_argmax": (I, [P, I, P, I, P, P]), "forerun_q_layer": (I, [P, P, I, P]),
         "forerun_q_layers": (I, [P, I, P, P, P, P]), "forerun_q_portable": (None, [I]),
-        "forerun_q_to_half": (None, [P, P, I])}, ("-ffp-contract=off",)),
+        "forerun_q_to_half": (None, [P, P, I])}, ("-ffp-contract=off",), ("qlayer.c",)),
     "block_rows": Kernel("quantized layers run on their float32 weights", {
         "forerun_q4_rows": (I, [P, P, P, I, I64, I, P, I, P]), "forerun_q8w_rows": (I, [P, P, P, I64, I, P, I, P]),
         "forerun_block_threads": (I, [I])}, ("-ffp-contract=off",)),
@@ -93,17 +95,6 @@ KERNELS = {
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The feature flags this CPU reports (Linux ``/proc/cpuinfo``; empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def isa_runs(build: str) -> bool:
     """Whether this CPU can run code built as ``build`` (a key of ``BUILDS``)."""
     if not BUILDS[build].needs:
@@ -136,16 +127,20 @@ def _say_once(key: str, msg: str, *args) -> None:
 def kernel_path(name: str, cc: str, build: str) -> Path:
     """Where ``<name>.c`` built as ``build`` with this compiler is cached: the key holds the source
     and the headers beside it, the compiler and its version, the machine type and the flags."""
-    src = Path(__file__).with_name(f"{name}.c")
-    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # what the sources include
+    sources = b"".join(p.read_bytes() for p in _sources(name))
+    headers = b"".join(h.read_bytes() for h in sorted(Path(__file__).parent.glob("*.h")))  # what the sources include
     flags = BUILDS[build].flags + KERNELS[name].flags
-    key = hashlib.sha1(b"\0".join([src.read_bytes(), headers, cc.encode(), compiler_version(cc).encode(),
+    key = hashlib.sha1(b"\0".join([sources, headers, cc.encode(), compiler_version(cc).encode(),
                                    platform.machine().encode(), " ".join(flags).encode()])).hexdigest()[:12]
     return cache_dir() / "kernels" / f"{name}-{build}-{key}.so"
 
 
+def _sources(name: str) -> list[Path]:
+    here = Path(__file__).parent
+    return [here / f"{name}.c", *(here / f for f in KERNELS[name].more_sources)]
+
+
 def _compile(name: str, build: str) -> Path | None:
-    src = Path(__file__).with_name(f"{name}.c")
     without = KERNELS[name].without
     cc = _compiler()
     if cc is None or shutil.which(cc) is None:
@@ -159,7 +154,7 @@ def _compile(name: str, build: str) -> Path | None:
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     err = ""
     for omp in (("-fopenmp",), ()):  # without OpenMP the kernels run on one thread
-        cmd = [cc, "-O3", *BUILDS[build].flags, *omp, *KERNELS[name].flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
+        cmd = [cc, "-O3", *BUILDS[build].flags, *omp, *KERNELS[name].flags, "-shared", "-fPIC", *map(str, _sources(name)), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode == 0:
             if not omp:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
 from forerun.gguf_file import BLOCKS, GGUFFile
 
@@ -43,14 +46,11 @@ def tensor_array(g: GGUFFile, name: str) -> np.ndarray:
         return a.view(np.float32).reshape(shape)
     if t.type not in BLOCKS:
         raise ValueError(f"tensor {name}: GGUF type {t.type} is not handled")
-    from gguf import GGMLQuantizationType, dequantize
 
     return dequantize(g.raw_rows(name), GGMLQuantizationType(t.type)).reshape(shape)
 
 
 def _processor(g: GGUFFile, config):
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
     arch = g.metadata.get("general.architecture")
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
@@ -59,8 +59,6 @@ def weights_map(model: torch.nn.Module, arch: str, proc) -> dict[str, str]:
     """GGUF tensor name -> transformers parameter name, as transformers' conversion maps them
     (its own map walks every submodule and rebuilds the ``gguf`` package's name table at each,
     seconds for a small model; the decoders here need only the top level)."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-
     arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_id is None:
         raise ValueError(f"the gguf package does not know the architecture {arch!r}")
@@ -119,8 +117,6 @@ class FileTensors:
         if miss:
             t = self.g.tensors[self.embed_name]
             if t.type in BLOCKS:
-                from gguf import GGMLQuantizationType, dequantize
-
                 w = dequantize(self.g.raw_rows(self.embed_name)[miss], GGMLQuantizationType(t.type))
             else:
                 w = tensor_array(self.g, self.embed_name)[miss]
@@ -138,8 +134,6 @@ def skeleton(path: str | Path, config) -> tuple[torch.nn.Module, FileTensors]:
     the norms, biases and rotary tables real (read from the GGUF file at ``path`` or computed);
     the decoder layers' linear weights, the token embeddings and the LM head stay in the file
     (see ``FileTensors``). Raises ValueError where the file does not fit the model."""
-    from transformers import AutoModelForCausalLM
-
     g = GGUFFile.open(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
 
 from forerun.backends.base import BackendBase, ForwardOutput
 
@@ -56,8 +57,6 @@ class HFBackend(BackendBase):
         self.truncate(pos)
         T = tokens.numel()
         if self._cache is None:
-            from transformers import DynamicCache
-
             self._cache = DynamicCache()
         out = self.model(
             input_ids=tokens.to(self.device)[None],

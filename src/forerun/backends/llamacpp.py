@@ -14,9 +14,7 @@ graph evaluation callback), so layer skipping needs the torch backend.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
+import logging
 import time
 from pathlib import Path
 from typing import Sequence
@@ -24,169 +22,22 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from forerun import kept
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
-from forerun.backends.ckernels import kernel
+from forerun.backends.greedy_head import Q8Head
+from forerun.backends.llamacpp_lib import HiddenTap, load_llama_cpp, tap_lib
+from forerun.draft_length import MAX_K
 from forerun.errors import ForerunError
+from forerun.gguf_file import Q8_0, GGUFFile
+from forerun.timing import median_s
 
 DEFAULT_CONTEXT = 8192
-_init_lock = threading.Lock()
-_initialised = False
-
-
-def available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _lib():
-    global _initialised
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise ForerunError(
-            "the llama.cpp backend needs llama-cpp-python: pip install 'forerun[llamacpp]' (it compiles llama.cpp)"
-        ) from e
-    with _init_lock:
-        if not _initialised:
-            # ggml's tiled K-quant product (passes of >= 8 rows) rounds differently from its
-            # one-row product; it is read once per process, so it is switched off before first use
-            # (this affects only the speed of long prompt passes).
-            os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-            llama_cpp.llama_backend_init()
-            _quiet(llama_cpp)
-            _initialised = True
-    return llama_cpp
-
-
-_LOG_CB = None
-
-
-def _quiet(L) -> None:
-    """Silence llama.cpp's loading chatter unless FORERUN_LLAMA_VERBOSE is set."""
-    global _LOG_CB
-    if os.environ.get("FORERUN_LLAMA_VERBOSE"):
-        return
-
-    @L.llama_log_callback
-    def _drop(level, text, user_data):  # pragma: no cover - called from C
-        pass
-
-    _LOG_CB = _drop  # keep a reference: C holds only the pointer
-    L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
-
-
-_GGML = None
-
-
-def _ggml():
-    """A few ggml functions (from the library llama-cpp-python ships) to read a tensor in the eval callback."""
-    global _GGML
-    if _GGML is None:
-        L = _lib()
-        libdir = Path(L.__file__).parent / "lib"
-        names = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("*ggml-base*"))
-        if not names:
-            raise ForerunError(f"cannot find libggml-base in {libdir}")
-        g = ctypes.CDLL(str(names[0]))
-        g.ggml_get_name.restype = ctypes.c_char_p
-        g.ggml_get_name.argtypes = [ctypes.c_void_p]
-        g.ggml_get_data_f32.restype = ctypes.POINTER(ctypes.c_float)
-        g.ggml_get_data_f32.argtypes = [ctypes.c_void_p]
-        g.ggml_nelements.restype = ctypes.c_int64
-        g.ggml_nelements.argtypes = [ctypes.c_void_p]
-        _GGML = g
-    return _GGML
-
-
-_TAP_MAX = 8  # FORERUN_TAP_MAX in tap.c
-
-
-class _TapState(ctypes.Structure):
-    _fields_ = [("get_name", ctypes.c_void_p), ("get_data", ctypes.c_void_p), ("nelements", ctypes.c_void_p),
-                ("active", ctypes.c_int32), ("stop", ctypes.c_int32), ("n_nodes", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("cap", ctypes.c_int64), ("buf", ctypes.c_void_p * _TAP_MAX),
-                ("n", ctypes.c_int64 * _TAP_MAX), ("node", (ctypes.c_char * 64) * _TAP_MAX)]
-
-
-_TAP_LIB = None
-
-
-def _tap_lib():
-    global _TAP_LIB
-    if _TAP_LIB is None:
-        _TAP_LIB = kernel("tap") or False
-    return _TAP_LIB or None
-
-
-class _HiddenTap:
-    """Graph evaluation callback (``tap.c``) that hands over named nodes of llama.cpp's graph.
-
-    ``start(stop=True)`` asks ggml's scheduler for the node named ``result_norm`` (the final
-    normed hidden state), copies it and stops the graph there, so the LM head
-    (``result_output``) is never computed. ``layers`` also copies those layers' outputs (nodes
-    ``l_out-N``, the residual stream after layer N) for trained draft heads, without stopping.
-    The callback is C: ggml calls it for every node of every decode (~700 per token here).
-    """
-
-    NORM = "result_norm"
-
-    def __init__(self, L, lib, n_embd: int, n_batch: int):
-        g = _ggml()
-        self.n_embd = n_embd
-        self.bufs = [np.zeros(n_embd * n_batch, dtype=np.float32)]  # more are made as layers are asked for
-        st = _TapState()
-        st.get_name = ctypes.cast(g.ggml_get_name, ctypes.c_void_p)
-        st.get_data = ctypes.cast(g.ggml_get_data_f32, ctypes.c_void_p)
-        st.nelements = ctypes.cast(g.ggml_nelements, ctypes.c_void_p)
-        st.cap = self.bufs[0].size
-        self.state = st  # C holds pointers into these: keep them alive with the tap
-        self.fn = ctypes.cast(lib.forerun_tap_eval, L.ggml_backend_sched_eval_callback)
-        self.user_data = ctypes.cast(ctypes.pointer(st), ctypes.c_void_p)
-        self.names: list[str] = []
-
-    def start(self, stop: bool = True, layers: Sequence[int] = ()) -> None:
-        names = ([self.NORM] if stop else []) + [f"l_out-{i}" for i in layers]
-        if len(names) > _TAP_MAX:
-            raise ValueError(f"at most {_TAP_MAX - 1} feature layers can be read from llama.cpp")
-        while len(self.bufs) < len(names):
-            self.bufs.append(np.zeros_like(self.bufs[0]))
-        st = self.state
-        for k, name in enumerate(names):
-            st.node[k].value = name.encode()
-            st.buf[k] = self.bufs[k].ctypes.data
-            st.n[k] = 0
-        st.n_nodes, st.stop, st.active = len(names), int(stop), 1
-        self.names = names
-
-    def stop(self) -> None:
-        self.state.active = 0
-
-    def _get(self, k: int, rows: int) -> np.ndarray:
-        n = self.state.n[k]
-        if n < rows * self.n_embd or n % self.n_embd:
-            raise RuntimeError(f"llama.cpp did not hand over {self.names[k]} for {rows} rows")
-        return self.bufs[k][: rows * self.n_embd].reshape(rows, self.n_embd).copy()
-
-    def hidden(self, rows: int) -> np.ndarray:
-        """The final normed hidden state [rows, n_embd] (after start(stop=True))."""
-        return self._get(0, rows)
-
-    def layer_outputs(self, rows: int) -> np.ndarray:
-        """The asked-for layers' outputs side by side: [rows, len(layers) * n_embd]."""
-        first = 1 if self.names and self.names[0] == self.NORM else 0
-        return np.concatenate([self._get(k, rows) for k in range(first, len(self.names))], axis=1)
-
-
 _WARNED: set[str] = set()
 
 
 def _warn_once(msg: str) -> None:
     if msg not in _WARNED:
         _WARNED.add(msg)
-        import logging
 
         logging.getLogger("forerun").warning(msg)
 
@@ -199,7 +50,7 @@ class LlamaCppModel:
     """The weights of one GGUF file, shared by every context (target, draft, peer)."""
 
     def __init__(self, path: str | Path, exact: bool = True):
-        L = _lib()
+        L = load_llama_cpp()
         self.L = L
         self.path = str(path)
         self.exact = exact
@@ -234,7 +85,7 @@ class LlamaCppModel:
             return True
         if self._head_reason:
             return False
-        return _tap_lib() is not None and _greedy_head_obstacle(self.path, self.n_embd, self.n_vocab) is None
+        return tap_lib() is not None and _greedy_head_obstacle(self.path, self.n_embd, self.n_vocab) is None
 
     _head_pays: dict | None = None
 
@@ -252,12 +103,10 @@ class LlamaCppModel:
         after the first time (``forerun.kept``)."""
         if self._head_pays is None:
             head = self.greedy_head()
-            if head is None or _tap_lib() is None:
+            if head is None or tap_lib() is None:
                 self._head_pays = {1: False, "multi": False}
             else:  # timed once per model and machine (``kept``)
-                import llama_cpp
-
-                from forerun import kept
+                import llama_cpp  # optional (the llamacpp extra); loaded by now
 
                 key = [kept.file_key(self.path), threads, self.exact, getattr(llama_cpp, "__version__", "?")]
                 v = kept.measured("llamacpp-heads", key, lambda: {str(k): v for k, v in self._time_heads(head, threads).items()},
@@ -266,10 +115,6 @@ class LlamaCppModel:
         return self._head_pays[1 if rows == 1 else "multi"]
 
     def _time_heads(self, head, threads: int) -> dict:
-        import logging
-
-        from forerun.timing import median_s
-
         ctx = _Context(self, 256, threads, tap=True)
         ids = np.random.default_rng(1).integers(100, min(self.n_vocab, 20000), 100).astype(np.int32)
         ctx.decode(ids[:64], 0, "none")
@@ -314,8 +159,6 @@ class LlamaCppModel:
         steps).
         """
         if self._invariant is None:
-            from forerun.draft_length import MAX_K
-
             rng = np.random.default_rng(0)
             hi = min(self.n_vocab, 20000)
             n = MAX_K + 1
@@ -359,8 +202,6 @@ class LlamaCppModel:
 
 def _greedy_head_obstacle(path: str, n_embd: int, n_vocab: int) -> str | None:
     """Why the file's LM head cannot serve as the exact greedy head (None: it can)."""
-    from forerun.gguf_file import Q8_0, GGUFFile
-
     g = GGUFFile.open(path)
     for key, value in g.metadata.items():
         if key.endswith("final_logit_softcapping") and value and float(value) > 0:
@@ -377,16 +218,11 @@ def _greedy_head_obstacle(path: str, n_embd: int, n_vocab: int) -> str | None:
 
 def _build_greedy_head(path: str, n_embd: int, n_vocab: int):
     """Read the LM head from the GGUF file; return (Q8Head, "") or (None, why not)."""
-    import logging
-
-    from forerun.gguf_file import GGUFFile
-
     why = _greedy_head_obstacle(path, n_embd, n_vocab)
     if why is not None:
         return None, why
     g = GGUFFile.open(path)
     t = g.tensors.get("output.weight") or g.tensors.get("token_embd.weight")
-    from forerun.backends.greedy_head import Q8Head
 
     logging.getLogger("forerun").info("building the exact multi-row greedy head from %s", path)
     head = Q8Head(g.raw_rows(t.name), n_embd, threads=default_threads())
@@ -403,8 +239,8 @@ class _Context:
         L = model.L
         self.L, self.model = L, model
         p = L.llama_context_default_params()
-        lib = _tap_lib() if tap else None
-        self.tap = _HiddenTap(L, lib, model.n_embd, n_batch) if lib is not None else None
+        tap_kernels = tap_lib() if tap else None
+        self.tap = HiddenTap(L, tap_kernels, model.n_embd, n_batch) if tap_kernels is not None else None
         if self.tap is not None:
             p.cb_eval = self.tap.fn
             p.cb_eval_user_data = self.tap.user_data
@@ -677,8 +513,6 @@ class LlamaCppBackend(BackendBase):
             self._checked = True
             full = self.forward(tokens, pos).logits.argmax(-1)
             if not torch.equal(full[ok], out[ok]):
-                import logging
-
                 logging.getLogger("forerun").warning("the fast greedy head disagreed with llama.cpp's; using llama.cpp's head")
                 self.fast_greedy = False
                 return (full, feats) if layers else full

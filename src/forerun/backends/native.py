@@ -20,15 +20,16 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.arch import Arch, Layer, add_bias, norm_weight, rms_norm, rotate_half
 from forerun.backends.attention import CacheAttention, SequenceRows, attn_rows_kernel
+from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, MAX_ROWS, FixedRows
 from forerun.backends.gguf_weights import GGUFWeights
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import ROWS_ANY, BodyKernelChoice, PackedLinear
 from forerun.backends.positions import PassPositions
+from forerun.backends.qweights import KIND, QPassC, qrows_lib
 
 log = logging.getLogger("forerun")
 
@@ -285,8 +286,6 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
     def _qbody(self, h, parts, skip, layers):
         """``_body`` on the integer path: one ``forerun_q_layers`` call for every layer and every row of
         every sequence (norms, products, rotary embeddings, the cache writes and attention in C)."""
-        from forerun.backends.qweights import KIND, QPassC, qrows_lib
-
         lib = qrows_lib()
         lib.forerun_q_threads(torch.get_num_threads())
         kinds = {KIND[kind]: tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*(p[3][kind] for p in parts)))

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import json
+from importlib import resources
+from pathlib import Path
+
 from forerun.backends.arch import SUPPORTED_ARCHITECTURES
+from forerun.drafters.adapt import OnlineAdapter
 from forerun.drafters.base import Draft, Drafter
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
+from forerun.drafters.heads import fingerprint_mismatch, load_head, target_fingerprint
+from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
+from forerun.drafters.lookup import NgramLookup, SuffixLookup
+from forerun.drafters.ngram import NgramDrafter
+from forerun.drafters.suffix import SuffixDrafter
 from forerun.errors import ForerunError
 
 METHODS = ("none", "ngram", "suffix", "draft", "layerskip", "eagle", "medusa")
 TREE_METHODS = ("eagle", "medusa", "suffix")  # methods that can draft token trees (--tree-nodes)
+LOOKUP_SOURCES = ("ngram", "suffix")  # where a tree's lookup branch comes from (--lookup-from)
 HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
 
 
 def shipped_head(kind: str, fingerprint: dict):
     """The head of this kind shipped inside the package for the target with this fingerprint, or None."""
-    import json
-    from importlib import resources
-
-    from forerun.drafters.heads import fingerprint_mismatch
-
     root = resources.files("forerun") / "data" / "heads"
     for folder in sorted(root.iterdir(), key=lambda p: p.name):
         cfg = folder / "config.json"
@@ -33,8 +41,6 @@ def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
     """The head at ``head_path`` (default: the one shipped for this target, found by its
     fingerprint), checked against the target and moved to its device. ``flag``: the option that
     names a head, for the error."""
-    from forerun.drafters.heads import load_head, target_fingerprint
-
     be = target.backend
     fingerprint = target_fingerprint(be.embed, be.num_layers)
     path = head_path or shipped_head(kind, fingerprint)
@@ -53,8 +59,6 @@ def require_hidden_states(target, what: str, alternative: str = "") -> None:
 
 
 def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=None, adaptive: bool = False, adapt=None):
-    from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
-
     be = target.backend
     require_hidden_states(target, f"method {method}", " (--backend torch), or the llama.cpp backend with a Q8_0 "
                           "LM head and a C compiler")
@@ -63,8 +67,6 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
     head = load_trained_head(method, target, head_path)
     adapter = None
     if adapt:
-        from forerun.drafters.adapt import OnlineAdapter
-
         adapter = OnlineAdapter(head, be.embed, **(adapt if isinstance(adapt, dict) else {}))
         adapter.on_update = head.refresh_packed
     if be.device.type == "cpu":
@@ -106,8 +108,6 @@ def check_method(method: str, has_draft: bool) -> None:
 def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
     """The command line's --adapt / --adapt-save for ``method``, refused with a reason before a
     model loads (``generate`` and ``serve`` share it)."""
-    from pathlib import Path
-
     if adapt_save and not adapt:
         raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
     if adapt and method not in HEAD_METHODS:
@@ -138,8 +138,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(TREE_METHODS)}, not {method}")
     if tree_lookup and method == "suffix":
         raise ForerunError("--tree-lookup adds a lookup branch to a head's tree; suffix trees already draft from lookups")
-    if lookup_from not in ("ngram", "suffix"):  # build.LOOKUP_SOURCES (drafters do not import build)
-        raise ForerunError(f"--lookup-from must be one of ngram, suffix, got {lookup_from!r}")
+    if lookup_from not in LOOKUP_SOURCES:
+        raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {lookup_from!r}")
     if lookup_from != "ngram" and not tree_lookup:
         raise ForerunError(f"--lookup-from {lookup_from} names where --tree-lookup's chain comes from: give --tree-lookup too")
     if tree_lookup and tree is None:
@@ -148,39 +148,30 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     if method == "none":
         return None
     if method == "ngram":
-        from forerun.drafters.ngram import NgramDrafter
-
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
     if method == "suffix":
-        from forerun.drafters.suffix import SuffixDrafter
-
         if tree is not None and not target.backend.capabilities.token_trees:
             raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp suffix drafts chains")
         return SuffixDrafter(tree_nodes=tree[0] if tree else None, max_depth=tree[1] if tree else None)
     if method in HEAD_METHODS:
-        from forerun.drafters.lookup import NgramLookup, SuffixLookup
-
         lookup = None
         if tree_lookup:
             lookup = SuffixLookup() if lookup_from == "suffix" else NgramLookup(ngram_max, ngram_min)
         return load_head_drafter(method, target, head_path, tree, lookup,
                                  adaptive=tree_lookup == "auto", adapt=adapt)
     if method == "draft":
-        from forerun.drafters.draft_model import DraftModelDrafter
-
         check_vocab(target, draft_model)
         return DraftModelDrafter(draft_model.backend)
     if not target.backend.capabilities.layer_skip:
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
                            "llama.cpp has no per-call layer selection")
-    from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
 
     calib = default_calibration(target) if skip_layers is None else {}
     layers = skip_layers if skip_layers is not None else calib["best"]["skip"]
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "TREE_METHODS", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "TREE_METHODS", "LOOKUP_SOURCES", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
 
 
 def tree_shape(nodes: int, depth: int | None):

@@ -2,7 +2,7 @@
 
 Every verify pass already yields, for free, the target's features at every committed position and
 the token it committed there (an accepted draft, or the target's own correction where a draft was
-rejected: both teach). That is exactly the head's training data (``forerun.training.trainer``),
+rejected: both teach). That is exactly the head's training data (``forerun.drafters.head_training``),
 so an ``OnlineAdapter`` logs it per request and every ``every`` rounds takes one small optimizer
 step on windows of it: the newest window of this request and windows drawn from a bounded replay
 buffer of earlier ones (ideas from DVI, arXiv 2510.05421, and online speculative decoding, arXiv
@@ -21,10 +21,13 @@ is dropped). ``save`` writes the adapted head as safetensors (float32: it reload
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections import deque
 
 import torch
+
+from forerun.drafters.head_training import Example, TrainConfig, Trainer
 
 DEFAULTS = dict(lr=3e-4, every=8, window=32, batch=2, buffer_positions=8192, steps_ahead=2, guard_rounds=64,
                 tolerance=0.15)
@@ -35,8 +38,6 @@ class OnlineAdapter:
                  window: int = DEFAULTS["window"], batch: int = DEFAULTS["batch"],
                  buffer_positions: int = DEFAULTS["buffer_positions"], steps_ahead: int = DEFAULTS["steps_ahead"],
                  guard_rounds: int = DEFAULTS["guard_rounds"], tolerance: float = DEFAULTS["tolerance"], seed: int = 0):
-        from forerun.training.trainer import TrainConfig, Trainer
-
         if every < 1 or window < 4 or batch < 1 or buffer_positions < window:
             raise ValueError("adaptation needs every >= 1, window >= 4, batch >= 1 and a buffer of at least one window")
         self.head = head
@@ -132,8 +133,6 @@ class OnlineAdapter:
             return self._step(wins)
 
     def _step(self, wins) -> bool:
-        from forerun.training.trainer import Example
-
         t0 = time.perf_counter()
         examples = [Example(ids, start, feats) for ids, feats, start in wins]
         ids, feats, real, learn = self.trainer._batch(examples, list(range(len(examples))))
@@ -223,8 +222,6 @@ class RequestLog:
 
 def save_adapted(drafter, path) -> None:
     """Save what a drafter's adapter learned to ``path`` (--adapt-save), saying so on stderr."""
-    import sys
-
     if path and drafter is not None and getattr(drafter, "adapter", None) is not None:
         drafter.adapter.save(path)
         print(f"forerun: adapted head saved to {path} ({drafter.adapter.report()})", file=sys.stderr)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun.sampling import SamplingParams
+from forerun.tree import tree_layout
 
 
 @dataclass
@@ -27,7 +28,6 @@ class Draft:
         """Longest run of tokens the draft can add (its length for a chain)."""
         if self.parents is None:
             return len(self)
-        from forerun.tree import tree_layout
 
         return int(tree_layout(self.parents)[0].max())
 

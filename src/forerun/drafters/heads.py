@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from forerun.backends.linear import PackedLinear
+from forerun.backends.head_kernels import FusedLayer, int8_available, pack_linear
 from forerun.errors import ForerunError
 
 FORMAT_VERSION = 1
@@ -176,9 +176,7 @@ class DraftHead(nn.Module):
         verifies every token. Inference only: packed weights do not train."""
         self._half = half
         if int8 is None:
-            from forerun.backends.qweights import qrows_lib
-
-            int8 = qrows_lib() is not None and all(m.in_features % 32 == 0 for m in self.modules()
+            int8 = int8_available() and all(m.in_features % 32 == 0 for m in self.modules()
                                                    if isinstance(m, nn.Linear))
         self._int8 = int8
         self._packed = {id(m): self._pack_layer(m) for m in self.modules() if isinstance(m, nn.Linear)}
@@ -192,9 +190,7 @@ class DraftHead(nn.Module):
         self._native = None
 
     def _pack_layer(self, m: nn.Linear):
-        if getattr(self, "_int8", False):
-            return _Q8Linear(m.weight.detach())
-        return PackedLinear(m.weight.detach(), pack=True, autotune=m is self.lm_head, half=self._half)
+        return pack_linear(m.weight, int8=getattr(self, "_int8", False), half=self._half, autotune=m is self.lm_head)
 
     def refresh_packed(self) -> None:
         """After the weights changed (online adaptation): repack every layer but the output layer
@@ -242,98 +238,6 @@ class DraftHead(nn.Module):
             h.update(k.encode())
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
-
-
-class _Q8Linear:
-    """A head layer as Q8_0 blocks (ggml's quantizer, ``quantize_q8_0``) in ``qrows.c``'s integer
-    kernels: x [n, D] -> [n, V]."""
-
-    def __init__(self, weight: torch.Tensor):
-        from forerun.backends.block_weights import Codes
-        from forerun.backends.greedy_head import quantize_q8_0
-        from forerun.backends.qweights import QLinear
-        from forerun.gguf_file import Q8_0
-
-        V, D = weight.shape
-        q, d = quantize_q8_0(weight.detach().cpu())
-        codes = q.to(torch.int8).reshape(V, D).numpy()
-        self.q = QLinear([(Codes(codes, d.numpy(), None, 32), Q8_0)])
-
-    def __call__(self, x: torch.Tensor, kernel=None) -> torch.Tensor:
-        return self.q(x)
-
-
-class _NativeLayer:
-    """An EAGLE head's decoder layer as one ``forerun_q_layer`` call (``qrows.c``): both input norms,
-    the products on 8-bit weights and activations, rotary embeddings, the cache writes, attention,
-    the MLP and both residuals in C, instead of some twenty torch operations per drafting step.
-    The layer reads [norm_emb(embedding) ; norm_hid(hid)] (``paired``) and adds to ``hid``."""
-
-    def __init__(self, head: "EagleHead"):
-        from forerun.backends.qweights import ACT_CODES, QLayerC
-
-        cfg = head.cfg
-        self.lins = [head._packed[id(m)].q for m in (head.qkv, head.o, head.gate_up, head.down)]
-        keep = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
-        self.norms = [keep(head.norm_hid.weight), keep(head.norm_mlp.weight), keep(head.norm_emb.weight)]
-        c = QLayerC()
-        parts = [p for lin in self.lins for p in lin.parts]
-        for i, p in enumerate(parts):
-            c.w[i] = p.struct()
-        for i, lin in enumerate(self.lins):
-            c.parts[i] = len(lin.parts)
-        c.norm[0], c.norm[1], c.norm_x2 = (t.data_ptr() for t in self.norms)
-        c.n_q = c.n_kv = cfg.n_heads * cfg.head_dim
-        c.inter, c.act, c.paired = cfg.intermediate, ACT_CODES["silu"], 1
-        self.c = c
-
-    def step(self, head: "EagleHead", emb, hid, pos: int, cache: "HeadCache", positions, mask) -> torch.Tensor:
-        """``EagleHead.step`` natively: the same entries, positions and masks; returns g [T, H]."""
-        import ctypes
-
-        from forerun.backends.qweights import QPassC, qrows_lib
-
-        cfg = head.cfg
-        T, H, heads, d = emb.shape[0], cfg.hidden_size, cfg.n_heads, cfg.head_dim
-        end = pos + T
-        x2 = emb.to(torch.float32).contiguous()
-        cache.reserve(pos, end, heads, d, x2)  # float32 entries, as the kernel writes them
-        if positions is None:
-            positions = torch.arange(pos, end, device=emb.device)
-        cos, sin = _rope_table(cfg.rope_theta, d, end, emb.device)
-        cos, sin = cos[positions].contiguous(), sin[positions].contiguous()
-        if mask is None:  # causal: row t sees entries 0..pos+t
-            lo, hi, xp, extra = [0] * T, list(range(pos + 1, end + 1)), [0] * (T + 1), [0]
-        else:  # a tree: each row's all-visible prefix, then its other visible entries
-            hidden = ~mask.cpu()
-            first = torch.where(hidden.any(1), hidden.int().argmax(1), mask.shape[1]).tolist()
-            lo, hi, xp, extra = [0] * T, first, [0], []
-            base = min(first)
-            for r, row in enumerate(mask[:, base:].tolist()):  # only the tail past the shared prefix
-                more = [base + j for j, seen in enumerate(row) if seen and base + j >= first[r]]
-                extra += more
-                xp.append(xp[-1] + len(more))
-            extra = extra or [0]
-        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cpu")  # noqa: E731
-        lo, hi, xp, extra = i32(lo), i32(hi), i32(xp), i32(extra)
-        kb = torch.full((T,), cache.k.data_ptr(), dtype=torch.int64, device="cpu")
-        vb = torch.full((T,), cache.v.data_ptr(), dtype=torch.int64, device="cpu")
-        caps = torch.full((T,), cache.k.shape[2], dtype=torch.int64, device="cpu")
-        slots = torch.arange(pos, end, dtype=torch.int32, device="cpu")
-        h = hid.to(torch.float32).contiguous().clone()
-        ps = QPassC()
-        ps.N, ps.hidden, ps.H, ps.KVH, ps.D = T, H, heads, heads, d
-        ps.eps, ps.scale, ps.softcap = cfg.eps, 1.0 / math.sqrt(d), 0.0
-        for k in (0, 1):
-            ps.cos[k], ps.sin[k] = cos.data_ptr(), sin.data_ptr()
-            ps.lo[k], ps.hi[k], ps.xp[k], ps.extra[k] = lo.data_ptr(), hi.data_ptr(), xp.data_ptr(), extra.data_ptr()
-        ps.kbase, ps.vbase, ps.cap, ps.slot = kb.data_ptr(), vb.data_ptr(), caps.data_ptr(), slots.data_ptr()
-        ps.x2 = x2.data_ptr()
-        lib = qrows_lib()
-        lib.forerun_q_threads(torch.get_num_threads())
-        if lib.forerun_q_layer(ctypes.byref(self.c), ctypes.byref(ps), 0, h.data_ptr()) != 0:
-            raise MemoryError("qrows: out of memory in the head's layer")
-        return h
 
 
 class HeadCache:
@@ -394,12 +298,14 @@ class EagleHead(DraftHead):
             self.fuse.weight[:, (n - 1) * H :] = torch.eye(H)
 
     def _derive_for_drafting(self) -> None:
-        from forerun.backends.qweights import qrows_lib
-
         if self.feat_norms is not None:  # the feature norms' scales stacked once, not per drafting round
             self._feat_scales = torch.stack([norm.weight for norm in self.feat_norms]).detach().clone()
-        native = getattr(self, "_int8", False) and qrows_lib() is not None and self.cfg.head_dim <= 1024
-        self._native = _NativeLayer(self) if native else None
+        cfg = self.cfg
+        native = getattr(self, "_int8", False) and int8_available() and cfg.head_dim <= 1024
+        self._native = FusedLayer([self._packed[id(m)] for m in (self.qkv, self.o, self.gate_up, self.down)],
+                                  [self.norm_hid.weight, self.norm_mlp.weight, self.norm_emb.weight],
+                                  n_heads=cfg.n_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate,
+                                  eps=cfg.eps) if native else None
 
     def top_norm(self) -> RMSNorm:
         # Without feature norms the raw top-layer features pass the fusing layer unscaled, so the
@@ -441,7 +347,10 @@ class EagleHead(DraftHead):
         if native is not None and emb.device.type == "cpu" and not torch.is_grad_enabled():
             if cache is None:
                 cache = HeadCache()
-            return native.step(self, emb, hid, pos, cache, positions, mask), cache
+            if positions is None:
+                positions = torch.arange(pos, pos + T, device=emb.device)
+            cos, sin = _rope_table(self.cfg.rope_theta, self.cfg.head_dim, pos + T, emb.device)
+            return native.step(emb, hid, pos, cache, cos[positions], sin[positions], mask), cache
         if positions is None:
             positions = torch.arange(pos, pos + T, device=emb.device)
         q, k, v = self._qkv(emb[None], hid[None], positions, pos + T)

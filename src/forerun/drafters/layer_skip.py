@@ -14,11 +14,21 @@ frequent-token list), since on small models the LM head dominates the cost of a 
 
 from __future__ import annotations
 
-import torch
+import json
+import logging
+import time
+from collections import Counter
+from importlib import resources
+from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
+from forerun import kept
 from forerun.draft_length import expected_tokens
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ForerunError
+from forerun.models import model_key
 from forerun.timing import median_forward_s
 
 
@@ -98,10 +108,6 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
     ``extra_vocab``: token ids the draft may always predict (besides the context's tokens).
     ``progress``: a progress bar on stderr, one step per round.
     """
-    import time
-
-    from tqdm.auto import tqdm
-
     t_start = time.perf_counter()
     seqs = []
     for text in CALIBRATION_PROMPTS:
@@ -189,10 +195,6 @@ def calibrate(backend, tokenizer, *, new_tokens: int = 96, max_skip: int | None 
 
 def corpus_token_frequencies(tokenizer, path: str, top: int, max_records: int = 5000) -> list[int]:
     """The ``top`` most frequent token ids over a text corpus (JSONL with text fields, or plain text)."""
-    import json
-    from collections import Counter
-    from pathlib import Path
-
     p = Path(path)
     if not p.exists():
         raise ForerunError(f"corpus not found: {path}")
@@ -215,22 +217,14 @@ def corpus_token_frequencies(tokenizer, path: str, top: int, max_records: int = 
 
 def calibration_key(target) -> list:
     """What a layer-skip calibration is kept under (``forerun.kept``): the model and its backend."""
-    from forerun.models import model_key
-
     return [*model_key(target), target.backend.num_layers, type(target.backend).__name__]
 
 
 def default_calibration(target, log=None) -> dict:
     """The calibration for this model: shipped for the bundled model, else measured once per machine
     and kept (``forerun.kept``; ``forerun calibrate-layerskip`` replaces it)."""
-    import json
-    from importlib import resources
-
     if target.name == "bundled":
         return json.loads(resources.files("forerun").joinpath("data/layerskip_bundled.json").read_text())
-    import logging
-
-    from forerun import kept
 
     info = logging.getLogger("forerun").info
     return kept.measured("layerskip", calibration_key(target), lambda: calibrate(target.backend, target.tokenizer, log=log or info, progress=True),

@@ -19,6 +19,8 @@ import torch
 
 from forerun.draft_length import update_acceptance
 from forerun.drafters.base import Draft
+from forerun.drafters.ngram import lookup_match
+from forerun.drafters.suffix import SuffixDrafter
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,8 +57,6 @@ class NgramLookup:
         return acc / (acc + rej)
 
     def chain(self, tokens: list[int], k: int) -> Draft:
-        from forerun.drafters.ngram import lookup_match
-
         chain, n = lookup_match(tokens, k, self.max_ngram, self.min_ngram)
         self._offer = (len(tokens), chain, n)
         return Draft(tokens=torch.tensor(chain, dtype=torch.long, device="cpu"), bucket=n, conf=[self.rate(n)] * len(chain))
@@ -75,8 +75,6 @@ class SuffixLookup:
     name = "suffix"
 
     def __init__(self, drafter=None):
-        from forerun.drafters.suffix import SuffixDrafter
-
         self.drafter = drafter if drafter is not None else SuffixDrafter()
         if self.drafter.tree_nodes:
             raise ValueError("the lookup branch is a chain: give a suffix drafter without tree_nodes")

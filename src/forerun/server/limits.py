@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from forerun.server.app import TIMED_OUT, ApiError
+from forerun.errors import ForerunError
+from forerun.server.app import TIMED_OUT
+from forerun.server.requests import ApiError
 
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
@@ -39,8 +41,6 @@ class Limits:
     linger_s: float = 2.0
 
     def check(self) -> "Limits":
-        from forerun.errors import ForerunError
-
         for flag, v in (("--keep-alive-timeout", self.keep_alive_s), ("--read-timeout", self.read_timeout_s)):
             if not v > 0:
                 raise ForerunError(f"{flag} must be > 0 seconds, got {v}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from forerun.errors import ForerunError
+from forerun.plots import loadtest_chart
 
 BUILTIN_PROMPTS = [
     "Explain how a hash table works and when it is a bad choice.",
@@ -302,7 +303,7 @@ def _rss(pid: int | None) -> int | None:
     if pid is None:
         return None
     try:
-        import psutil
+        import psutil  # the server extra: a client-only install reports no memory
 
         return psutil.Process(pid).memory_info().rss
     except Exception:
@@ -387,7 +388,6 @@ def run_loadtest(args, log=print) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
-        from forerun.plots import loadtest_chart
 
         loadtest_chart(report, Path(args.out).with_suffix(".png"))
     for r in report["methods"].values():

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import logging
 import os
+import sys
+import threading
 
-from forerun.batching import BatchEngine
-from forerun.build import Options, backend_for, drafter_for, load_draft_model, load_target
+from forerun.build import Options, Setup, build
+from forerun.draft_length import K_MAX
+from forerun.drafters.adapt import save_adapted
 from forerun.errors import ForerunError
 from forerun.models import model_key
+from forerun.server.app import Service, create_app, is_loopback
+from forerun.server.limits import Limits
 
 log = logging.getLogger("forerun")
 
@@ -27,13 +33,12 @@ def _check_api_key(key: str | None) -> str | None:
     return key
 
 
-def build_service(model, *, method: str = "ngram", draft_model=None, name: str | None = None, api_key: str | None = None,
-                  max_batch: int = 8, max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0,
-                  k_max: int = 8, calibrate: bool = True, skip_layers=None, head_path=None, max_body_bytes: int = 4 << 20,
-                  loopback_hosts: bool = False, prefix_cache_mb: int = 512, adapt: bool = False, progress: bool = False,
-                  tree=None, tree_lookup=None, lookup_from: str = "ngram"):
-    from forerun.server.app import Service
-
+def build_service(setup: Setup, *, name: str | None = None, api_key: str | None = None, max_batch: int = 8,
+                  max_waiting: int = 64, max_tokens: int = 1024, request_timeout: float = 600.0, k_max: int = K_MAX,
+                  calibrate: bool = True, max_body_bytes: int = 4 << 20, loopback_hosts: bool = False,
+                  prefix_cache_mb: int = 512, progress: bool = False) -> Service:
+    """The service over a built setup (``build.build``: the target, its method, trees and all):
+    its batch engine with these limits, calibrated unless told not to."""
     for label, v, lo in (("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 0), ("--max-tokens", max_tokens, 1),
                          ("--k-max", k_max, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
         if v < lo:
@@ -41,19 +46,15 @@ def build_service(model, *, method: str = "ngram", draft_model=None, name: str |
     if request_timeout <= 0:
         raise ForerunError(f"--request-timeout must be > 0, got {request_timeout}")
     _check_api_key(api_key)
-    # every method of generate (token trees where the backend verifies them); each slot forks this drafter
-    options = Options(model.name, method=method, draft=head_path, skip_layers=skip_layers, tree_nodes=tree[0] if tree else 0,
-                      tree_depth=tree[1] if tree else None, tree_lookup=tree_lookup, lookup_from=lookup_from,
-                      adapt=adapt, serving=True)
-    drafter = drafter_for(options, model, draft_model)
-    engine = BatchEngine(model.backend, model.eos_token_ids, drafter=drafter, max_batch=max_batch,
-                         max_waiting=max_waiting, k_max=k_max, prefix_cache_bytes=prefix_cache_mb << 20)
+    model = setup.target
+    engine = setup.batch_engine(max_batch=max_batch, max_waiting=max_waiting, k_max=k_max,
+                                prefix_cache_mb=prefix_cache_mb)
     engine.prepare_slots()
-    if calibrate and drafter is not None:
+    if calibrate and setup.drafter is not None:
         costs = engine.calibrate(progress=progress, keep_as=model_key(model))
         log.info("target pass cost by rows: %s", {r: round(t * 1000, 1) for r, t in costs.items()})
     return Service(model, engine, name=name or model.id, api_key=api_key, max_tokens=max_tokens,
-                   request_timeout=request_timeout, method=method, max_body_bytes=max_body_bytes,
+                   request_timeout=request_timeout, method=setup.options.method, max_body_bytes=max_body_bytes,
                    loopback_hosts=loopback_hosts)
 
 
@@ -64,10 +65,6 @@ def _heap_trimmer():
     activations); glibc keeps the freed blocks in a fragmented heap, so resident memory creeps up
     over a long run. Trimming every few dozen steps hands whole free pages back; serving large
     blocks with mmap instead was measured a third slower at 16 concurrent requests."""
-    import ctypes
-    import ctypes.util
-    import sys
-
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -78,11 +75,7 @@ def _heap_trimmer():
 
 
 def serve(args) -> int:
-    import uvicorn
-
-    from forerun.drafters.adapt import save_adapted
-    from forerun.server.app import create_app, is_loopback
-    from forerun.server.limits import Limits
+    import uvicorn  # the server extra: imported only when serving
 
     options = Options.from_args(args, serving=True).check()  # every option fails before the model loads
     api_key = resolve_api_key(args.api_key)
@@ -90,19 +83,14 @@ def serve(args) -> int:
         raise ForerunError(f"--port must be in 0..65535, got {args.port}")
     limits = Limits(keep_alive_s=args.keep_alive_timeout, read_timeout_s=args.read_timeout,
                     max_connections=args.max_connections, max_header_bytes=args.max_header_bytes).check()
-    backend = backend_for(options)
-    model = load_target(options, backend=backend)
-    draft = load_draft_model(options, backend)
-    service = build_service(model, method=args.method, draft_model=draft, name=args.served_model_name,
-                            api_key=api_key, loopback_hosts=is_loopback(args.host), max_batch=args.max_batch, max_waiting=args.max_waiting,
-                            max_tokens=args.max_tokens, request_timeout=args.request_timeout, k_max=args.k_max,
-                            skip_layers=options.skip, head_path=options.head_path,
-                            prefix_cache_mb=args.prefix_cache_mb, adapt=args.adapt, progress=True,
-                            tree=options.tree, tree_lookup=args.tree_lookup, lookup_from=args.lookup_from)
+    setup = build(options)
+    service = build_service(setup, name=args.served_model_name, api_key=api_key, loopback_hosts=is_loopback(args.host),
+                            max_batch=args.max_batch, max_waiting=args.max_waiting, max_tokens=args.max_tokens,
+                            request_timeout=args.request_timeout, k_max=args.k_max, prefix_cache_mb=args.prefix_cache_mb,
+                            progress=True)
     if not service.engine.batched:
         log.warning("the %s backend decodes the sequences of a step one after another (no shared pass)",
-                    type(model.backend).__name__)
-    import threading
+                    type(setup.target.backend).__name__)
 
     refused = service.metrics.rejected
     config = uvicorn.Config(create_app(service, engine_thread=False), host=args.host, port=args.port,

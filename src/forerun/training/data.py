@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from forerun.batching import BatchRequest
+from forerun.build import Options, build
+from forerun.chat import prompt_ids
+from forerun.drafters.head_training import Sequence
 from forerun.errors import ForerunError
-
-
-@dataclass
-class Sequence:
-    ids: list[int]
-    start: int  # positions >= start are learned (predicting ids[start:])
+from forerun.training.seeds import builtin_prompts, passage_writer_prompts, stage_two
 
 
 def read_corpus(path: str | Path) -> list[str]:
@@ -77,8 +77,6 @@ def corpus_sequences(tokenizer, texts: list[str], max_len: int) -> list[Sequence
 def distill_prompts(corpus_path: str | Path | None, n: int, seed: int) -> list[str]:
     """Seed prompts: a sixth are the corpus's own questions, the rest varied tasks (``seeds.py``), some over
     the corpus's text."""
-    from forerun.training.seeds import builtin_prompts
-
     questions = read_seed_questions(corpus_path) if corpus_path and str(corpus_path).endswith(".jsonl") else []
     rng = random.Random(seed)
     rng.shuffle(questions)
@@ -98,8 +96,6 @@ def two_stage_prompts(target, n: int, out_path: Path, *, seed: int, max_new_toke
     """Stage-1 prompts, then stage-2 prompts over material the target wrote itself (German text to translate, articles to
     summarise, passages to answer from, reviews to rate): stage 1 (answers of up to twice
     ``max_new_tokens``, so that articles are long) is answered and kept as training data first."""
-    from forerun.training.seeds import passage_writer_prompts, stage_two
-
     plan = passage_writer_prompts(n, seed)
     self_distill(target, [p for p, _, _ in plan], out_path, max_new_tokens=2 * max_new_tokens, log=log,
                  desc="self-distill (passages)", batch=batch)
@@ -121,19 +117,12 @@ def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str
     together (the server's batch engine, plain greedy decoding): on batch-invariant backends the
     answers are the ones a lone sequence gets, only sooner. Elsewhere one at a time, with n-gram
     speculation (lossless, so it only makes the answers come faster)."""
-    from tqdm import tqdm
-
-    from forerun.chat import prompt_ids
-
     tok = target.tokenizer
     limit = target.backend.max_context - max_new_tokens
     todo = [(p, prompt_ids(tok, p)[-limit:]) for p in prompts]  # as a user turn where the model has a chat template
     bar = tqdm(total=len(todo), desc=desc, unit="prompt")
     if batch > 1 and target.backend.capabilities.batched:
-        from forerun.batching import BatchEngine, BatchRequest
-
-        engine = BatchEngine(target.backend, target.eos_token_ids, max_batch=batch, max_waiting=len(todo) + 1,
-                             speculate=False)
+        engine = build(Options(target.name), target=target).batch_engine(max_batch=batch, max_waiting=len(todo) + 1)
         done: list[tuple[str, list[int], list[int]]] = []
         made, t0 = 0, time.perf_counter()
 
@@ -166,10 +155,8 @@ def greedy_answers(target, prompts: list[str], *, max_new_tokens: int, desc: str
                 engine.step()
         bar.close()
         return
-    from forerun.drafters.ngram import NgramDrafter
-    from forerun.engine import Engine
 
-    engine = Engine(target.backend, NgramDrafter(), target.eos_token_ids)
+    engine = build(Options(target.name, method="ngram"), target=target).engine()
     for p, ids in todo:
         yield p, ids, engine.generate(ids, max_new_tokens=max_new_tokens, k="auto").token_ids
         bar.update(1)

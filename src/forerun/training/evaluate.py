@@ -16,10 +16,15 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm import tqdm
 
 from forerun.backends.base import ArgmaxOutput, Capabilities, ForwardOutput
+from forerun.drafters import require_hidden_states
+from forerun.drafters.head_training import TrainConfig, Trainer, extract_features
+from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.stats import GenerationStats
+from forerun.training.data import Sequence, greedy_answers
 from forerun.tree import tree_layout
 
 
@@ -28,11 +33,7 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
     """``prompts``: dicts with ``text`` and ``category`` (as ``bench.load_prompts`` returns them).
     ``replay``: method name -> (drafter, draft length) to replay on the same answers (greedy; see
     ``replay_generation``), reported as the tau and per-position acceptance a bench would measure."""
-    from forerun.training.data import Sequence, greedy_answers
-    from forerun.training.trainer import TrainConfig, Trainer, extract_features
-
     be = target.backend
-    from forerun.drafters import require_hidden_states
 
     require_hidden_states(target, "eval-draft")
     if steps < 1 or top_k < 1 or max_new_tokens < 1:
@@ -134,8 +135,6 @@ def replay_generation(drafter, ids: list[int], start: int, feats: torch.Tensor |
     """Tokens committed per verify pass, and the drafted depth per pass, of a greedy generation with
     draft length ``k`` whose target answers ``ids[start:]``: the engine runs as in any generation
     (``forerun.decode``), on a ``RecordedTarget`` instead of the model."""
-    from forerun.engine import Engine
-
     stats = GenerationStats()
     steps = Engine(RecordedTarget(ids, feats), drafter, ()).stream(
         list(ids[:start]), max_new_tokens=len(ids) - start, k=k, stats=stats)
@@ -152,8 +151,6 @@ def _add(a: list[int], b: list[int]) -> list[int]:
 def replay_methods(target, drafters: dict, answers: list[tuple[str, list[int], int]]) -> dict:
     """Replayed tau and acceptance per position, per method and category. ``drafters``: method
     name -> (drafter, k); ``answers``: (category, prompt + greedy answer ids, prompt length)."""
-    from tqdm import tqdm
-
     be = target.backend
     counts = {m: {} for m in drafters}  # method -> category -> counts
     for cat, ids, start in tqdm(answers, desc="replay", unit="prompt"):

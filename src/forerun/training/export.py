@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from forerun.drafters.heads import DraftHead, eagle3_feature_layers
 from forerun.errors import ForerunError
@@ -185,7 +186,6 @@ def export_head(head: DraftHead, out: str | Path, *, fmt: str, target: dict, ver
         check_speculators_config(config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=1))

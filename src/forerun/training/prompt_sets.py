@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from forerun.errors import ForerunError
+from forerun.training.seeds import builtin_prompts
 
 OVERLAP_WORDS = 8  # a prompt sharing this many consecutive words with a benchmark text is dropped
 
@@ -108,8 +109,6 @@ def build_prompt_set(sources: dict[str, str | Path], *, exclude=(), builtin: int
     """``sources``: name -> dataset file. ``builtin``: add this many prompts of the project's own
     task families. ``limit``: at most this many prompts per source (0: all). Prompts are deduplicated,
     checked against ``exclude`` (benchmark files) and shuffled with ``seed``."""
-    from forerun.training.seeds import builtin_prompts
-
     rng = random.Random(seed)
     picked: list[dict] = []
     for name, path in sources.items():

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import torch
 
+from forerun.drafters import load_trained_head, require_hidden_states
+from forerun.drafters.head_training import TrainConfig, Trainer, extract_features
 from forerun.errors import ForerunError
+from forerun.models import load_model
+from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
+from forerun.training.prompt_sets import read_prompt_set
 
 
 def distill_seeds(args) -> list[int]:
@@ -28,12 +33,6 @@ def distill_seeds(args) -> list[int]:
 
 
 def train_draft(args, log=print) -> dict:
-    from forerun.drafters import load_trained_head, require_hidden_states
-    from forerun.models import load_model
-    from forerun.training.data import corpus_sequences, distill_prompts, read_corpus, self_distill, two_stage_prompts
-    from forerun.training.prompt_sets import read_prompt_set
-    from forerun.training.trainer import TrainConfig, Trainer, extract_features
-
     t0 = time.time()
     if not 0.0 <= getattr(args, "soft_labels", 0.0) <= 1.0:
         raise ForerunError(f"--soft-labels must be between 0 and 1, got {args.soft_labels}")

@@ -1,12 +1,13 @@
 """Train an EAGLE-style head or Medusa heads on a target's own hidden states.
 
-Pipeline: token sequences (``data.py``) -> target features at the head's layers, computed once
+Pipeline: token sequences (``training/data.py``) -> target features at the head's layers, computed once
 and cached -> a reduced draft vocabulary from label-token frequencies -> training with a
 held-out validation split, resumable checkpoints and a fixed seed -> a head folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -17,12 +18,26 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from forerun.backends.arch import rms_norm
-from forerun.drafters.heads import (DraftHead, HeadConfig, build_head, default_feature_layers, eagle3_feature_layers,
-                                    target_fingerprint)
+from forerun.drafters.heads import (
+    DraftHead,
+    HeadConfig,
+    build_head,
+    default_feature_layers,
+    eagle3_feature_layers,
+    target_fingerprint,
+)
 from forerun.errors import ForerunError
-from forerun.training.data import Sequence
+
+
+@dataclass
+class Sequence:
+    """A token sequence to learn from."""
+
+    ids: list[int]
+    start: int  # positions >= start are learned (predicting ids[start:])
 
 
 @dataclass
@@ -58,8 +73,6 @@ class Example:
 
 
 def _seq_key(layers: list[int], ids: list[int], start: int) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps([list(layers), list(ids), int(start)]).encode()).hexdigest()[:20]
 
 
@@ -70,8 +83,6 @@ def extract_features(backend, seqs: list[Sequence], layers: list[int], cache: Pa
     Cached in ``cache`` per sequence (keyed by its tokens, its learned start and the layers): a
     resumed run skips the forward passes, and a run with more data computes only the new
     sequences. The file holds exactly the sequences of the latest run."""
-    from tqdm import tqdm
-
     seqs = [Sequence(list(s.ids[: backend.max_context]), s.start) for s in seqs]
     keys = [_seq_key(layers, s.ids, s.start) for s in seqs]
     have: dict[str, Example] = {}
@@ -105,8 +116,6 @@ def split_validation(examples: list[Example], fraction: float, seed: int) -> tup
     the seed), not from its place in the data: adding data, or starting from a head trained on
     less of it, never moves a training sequence into validation. At least one of each when there
     are two or more."""
-    import hashlib
-
     def u(e: Example) -> float:
         h = hashlib.sha256(f"{seed}:{e.start}:".encode() + e.ids.numpy().tobytes()).digest()
         return int.from_bytes(h[:8], "big") / 2 ** 64
@@ -380,8 +389,6 @@ class Trainer:
         ``keep_vocab``: the new head keeps ``init``'s draft vocabulary (and so all its output rows)
         instead of choosing one from these examples: the right choice when continuing on fresh data
         only, which alone would pick a vocabulary from fewer tokens."""
-        from tqdm import tqdm
-
         tc = self.tc
         val, train = split_validation(examples, tc.val_fraction, tc.seed)
         if not train:

@@ -1,0 +1,43 @@
+/* What qrows.c (the integer products) and qlayer.c (the layer around them) share: the weight and
+ * activation layouts (described at the top of qrows.c) and the product entry points. Both files are
+ * built together into one library per instruction set (ckernels.py). */
+#ifndef FORERUN_QROWS_H
+#define FORERUN_QROWS_H
+
+#include <stdint.h>
+
+enum { U4 = 0, U8 = 1, S8 = 2 };
+
+typedef struct {
+    const uint8_t *codes;
+    const void *scale;
+    const void *offset; /* NULL: none */
+    int64_t V;          /* weight rows (before padding) */
+    int32_t D;          /* columns, a multiple of 32 */
+    int32_t kind;
+    int32_t sub;        /* 1 or 2 scale groups per 32 columns */
+    int32_t f16;        /* scales and offsets stored as float16 */
+    int32_t zb;         /* integer code bias */
+    int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
+    int32_t cmax;       /* largest stored code (U4, U8): how many vpmaddubsw results int16 holds */
+    int32_t pad_;
+} qweight_t;
+
+/* One pass's activations, quantized: xq [N][D] int8; per row and 32-block: dx, and the sums of
+ * its codes over each half (bs) as integers and as dx * sum (xs: whole block, first half, second). */
+typedef struct {
+    int8_t *xq;
+    float *dx;
+    int32_t *bs; /* [N][nb][2] */
+    float *xs;   /* [N][nb][3] */
+    int N, D;
+} qact_t;
+
+/* x [N][ldx] quantized per row and 32-block into a (allocated by q_act_alloc for N rows of D). */
+void q_quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a);
+int q_act_alloc(qact_t *a, int N, int D); /* 0, or -1 out of memory (q_act_free still frees) */
+void q_act_free(qact_t *a);
+/* out[r][col + v] (row stride ldo) for all rows of a and the weight rows of the parts. */
+void q_matmul(const qweight_t *w, int parts, const qact_t *a, float *out, int64_t ldo);
+
+#endif
