@@ -288,10 +288,10 @@ def test_failures_end_only_their_own_request(gemma, monkeypatch):
             raise RuntimeError("pass broke")
         return real_batch(seqs, *a, **kw)
 
-    def alone(be, *a, **kw):
-        if bad.slot is not None and be is bad.slot.backend:
+    def alone(target, checks, *a, **kw):
+        if len(checks) == 1 and bad.slot is not None and checks[0].backend is bad.slot.backend:
             raise RuntimeError("pass broke again")
-        return real_alone(be, *a, **kw)
+        return real_alone(target, checks, *a, **kw)
 
     monkeypatch.setattr(gemma.backend, "forward_batch", forward_batch)
     monkeypatch.setattr(decode, "verify", alone)
@@ -423,7 +423,7 @@ def test_calibration_is_kept_for_the_next_start(gemma, tmp_path, monkeypatch):
     second = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2, k_max=8)
     monkeypatch.setattr(second, "_pass", lambda *a, **k: pytest.fail("timed again"))
     assert second.calibrate(reps=1, keep_as=key) == costs
-    other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1)
+    other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1, k_max=8)
     assert list(other.calibrate(reps=1, keep_as=key)) == list(range(1, 10))  # another engine shape: timed
 
 

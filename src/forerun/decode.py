@@ -7,10 +7,10 @@ with one sequence, ``BatchEngine`` (and so the server) with every active request
 CLI go through ``Engine``.
 
 A step: 1. the drafters offer, the one draft-length policy (``DraftLength``) chooses what each
-sequence verifies; 2. every draft is verified, in one batched target pass where the backend
-batches and several sequences step together, else one pass per sequence (``verify.verify``, with
-its greedy fast paths); 3. each sequence accepts the longest agreeing prefix plus one token of the
-target's own, 4. its cache keeps the accepted positions only, and its drafter hears the outcome
+sequence verifies; 2. every draft is verified through ``verify.verify``: in one batched target
+pass where the backend batches and several sequences step together, else one pass per sequence
+(with its greedy fast paths); 3. each sequence accepts the longest agreeing prefix plus one token
+of the target's own, 4. its cache keeps the accepted positions only, and its drafter hears the outcome
 (and the kept rows' features). Every pass is timed here, and only here.
 """
 
@@ -29,7 +29,7 @@ from forerun.errors import ForerunError
 from forerun.prefix_cache import prefill
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
-from forerun.verify import Verdict, feed_of, judge, kept_rows, verify
+from forerun.verify import Check, Verdict, kept_rows, verify
 
 log = logging.getLogger("forerun")
 
@@ -200,40 +200,37 @@ class Decoder:
     def _verify(self, seqs, drafts, alive, fail) -> tuple[dict[int, Verdict], float]:
         """Every live sequence's verdict, and the seconds its passes took."""
         t = time.perf_counter()
+
+        def check(i):
+            s = seqs[i]
+            return Check(s.backend, drafts[i], s.tokens[-1], len(s.tokens) - 1, s.params, s.generator)
+
         if self.batched and len(alive) > 1:
             try:
-                return self._verify_batched(seqs, drafts, alive), time.perf_counter() - t
+                verdicts = verify(self.target, [check(i) for i in alive], self.layers)
+                self._synchronize()
+                self.policy.observe_pass(sum(len(drafts[i]) + 1 for i in alive), time.perf_counter() - t)
+                return dict(zip(alive, verdicts)), time.perf_counter() - t
             except Exception as e:  # noqa: BLE001 - find which sequences fail: each one again on its own
                 log.warning("a batched pass of %d sequences failed (%s: %s): each one again on its own", len(alive),
                             type(e).__name__, e)
         verdicts = {}
         for i in list(alive):
-            s, d = seqs[i], drafts[i]
             t_i = time.perf_counter()
             try:
-                verdicts[i] = verify(s.backend, d, s.tokens[-1], len(s.tokens) - 1, s.params, s.generator, self.layers)
-                if self.cuda:  # kernels run asynchronously: time the pass, not its launch
-                    torch.cuda.synchronize()
+                verdicts[i] = verify(self.target, [check(i)], self.layers)[0]
+                self._synchronize()
             except Exception as e:  # noqa: BLE001
-                fail(s, e)
+                fail(seqs[i], e)
                 alive.remove(i)
                 continue
-            if d.parents is None:
-                self.policy.observe_pass(len(d) + 1, time.perf_counter() - t_i)
+            if drafts[i].parents is None:
+                self.policy.observe_pass(len(drafts[i]) + 1, time.perf_counter() - t_i)
         return verdicts, time.perf_counter() - t
 
-    def _verify_batched(self, seqs, drafts, alive) -> dict[int, Verdict]:
-        feeds = [feed_of(seqs[i].tokens[-1], drafts[i]) for i in alive]
-        trees = [drafts[i].parents for i in alive]
-        tree_kw = {"trees": trees} if any(x is not None for x in trees) else {}
-        layer_kw = {"layers": self.layers} if self.layers else {}
-        t = time.perf_counter()
-        outs = self.target.forward_batch([seqs[i].backend for i in alive], feeds, [len(seqs[i].tokens) - 1 for i in alive],
-                                         greedy=[seqs[i].params.greedy for i in alive], **layer_kw, **tree_kw)
-        if self.cuda:
+    def _synchronize(self) -> None:
+        if self.cuda:  # kernels run asynchronously: time the pass, not its launch
             torch.cuda.synchronize()
-        self.policy.observe_pass(sum(f.numel() for f in feeds), time.perf_counter() - t)
-        return {i: judge(drafts[i], out, seqs[i].params, seqs[i].generator) for i, out in zip(alive, outs)}
 
     # -- 3. accept, 4. roll back ----------------------------------------------------------------
     def _commit(self, s: Sequence, d: Draft, v: Verdict, draft_s: float, verify_s: float) -> Outcome:

@@ -1,8 +1,9 @@
 """One verify round, asked of a backend in one call: the single place where a draft meets the target.
 
-The engine (one sequence) and the batch engine (many) both ask the same question, "verify this
-chain or tree, greedy or sampled, with or without the drafter's feature layers", and get back
-what was accepted. How the backend answers depends only on what it declares it can do
+The engine (one sequence) and the batch engine (many) both ask the same question through
+``verify``, "verify these chains or trees, greedy or sampled, with or without the drafter's
+feature layers", and get back what each accepted: one sequence on its own cache, several in one
+batched pass. How the backend answers depends only on what it declares it can do
 (``backends.base.Capabilities``, declared by every backend), never on probing it:
 
 - greedy, a tree, ``lazy_tree_head``: one pass to the final hidden states, then the LM head only
@@ -47,15 +48,44 @@ def feed_of(last_token: int, draft: Draft) -> torch.Tensor:
     return torch.cat([torch.tensor([last_token], dtype=torch.long, device="cpu"), draft.tokens.cpu()])
 
 
-def verify(backend, draft: Draft, last_token: int, root: int, params: SamplingParams, generator=None,
-           layers: tuple = ()) -> Verdict:
-    """Run ``last_token`` and ``draft`` at positions ``root``.. on ``backend``'s cache and accept."""
+@dataclass
+class Check:
+    """One sequence's question for a verify round: its ``draft`` after ``last_token``, run at
+    positions ``root``.. on ``backend`` (the sequence's own cache), accepted under ``params``."""
+
+    backend: object
+    draft: Draft
+    last_token: int
+    root: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+def verify(target, checks: list[Check], layers: tuple = ()) -> list[Verdict]:
+    """The verdicts on one sequence's draft or many, in one target pass: a lone sequence on its
+    own cache (with the greedy fast paths: the lazy tree head, the exact argmax), several in one
+    batched pass of ``target`` (``forward_batch``, needing ``capabilities.batched``)."""
+    if len(checks) == 1:
+        return [_verify_one(checks[0], layers)]
+    if not target.capabilities.batched:
+        raise ValueError(f"{type(target).__name__} verifies one sequence per pass, not {len(checks)}")
+    feeds = [feed_of(c.last_token, c.draft) for c in checks]
+    trees = [c.draft.parents for c in checks]
+    tree_kw = {"trees": trees} if any(x is not None for x in trees) else {}
+    layer_kw = {"layers": layers} if layers else {}
+    outs = target.forward_batch([c.backend for c in checks], feeds, [c.root for c in checks],
+                                greedy=[c.params.greedy for c in checks], **layer_kw, **tree_kw)
+    return [judge(c.draft, out, c.params, c.generator) for c, out in zip(checks, outs)]
+
+
+def _verify_one(c: Check, layers: tuple) -> Verdict:
+    backend, draft = c.backend, c.draft
     caps: Capabilities = backend.capabilities
-    feed = feed_of(last_token, draft)
+    feed = feed_of(c.last_token, draft)
     tree = draft.parents
     layer_kw = {"layers": layers} if layers else {}
-    if params.greedy and tree is not None and caps.lazy_tree_head:
-        passed = backend.forward(feed, root, tree=tree, logits=False, return_hidden=True, **layer_kw)
+    if c.params.greedy and tree is not None and caps.lazy_tree_head:
+        passed = backend.forward(feed, c.root, tree=tree, logits=False, return_hidden=True, **layer_kw)
         hidden, calls = passed.hidden, [0]
 
         def head_argmax(rs):
@@ -64,8 +94,8 @@ def verify(backend, draft: Draft, last_token: int, root: int, params: SamplingPa
 
         rows, out, head_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
         return Verdict(out, len(rows), rows, passed.layers, head_rows, calls[0])
-    return judge(draft, pass_outputs(backend, feed, root, greedy=params.greedy, layers=layers, tree=tree), params,
-                 generator)
+    return judge(draft, pass_outputs(backend, feed, c.root, greedy=c.params.greedy, layers=layers, tree=tree),
+                 c.params, c.generator)
 
 
 def judge(draft: Draft, out, params: SamplingParams, generator=None) -> Verdict:
