@@ -20,14 +20,13 @@ from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel, plain_gene
 from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
-from forerun.draft_length import DraftLength
+from forerun.draft_length import K_MAX
 from forerun.drafters import HEAD_METHODS
 from forerun.errors import ForerunError
 from forerun.machine import cpu_name
 from forerun.models import resolve_source
 from forerun.plots import bench_charts
 from forerun.sampling import SamplingParams
-from forerun.timing import median_s
 
 PEERS = ("hf", "hf-lookup", "llama.cpp")
 
@@ -101,12 +100,12 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     n_texts = len(seqs)
     if not seqs:  # no text long enough: random tokens
         seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=torch.Generator().manual_seed(0)))]
-    fn = getattr(backend, "argmax_forward" if backend.capabilities.exact_argmax else "forward")
+    fn = backend.argmax_forward if backend.capabilities.exact_argmax else backend.forward
     # what is timed: (rows, callable) per key; "step" is the one-token step every ratio divides by
     passes = {"step": (1, fn), **{str(k): (k + 1, fn) for k in ks}}
     for rows, head_rows, calls in sorted(lazy_trees):  # "N+headH/C": N draft nodes and the root, the LM head on H rows in C calls
         passes[lazy_tree_key(rows, head_rows, calls)] = (rows + 1, _lazy_tree_pass(backend, head_rows, calls))
-    cuda = getattr(backend, "device", torch.device("cpu")).type == "cuda"
+    cuda = backend.device.type == "cuda"
     medians = {key: 0.0 for key in passes}
     for c, ids in seqs:
         backend.reset()
@@ -155,43 +154,11 @@ def _lazy_tree_pass(backend, head_rows: int, calls: int):
 def _weights_kind(target, hf_model) -> str:
     """What the target's weights are, for the report: GGUF blocks (integer path or llama.cpp) or
     the transformers model's dtype."""
-    if getattr(target.backend, "quant", None) is not None:
-        return "gguf blocks (integer kernels)"
+    said = target.backend.report().get("weights")
+    if said is not None:
+        return said
     hf_model = hf_model if hf_model is not None else target.hf_model
     return "gguf (llama.cpp)" if hf_model is None else str(hf_model.dtype)
-
-
-def head_kernel_times(backend, rows=(*range(1, 10), 17), reps: int = 7, text=None) -> dict | None:
-    """Milliseconds of the LM head for each row count and candidate kernel (native backend on CPU).
-
-    The screened exact argmax (greedy path) is timed on the model's own final hidden states, at the
-    last positions of ``text`` (token ids of real text) when given, else of random tokens."""
-    head = getattr(backend, "lm_head", None)
-    if head is None or not getattr(head, "autotune", False):
-        return None
-    g = torch.Generator().manual_seed(0)
-    out = {str(n): {k: v * 1000 for k, v in head.time_kernels(torch.randn(n, head.weight.shape[1], generator=g).to(head.weight), reps).items()}
-           | {"chosen": _kernel_name(head.choice.get(n), n)} for n in rows}
-    exact = backend.exact_head() if hasattr(backend, "exact_head") else None
-    if exact is not None:  # the greedy path: screened exact argmax, timed on the model's own final hidden states
-
-        if text is not None and len(text) >= max(rows):
-            ids = torch.tensor(text[: backend.max_context])
-        else:
-            ids = torch.randint(10, min(backend.vocab_size, 20000), (max(rows),), generator=g)
-        backend.reset()
-        h = backend.forward(ids, 0, logits=False, return_hidden=True).hidden[-max(rows):]
-        backend.reset()
-        for n in rows:
-            out[str(n)]["exact_argmax"] = median_s(lambda: exact.argmax(h[:n]), reps) * 1000
-    return out
-
-
-def _kernel_name(choice, rows: int) -> str | None:
-    if choice is None:
-        return None
-    how, padded = choice
-    return how if padded == rows else f"{how} (padded to {padded} rows)"
 
 
 def _hf_generate(model, ids, max_new, eos, lookup: bool):
@@ -327,20 +294,15 @@ def run_bench(args) -> dict:
     # Warm up every path once (allocations, oneDNN packing, caches), and let the backend pick its
     # LM-head kernel for every verify width up front rather than inside a timed generation.
     warm = encoded[0][:32]
+    longest = max(K_MAX if k == "auto" else k for k in method_k.values())
+    widest = longest + 1
+    if tree_methods:  # a tree pass: its nodes and the root, plus up to k rows of a lookup branch
+        widest = max(widest, tree[0] + 1 + longest)
     for t in targets.values():
-        head = getattr(t.backend, "lm_head", None)
-        if getattr(head, "autotune", False):
-            longest = max(DraftLength().k_max if k == "auto" else k for k in method_k.values())
-            widest = longest + 1
-            if tree_methods:  # a tree pass: its nodes and the root, plus up to k rows of a lookup branch
-                widest = max(widest, tree[0] + 1 + longest)
-            widest = min(widest, head.AUTOTUNE_ROWS)
-            for n in range(1, widest + 1):
-                t.backend.reset()
-                t.backend.forward(torch.tensor(([2] + warm) * n)[:n], 0)
+        t.backend.warm_up(warm, widest)
     for m, e in engines.items():
         e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
-        if hasattr(drafters[m], "forget_history"):  # drafters that learn across prompts start the run afresh
+        if drafters[m] is not None:  # drafters that learn across prompts start the run afresh
             drafters[m].forget_history()
     for p in peers:
         _peer_generate(p, hf_model, llama_peer, warm, 8, target.eos_token_ids)
@@ -356,13 +318,14 @@ def run_bench(args) -> dict:
     kind, loc = resolve_source(args.model)
     if args.backend == "auto" and kind == "gguf":
         config["auto_backend_timing"] = kept_timing(loc)
-    config["threads"] = getattr(target.backend, "threads", torch.get_num_threads())
-    for t in targets.values():
+    reports = [t.backend.report() for t in targets.values()]
+    config["threads"] = target.backend.report().get("threads", torch.get_num_threads())
+    for r in reports:
         for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)
-            if hasattr(t.backend, attr):
-                config[attr] = getattr(t.backend, attr)
-    if all(hasattr(t.backend, "batch_invariant") for t in targets.values()):
-        config["batch_invariant"] = all(t.backend.batch_invariant for t in targets.values())
+            if attr in r:
+                config[attr] = r[attr]
+    if all("batch_invariant" in r for r in reports):
+        config["batch_invariant"] = all(r["batch_invariant"] for r in reports)
         if "llama.cpp" in targets:
             config["llama_cpp"] = "exact mode (see docs); peer llama.cpp: llama.cpp's default settings"
     dtype = _weights_kind(target, hf_model)
@@ -410,8 +373,8 @@ def run_bench(args) -> dict:
         results["verify_cost_ratio_by_backend"][b] = ratios
         if b == primary:
             results["verify_cost_ratio"] = ratios
-        results["lm_head_kernels_ms"] = results["lm_head_kernels_ms"] or head_kernel_times(
-            t.backend, text=max(texts, key=len) if texts else None)
+        results["lm_head_kernels_ms"] = results["lm_head_kernels_ms"] or t.backend.head_timings(
+            (*range(1, 10), 17), 7, text=max(texts, key=len) if texts else None)
         for name in mine:
             m = results["methods"][name]
             if name != ref_of[name] and "steps_by_choice" not in m:  # a tree or a chain or nothing per
@@ -420,7 +383,7 @@ def run_bench(args) -> dict:
                     rows = lazy_tree_key(*lazy[name])
                 m["predicted_speedup_vs_none"] = predicted_speedup(m, results["methods"][ref_of[name]], ratios,
                                                                     rows, tree=name in tree_methods)
-    fallbacks = [t.backend.head_fallbacks for t in targets.values() if hasattr(t.backend, "head_fallbacks")]
+    fallbacks = [r["head_fallbacks"] for t in targets.values() if "head_fallbacks" in (r := t.backend.report())]
     if fallbacks:
         results["greedy_head_fallbacks"] = sum(fallbacks)
     results["records"] = records

@@ -66,9 +66,14 @@ class Backend(Protocol):
         return_hidden: bool = False,
         last_only: bool = False,
         layers: Sequence[int] = (),
+        logits: bool = True,
+        tree: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run tokens at positions pos..pos+T-1. ``last_only`` returns logits for the last position only.
-        ``layers``: also return those layers' outputs at every position (trained draft heads read them)."""
+        ``layers``: also return those layers' outputs at every position (trained draft heads read them).
+        ``logits=False``: no LM head (``lazy_tree_head``: the hidden states only). ``tree``
+        (``token_trees``): parents [T - 1] of rows 1.. (``forerun.tree``): rows sit at pos + depth
+        and see only their ancestors."""
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached positions."""
@@ -119,6 +124,20 @@ class BackendBase:
 
     def reserve(self, n: int) -> None:
         """Allocate the cache for ``n`` positions now, where the backend can (a server slot)."""
+
+    def report(self) -> dict:
+        """What this backend chose on this machine, for a benchmark's report: its threads, the
+        kernels it picked by timing, whether its passes are batch-invariant, what its weights are."""
+        return {}
+
+    def warm_up(self, tokens: list[int], rows: int) -> None:
+        """Before a timed run: settle what the backend picks by timing for passes of up to ``rows``
+        rows (``tokens``: real text to run)."""
+
+    def head_timings(self, rows: Sequence[int], reps: int, text: list[int] | None = None) -> dict | None:
+        """Milliseconds of the LM head per row count and candidate kernel where the backend chooses
+        between kernels (else None); ``text``: token ids to time the greedy head on."""
+        return None
 
     def _check_forward(self, tokens: torch.Tensor, pos: int) -> None:
         if pos > self.length:

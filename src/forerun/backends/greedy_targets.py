@@ -40,6 +40,47 @@ class GreedyTargets:
             self._exact = head if head is not None else False
         return self._exact or None
 
+    def report(self) -> dict:
+        out = {"threads": torch.get_num_threads(), "greedy_head": self.greedy_head, "body_kernel": self.body_kernel,
+               "batch_invariant": self.batch_invariant}
+        if self.quant is not None:
+            out["weights"] = "gguf blocks (integer kernels)"
+        return out
+
+    def warm_up(self, tokens: list[int], rows: int) -> None:
+        """Let the LM head pick its kernel for every pass width up to ``rows`` now, not inside a
+        timed generation."""
+        if getattr(self.lm_head, "autotune", False):
+            for n in range(1, min(rows, self.lm_head.AUTOTUNE_ROWS) + 1):
+                self.reset()
+                self.forward(torch.tensor(([2] + list(tokens)) * n)[:n], 0)
+
+    def head_timings(self, rows, reps: int, text=None) -> dict | None:
+        """Milliseconds of the LM head for each row count and candidate kernel (CPU). The screened
+        exact argmax (greedy path) is timed on the model's own final hidden states, at the last
+        positions of ``text`` (token ids of real text) when given, else of random tokens."""
+        head = self.lm_head
+        if head is None or not getattr(head, "autotune", False):
+            return None
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        for n in rows:
+            x = torch.randn(n, head.weight.shape[1], generator=g).to(head.weight)
+            out[str(n)] = {k: v * 1000 for k, v in head.time_kernels(x, reps).items()} | {
+                "chosen": _kernel_name(head.choice.get(n), n)}
+        exact = self.exact_head()
+        if exact is not None:  # the greedy path: screened exact argmax, timed on the model's own final hidden states
+            if text is not None and len(text) >= max(rows):
+                ids = torch.tensor(text[: self.max_context])
+            else:
+                ids = torch.randint(10, min(self.vocab_size, 20000), (max(rows),), generator=g)
+            self.reset()
+            h = self.forward(ids, 0, logits=False, return_hidden=True).hidden[-max(rows):]
+            self.reset()
+            for n in rows:
+                out[str(n)]["exact_argmax"] = median_s(lambda: exact.argmax(h[:n]), reps) * 1000
+        return out
+
     @property
     def greedy_head(self) -> str:
         """What decides greedy tokens: ``integer`` on the integer path (the argmax of its logits),
@@ -99,3 +140,10 @@ class GreedyTargets:
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
+
+
+def _kernel_name(choice, rows: int) -> str | None:
+    if choice is None:
+        return None
+    how, padded = choice
+    return how if padded == rows else f"{how} (padded to {padded} rows)"

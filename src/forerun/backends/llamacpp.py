@@ -370,6 +370,10 @@ class LlamaCppBackend(BackendBase):
         """Whether a pass of several tokens gives bit-identical logits to one-token steps (probed once per model)."""
         return self.model.batch_invariant(self.threads)
 
+    def report(self) -> dict:
+        return {"threads": self.threads, "batch_invariant": self.batch_invariant, "head_fallbacks": self.head_fallbacks,
+                "weights": "gguf (llama.cpp)"}
+
     @property
     def length(self) -> int:
         return self._len

@@ -76,6 +76,9 @@ class Drafter:
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         """Called after a verify pass; ``tokens`` now holds the accepted drafts and the new token."""
 
+    def forget_history(self) -> None:
+        """Drop what was learnt across earlier sequences (a benchmark's runs start afresh)."""
+
     def fork(self) -> "Drafter":
         """A drafter of the same kind over the same weights with state (and caches) of its own:
         one per sequence when several are decoded together."""
