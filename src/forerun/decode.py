@@ -156,8 +156,7 @@ class Decoder:
 
         if proto.offers_tree_or_chain:  # per round: the drafter's tree, or its lookup chain alone
             # how far each sequence drafts at all (under load: maybe not), then tree or chain
-            wants = [min(pol.fixed, caps[i]) for i in alive] if pol.fixed is not None else pol.choose(
-                [caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
+            wants = pol.choose([caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
             for i, want in zip(list(alive), wants):
                 s = seqs[i]
                 chain = timed(i, lambda: s.drafter.lookup_chain(s.tokens, want)) if want > 0 else None
@@ -170,12 +169,7 @@ class Decoder:
                 else:  # its acceptance counts with the drafter's other rounds, as a tree's does
                     drafts[i] = Draft(tokens=chain.tokens[:cut])
                     rounds[i] = ("chain", chain.bucket)
-            if pol.fixed is None:
-                pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
-        elif pol.fixed is not None:
-            for i in list(alive):
-                want = min(pol.fixed, caps[i])
-                drafts[i] = clip_draft(propose(i, want), want)
+            pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
         elif proto.cheap_proposals:  # proposed at full length, then cut where it stops paying
             for i in list(alive):
                 drafts[i] = propose(i, min(pol.k_max, caps[i]))
