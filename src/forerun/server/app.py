@@ -27,6 +27,9 @@ from forerun.server.metrics import Metrics
 from forerun.server.openapi import openapi_schema
 from forerun.server.requests import ApiError, Job, bad_request, has_lone_surrogate, validate
 
+# The engine's finish reasons as the OpenAI API names them: it has no reason of its own for the
+# context limit, so a generation cut there ends with "length", as one cut by max_tokens does.
+API_FINISH = {"context": "length"}
 TIMED_OUT = "forerun.read_timed_out"  # scope key: the request was answered 408 at the socket (server.limits)
 
 
@@ -320,7 +323,7 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
         def on_event(tokens, finish):  # engine thread
             loop.call_soon_threadsafe(queue.put_nowait, (tokens, finish))
 
-        req = BatchRequest(prompt=job.ids, max_new_tokens=job.max_tokens, params=job.params, on_event=on_event)
+        req = BatchRequest(prompt=job.ids, max_new_tokens=job.max_new_tokens, params=job.params, on_event=on_event)
         try:
             service.engine.submit(req)
         except QueueFull as e:
@@ -386,7 +389,7 @@ class _Run:
                 self.service.engine.cancel(self.req)  # a stop string: no more tokens are needed
             self.finish = "stop"
         elif finish is not None:  # engine reasons: stop (EOS), length, context, cancelled, error
-            self.finish = {"context": "length"}.get(finish, finish)
+            self.finish = API_FINISH.get(finish, finish)
         return delta
 
     def _record_end(self) -> None:

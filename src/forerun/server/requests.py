@@ -35,7 +35,7 @@ class Job:
     """One validated request: token ids, limits, sampling, text stops."""
 
     ids: list[int]
-    max_tokens: int
+    max_new_tokens: int  # the request's max_tokens (or max_completion_tokens), as the engine names it
     params: SamplingParams
     stop: list[str]
     stream: bool
@@ -227,5 +227,5 @@ def validate(body, service, chat: bool) -> Job:
         raise bad_request("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
     params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                             seed=None if seed is None else seed % (2**63))
-    return Job(ids=ids, max_tokens=max_tokens, params=params, stop=stop, stream=stream,
+    return Job(ids=ids, max_new_tokens=max_tokens, params=params, stop=stop, stream=stream,
                include_usage=bool(usage))
