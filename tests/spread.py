@@ -100,9 +100,12 @@ def bound(probs: torch.Tensor, n: int = N) -> float:
     return 3.0 * 0.5 * float(torch.sqrt(2 * p * (1 - p) / (math.pi * n)).sum()) + 0.01
 
 
-def sample(generate, setting: str, n: int = N, new: int = NEW, seed: int = 0):
+def sample(generate, setting: str, n: int = N, new: int = NEW, seed: int = 0, seeded: bool = False):
     """Counts of ``generate(params) -> (token ids, drafted)`` over n fresh seeds: per position
-    [new, V], the joint of positions 0 and 1 [V, V], and the tokens drafted."""
+    [new, V], the joint of positions 0 and 1 [V, V], and the tokens drafted. ``seeded``: each
+    generation's params carry its seed (``SeededNoise``: each position's token from the seed's
+    noise); else the seed goes to torch's global generator, from which an unseeded sequence's
+    rejection sampler is seeded."""
     from conftest import VOCAB
 
     counts = torch.zeros(new, VOCAB, dtype=torch.float64)
@@ -111,7 +114,9 @@ def sample(generate, setting: str, n: int = N, new: int = NEW, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         s = int(torch.randint(0, 2**31, (1,), generator=g))
-        ids, d = generate(SamplingParams(**SETTINGS[setting], seed=s))
+        if not seeded:
+            torch.manual_seed(s)
+        ids, d = generate(SamplingParams(**SETTINGS[setting], seed=s if seeded else None))
         assert len(ids) == new, ids
         for j, t in enumerate(ids):
             counts[j, t] += 1

@@ -52,10 +52,13 @@ def test_the_target_is_spread_and_every_setting_matters(spread):
 # each method at one of the two settings (both settings are covered, and the run stays short)
 ENGINE_CASES = [("none", "t1.4-k6-p0.85"), ("ngram", "t0.7-k4"), ("suffix", "t1.4-k6-p0.85"),
                 ("draft", "t0.7-k4"), ("draft", "t1.4-k6-p0.85"), ("layerskip", "t0.7-k4"), ("ngram", "t0.5-k6")]
+# seeded requests: each position's token from the seed's noise (``SeededNoise``), drafts kept when
+# they equal it; the draft model draws its proposals from the same noise
+SEEDED_CASES = [("none", "t0.7-k4"), ("ngram", "t1.4-k6-p0.85"), ("draft", "t0.7-k4"), ("suffix", "t0.5-k6")]
 
 
-@pytest.mark.parametrize("method,setting", ENGINE_CASES)
-def test_engine_samples_the_target_distribution(spread, copy_model, method, setting):
+@pytest.mark.parametrize("method,setting,seeded", [(*c, False) for c in ENGINE_CASES] + [(*c, True) for c in SEEDED_CASES])
+def test_engine_samples_the_target_distribution(spread, copy_model, method, setting, seeded):
     """The single-sequence engine. With the draft model (a near copy of the target) most drafts
     are accepted whole, so the bonus token after a full draft is a large share of the counts."""
     drafter = make_drafter(method, spread, draft_model=copy_model, skip_layers=[1]) if method != "none" else None
@@ -69,7 +72,7 @@ def test_engine_samples_the_target_distribution(spread, copy_model, method, sett
         whole += acc[K - 1] if len(acc) >= K else 0
         return res.token_ids, res.stats.drafted
 
-    counts, joint, drafted = sample(run, setting)
+    counts, joint, drafted = sample(run, setting, seeded=seeded)
     check(spread, setting, counts, joint)
     if method != "none":
         assert drafted > N, drafted  # speculation really happened, several tokens per generation
@@ -77,8 +80,10 @@ def test_engine_samples_the_target_distribution(spread, copy_model, method, sett
         assert whole > N * 0.3, whole  # drafts accepted whole: bonus tokens drawn at position K
 
 
-@pytest.mark.parametrize("method,setting", [("ngram", "t1.4-k6-p0.85"), ("draft", "t0.7-k4"), ("suffix-tree", "t0.7-k4")])
-def test_batch_engine_samples_the_target_distribution(spread, copy_model, method, setting):
+@pytest.mark.parametrize("method,setting,seeded", [("ngram", "t1.4-k6-p0.85", False), ("draft", "t0.7-k4", False),
+                                                    ("suffix-tree", "t0.7-k4", False), ("draft", "t1.4-k6-p0.85", True),
+                                                    ("suffix-tree", "t0.5-k6", True)])
+def test_batch_engine_samples_the_target_distribution(spread, copy_model, method, setting, seeded):
     """The batch engine (the server's), 16 sequences per pass; ``suffix-tree``: token trees."""
     tree = (8, None) if method.endswith("-tree") else None
     drafter = make_drafter(method.removesuffix("-tree"), spread, draft_model=copy_model, tree=tree)
@@ -89,10 +94,12 @@ def test_batch_engine_samples_the_target_distribution(spread, copy_model, method
     counts = torch.zeros(NEW, VOCAB, dtype=torch.float64)
     joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     g = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)  # unseeded requests' rejection samplers are seeded from it
     drafted = 0
     for i in range(0, N, 16):
         reqs = [BatchRequest(prompt=PROMPT, max_new_tokens=NEW,
-                             params=SamplingParams(**SETTINGS[setting], seed=int(torch.randint(0, 2**31, (1,), generator=g))))
+                             params=SamplingParams(**SETTINGS[setting], seed=int(torch.randint(0, 2**31, (1,), generator=g))
+                                                   if seeded else None))
                 for _ in range(16)]
         for ids in run_batch(eng, reqs):
             assert len(ids) == NEW

@@ -40,13 +40,68 @@ class SamplingParams:
         overflow float32 or leave only the top token: decoded greedily."""
         return self.temperature < GREEDY_BELOW
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
+    def generator(self, device: torch.device | str = "cpu") -> "torch.Generator | SeededNoise":
+        """What a sequence draws its randomness from: with a seed, ``SeededNoise`` (every token a
+        function of the seed, its position and the target's distribution); else a generator for
+        the rejection sampler, seeded from torch's global generator (``torch.manual_seed`` makes
+        unseeded runs repeatable in a script)."""
+        if self.seed is not None:
+            return SeededNoise(self.seed)
+        return torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), device="cpu")))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64's finaliser over both, so that
+    nearby seeds and positions give unrelated streams."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + (int(position) + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class SeededNoise:
+    """A seeded sequence's randomness: for the token at each position, exponential noise E over
+    the vocabulary drawn from (seed, position) alone, and the token argmax(p / E), an exact sample
+    of p (the exponential race; Gumbel-max in another form). Positions are independent, so a
+    sequence drawn this way is an exact sample of the target; and since the noise of a position
+    does not depend on what was drafted, the batch or the load, verification needs only to keep a
+    drafted token when it equals that sample: the text is the one plain decoding with the same
+    seed gives, whatever drafts were offered. A drafter that samples (a draft model, a head)
+    draws its proposals with the same noise, so it agrees with the target as often as two such
+    coupled samples do. The noise is drawn on the CPU (the same numbers on every machine) and kept
+    for the positions still ahead of the sequence."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+        self._noise: dict[tuple[int, int], torch.Tensor] = {}
+
+    def noise(self, position: int, vocab: int) -> torch.Tensor:
+        """E [vocab] float32 for the token at ``position`` (the same for every caller)."""
+        key = (position, vocab)
+        e = self._noise.get(key)
+        if e is None:
+            g = torch.Generator(device="cpu").manual_seed(_mix(self.seed, position))
+            u = torch.rand(vocab, generator=g, dtype=torch.float64, device="cpu")
+            e = self._noise[key] = (-torch.log1p(-u)).float()  # u in [0, 1): 1 - u > 0, E > 0
+        return e
+
+    def sample(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """The token at ``position`` drawn from ``probs`` [vocab] (0-dim int64, on probs' device)."""
+        return (probs.float() / self.noise(position, probs.shape[-1]).to(probs.device)).argmax(-1)
+
+    def samples(self, probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """One token per row of ``probs`` [R, vocab], row r's at ``positions[r]`` ([R] int64, CPU)."""
+        self.forget_before(min(positions, default=0))
+        e = torch.stack([self.noise(q, probs.shape[-1]) for q in positions]).to(probs.device)
+        return (probs.float() / e).argmax(-1).cpu()
+
+    def forget_before(self, position: int) -> None:
+        """Drop the noise of positions before ``position`` (committed: never drawn again)."""
+        for key in [k for k in self._noise if k[0] < position]:
+            del self._noise[key]
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

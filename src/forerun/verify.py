@@ -21,8 +21,8 @@ import torch
 
 from forerun.backends.base import Capabilities
 from forerun.drafters.base import Draft
-from forerun.sampling import SamplingParams, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
-from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept
+from forerun.sampling import SamplingParams, SeededNoise, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
+from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
 
 
 @dataclass
@@ -75,7 +75,7 @@ def verify(target, checks: list[Check], layers: tuple = ()) -> list[Verdict]:
     layer_kw = {"layers": layers} if layers else {}
     outs = target.forward_batch([c.backend for c in checks], feeds, [c.root for c in checks],
                                 greedy=[c.params.greedy for c in checks], **layer_kw, **tree_kw)
-    return [judge(c.draft, out, c.params, c.generator) for c, out in zip(checks, outs)]
+    return [judge(c.draft, out, c.params, c.generator, c.root) for c, out in zip(checks, outs)]
 
 
 def _verify_one(c: Check, layers: tuple) -> Verdict:
@@ -95,12 +95,13 @@ def _verify_one(c: Check, layers: tuple) -> Verdict:
         rows, out, head_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
         return Verdict(out, len(rows), rows, passed.layers, head_rows, calls[0])
     return judge(draft, pass_outputs(backend, feed, c.root, greedy=c.params.greedy, layers=layers, tree=tree),
-                 c.params, c.generator)
+                 c.params, c.generator, c.root)
 
 
-def judge(draft: Draft, out, params: SamplingParams, generator=None) -> Verdict:
-    """The verdict on ``draft`` from one pass's outputs over its rows (the LM head ran on all of them)."""
-    rows, tokens, n = accept(draft, out, params, generator)
+def judge(draft: Draft, out, params: SamplingParams, generator=None, root: int = 0) -> Verdict:
+    """The verdict on ``draft`` from one pass's outputs over its rows (the LM head ran on all of
+    them; row 0 at position ``root``)."""
+    rows, tokens, n = accept(draft, out, params, generator, root)
     return Verdict(tokens, n, rows, out.layers, len(draft) + 1, 1)
 
 
@@ -120,9 +121,20 @@ def pass_outputs(backend, feed: torch.Tensor, root: int, *, greedy: bool, layers
     return backend.forward(feed, root, **({"layers": layers} if layers else {}), **tree_kw)
 
 
-def accept(draft: Draft, out, params: SamplingParams, generator=None) -> tuple[list[int] | None, list[int], int]:
+def accept(draft: Draft, out, params: SamplingParams, generator=None, root: int = 0
+           ) -> tuple[list[int] | None, list[int], int]:
     """Acceptance of ``draft`` against a pass's outputs (argmaxes or logits): (tree rows of the
-    accepted path or None for a chain, tokens, drafts accepted)."""
+    accepted path or None for a chain, tokens, drafts accepted). A seeded sequence
+    (``generator`` a ``SeededNoise``) keeps a drafted token when it equals the target's own
+    sample at its position: the row at depth j (row 0 at ``root``) predicts the token at
+    root + 1 + j."""
+    if isinstance(generator, SeededNoise) and not params.greedy:
+        depth = torch.arange(len(draft) + 1) if draft.parents is None else tree_layout(draft.parents)[0]
+        targets = generator.samples(logits_to_probs(out.logits, params), (root + 1 + depth).tolist())
+        if draft.parents is not None:
+            rows, toks = greedy_tree_accept(draft.tokens, draft.parents, targets)
+            return rows, toks, len(rows)
+        return (None, *accept_argmax(draft, targets))
     if draft.parents is not None:
         if out.logits is None:
             rows, toks = greedy_tree_accept(draft.tokens, draft.parents, out.ids.cpu())

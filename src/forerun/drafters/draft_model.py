@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from forerun.drafters.base import Draft, Drafter
-from forerun.sampling import logits_to_probs, sample
+from forerun.sampling import SeededNoise, logits_to_probs, sample
 
 
 class DraftModelDrafter(Drafter):
@@ -37,10 +37,12 @@ class DraftModelDrafter(Drafter):
         self.backend.truncate(min(self.backend.length, len(tokens) - 1))
 
 
-def pick_token(logits, params, generator, vocab_map=None, vocab_size=None):
+def pick_token(logits, params, generator, vocab_map=None, vocab_size=None, position: int = 0):
     """One draft token from logits [n]: (token id, q over the full vocabulary, or None when greedy).
 
     ``vocab_map`` [n] (optional): the logits cover these token ids only; q is zero elsewhere.
+    ``position``: the token's index in the sequence; a seeded sequence (``SeededNoise``) draws it
+    with the noise the target's own token at that position is drawn with.
     """
     if params.greedy:
         tok = logits.argmax(-1)
@@ -48,6 +50,8 @@ def pick_token(logits, params, generator, vocab_map=None, vocab_size=None):
     q = logits_to_probs(logits, params)
     if vocab_map is not None:
         q = torch.zeros(vocab_size, device=q.device).scatter_(0, vocab_map, q)
+    if isinstance(generator, SeededNoise):
+        return generator.sample(q, position), q
     return sample(q, generator), q
 
 
@@ -59,8 +63,8 @@ def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=Non
     out, qs = [], []
     for _ in range(k):
         logits = backend.forward(feed, pos, last_only=True, **fwd).logits[-1]
-        pos += feed.numel()
-        tok, q = pick_token(logits, params, generator, vocab_map, backend.vocab_size)
+        pos += feed.numel()  # the drafted token's index
+        tok, q = pick_token(logits, params, generator, vocab_map, backend.vocab_size, position=pos)
         if q is not None:
             qs.append(q)
         out.append(tok)

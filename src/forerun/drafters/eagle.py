@@ -158,9 +158,10 @@ class FeatureDrafter(Drafter):
         else:
             self.feat_pos, self.feats = pos, feats
 
-    def _pick(self, logits: torch.Tensor):
-        """One draft token from draft-vocabulary logits [draft_vocab]: (target token id, q or None)."""
-        return pick_token(logits, self.params, self.generator, self.d2t, self.head.cfg.vocab_size)
+    def _pick(self, logits: torch.Tensor, position: int):
+        """One draft token (the sequence's token ``position``) from draft-vocabulary logits
+        [draft_vocab]: (target token id, q or None)."""
+        return pick_token(logits, self.params, self.generator, self.d2t, self.head.cfg.vocab_size, position)
 
 
 class EagleDrafter(FeatureDrafter):
@@ -197,7 +198,7 @@ class EagleDrafter(FeatureDrafter):
         out, qs = [], []
         hid, pos = g[-1:], p + n
         for d in range(k):
-            tok, q = self._pick(head.logits(hid[-1]))
+            tok, q = self._pick(head.logits(hid[-1]), len(tokens) + d)
             out.append(tok)
             if q is not None:
                 qs.append(q)
@@ -316,8 +317,8 @@ class MedusaDrafter(FeatureDrafter):
             parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long, device="cpu")
             return self._tree_draft(Draft(tokens=cand, parents=parents), tokens, k)
         out, qs = [], []
-        for lg in logits:
-            tok, q = self._pick(lg)
+        for j, lg in enumerate(logits):
+            tok, q = self._pick(lg, len(tokens) + j)
             out.append(tok)
             if q is not None:
                 qs.append(q)

@@ -1,0 +1,124 @@
+"""Seeded sampling gives one text: a function of the model, the prompt, the settings and the seed,
+whatever the method drafts, the batch it shares and the load (``sampling.SeededNoise``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from forerun.batching import BatchEngine, BatchRequest
+from forerun.drafters import make_drafter
+from forerun.engine import Engine
+from forerun.sampling import SamplingParams, SeededNoise
+
+from conftest import run_batch
+from spread import bound, near_copy, spread_target, tv
+
+PROMPT = [2, 7, 8, 7, 8, 7, 8, 9, 7, 8]
+PARAMS = SamplingParams(temperature=0.9, top_k=20, seed=1234)
+METHODS = ("none", "ngram", "suffix", "draft", "layerskip", "suffix-tree")
+
+
+@pytest.fixture(scope="module")
+def spread():
+    return spread_target()
+
+
+@pytest.fixture(scope="module")
+def copy_model(spread):
+    return near_copy(spread)
+
+
+def _drafter(method, lm, draft_model):
+    if method == "none":
+        return None
+    tree = (8, None) if method.endswith("-tree") else None
+    return make_drafter(method.removesuffix("-tree"), lm, draft_model=draft_model, skip_layers=[1], tree=tree)
+
+
+def test_seeded_noise_draws_the_distribution():
+    """argmax(p / E) with E from (seed, position) is an exact sample of p: over many seeds the
+    counts follow p (zeros included), at every position; and the noise is the seed's and the
+    position's alone."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(40, generator=g) * 1.5, -1)
+    p[torch.randperm(40, generator=g)[:8]] = 0  # tokens top-k / top-p removed
+    p /= p.sum()
+    n = 6000
+    for position in (3, 250):
+        counts = torch.zeros(40, dtype=torch.float64)
+        for seed in range(n):
+            counts[int(SeededNoise(seed).sample(p, position))] += 1
+        assert counts[p == 0].sum() == 0
+        assert tv(counts, p) < bound(p, n), (position, tv(counts, p))
+    a, b = SeededNoise(7), SeededNoise(7)
+    assert torch.equal(a.noise(5, 40), b.noise(5, 40)) and not torch.equal(a.noise(5, 40), a.noise(6, 40))
+    assert not torch.equal(a.noise(5, 40), SeededNoise(8).noise(5, 40))
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_seeded_text_is_the_same_for_every_method(spread, copy_model, k):
+    """Every method, alone and inside a batch of 16 mixed requests (other prompts, other seeds,
+    greedy and unseeded ones), gives plain decoding's seeded text."""
+    ref = Engine(spread.backend, None, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS).token_ids
+    assert len(set(ref)) > 4  # drawn, not a repeated token
+    for method in METHODS:
+        drafter = _drafter(method, spread, copy_model)
+        eng = Engine(spread.backend, drafter, ())
+        outs = [eng.generate(PROMPT, max_new_tokens=16, params=PARAMS, k=k) for _ in range(2)]
+        assert [o.token_ids for o in outs] == [ref, ref], method
+        if method != "none":
+            assert sum(o.stats.drafted for o in outs) > 0, method  # speculation happened
+        batch = BatchEngine(spread.backend, (), drafter=drafter, max_batch=16)
+        others = [SamplingParams(temperature=0.7, seed=i) if i % 3 == 0 else
+                  SamplingParams(temperature=1.2, top_p=0.9) if i % 3 == 1 else SamplingParams() for i in range(15)]
+        reqs = [BatchRequest(prompt=[2, 7 + i % 5, 9, 8], max_new_tokens=8 + i, params=s) for i, s in enumerate(others)]
+        reqs.insert(7, BatchRequest(prompt=PROMPT, max_new_tokens=16, params=PARAMS))
+        assert run_batch(batch, reqs)[7] == ref, method
+
+
+def test_a_different_seed_gives_another_text(spread):
+    eng = Engine(spread.backend, make_drafter("ngram", spread), ())
+    texts = {tuple(eng.generate(PROMPT, max_new_tokens=16, params=SamplingParams(temperature=0.9, top_k=20, seed=s)).token_ids)
+             for s in range(4)}
+    assert len(texts) == 4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_server_seeded_requests_repeat_for_every_method(spread, copy_model, method):
+    """Through the server: the same seeded request three times, then inside 16 concurrent mixed
+    requests, gives plain decoding's text every time."""
+    pytest.importorskip("fastapi")
+    from forerun.server.run import build_service
+
+    from serving import setup_for
+    from test_server import Live
+
+    tree = {"tree_nodes": 8} if method.endswith("-tree") else {}
+    kw = {"skip_layers": "1"} if method == "layerskip" else {}
+    setup = setup_for(spread, method.removesuffix("-tree"), draft_model=copy_model if method == "draft" else None,
+                      **tree, **kw)
+    srv = Live(build_service(setup, name="tiny", max_batch=16, max_tokens=64, calibrate=False))
+    try:
+        prompt = " ".join(f"w{t}" for t in PROMPT)
+        ids = spread.tokenizer(prompt).input_ids
+        ref = Engine(spread.backend.fork(), None, ()).generate(ids, max_new_tokens=16, params=PARAMS).token_ids
+        want = spread.tokenizer.decode(ref, skip_special_tokens=True)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.9, "top_k": 20, "seed": 1234}
+
+        def ask(b):
+            status, out = srv.request("POST", "/v1/completions", b)
+            assert status == 200, out
+            return out["choices"][0]["text"]
+
+        assert [ask(body) for _ in range(3)] == [want] * 3, method
+        mixed = [{"model": "tiny", "prompt": f"w2 w{7 + i % 5} w9 w8", "max_tokens": 8 + i,
+                  "temperature": [0.7, 1.2, 0][i % 3], **({"seed": i} if i % 3 == 0 else {})} for i in range(15)]
+        mixed.insert(7, body)
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(ask, mixed))
+        assert texts[7] == want, method
+    finally:
+        srv.close()
