@@ -215,6 +215,12 @@ def run_bench(args) -> dict:
             raise ForerunError(f"unknown peer {p!r} (choose {', '.join(PEERS)})")
     if args.max_new_tokens < 1:
         raise ForerunError("--max-new-tokens must be >= 1")
+    temperature = getattr(args, "temperature", 0.0)
+    sampled_params = SamplingParams(temperature=temperature)  # a bad temperature fails here
+    if not sampled_params.greedy and peers:
+        raise ForerunError("the peers decode greedily: give --peers '' for a sampled bench (--temperature > 0)")
+    unseeded = getattr(args, "unseeded", False)
+    seed = getattr(args, "seed", 0)
     if "none" not in methods:
         methods.insert(0, "none")  # the reference for speedups and greedy equality
         parsed["none"] = parse_method("none")
@@ -279,7 +285,7 @@ def run_bench(args) -> dict:
     setups = {m: setup_of(m) for m in methods}
     drafters = {m: s.drafter for m, s in setups.items()}
     engines = {m: s.engine() for m, s in setups.items()}
-    params = SamplingParams()
+    params = SamplingParams()  # warm-up: greedy
     tok = target.tokenizer
     limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
     encoded = []
@@ -309,7 +315,9 @@ def run_bench(args) -> dict:
 
     names = methods + peers
     config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
-              "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens, "greedy": True,
+              "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens,
+              "greedy": sampled_params.greedy, "temperature": temperature,
+              "seeded": None if sampled_params.greedy else not unseeded,
               "prompts": len(prompts), "skip_layers": next((list(d.skip) for d in drafters.values() if hasattr(d, "skip")), None)}
     config["tree"] = list(tree) if tree else None
     config["chat_template"] = uses_chat(tok, chat)
@@ -332,8 +340,12 @@ def run_bench(args) -> dict:
     results = {"machine": machine_info(dtype), "config": config}
     records, reference_outputs = [], {}
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
-    for p, ids in zip(prompts, encoded):
+    if unseeded:
+        torch.manual_seed(seed)  # each unseeded sequence's rejection sampler is seeded from it
+    for i_prompt, (p, ids) in enumerate(zip(prompts, encoded)):
         refs = {}
+        params = sampled_params if sampled_params.greedy or unseeded else SamplingParams(temperature=temperature,
+                                                                                          seed=seed + i_prompt)
         for name in names:  # every method on the same prompt back to back: machine noise hits all alike
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name in engines:

@@ -133,7 +133,7 @@ def write_markdown(results: dict, path: Path) -> None:
     mc = results["machine"]
     cfg = results["config"]
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
-                 f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). Greedy, max_new_tokens={cfg['max_new_tokens']}, "
+                 f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). {_decoding(cfg)}, max_new_tokens={cfg['max_new_tokens']}, "
                  f"{k_text(cfg)}, {cfg['prompts']} prompts."
                  + (f" Greedy head: {cfg['greedy_head']}; body kernel: {cfg['body_kernel']}." if "greedy_head" in cfg else ""))
     if "batch_invariant" in cfg:
@@ -151,7 +151,7 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"`--backend auto` chose per method; each method's speedup \"vs none\" and its greedy equality "
                   f"compare with plain decoding on its own backend ({', '.join(sorted(set(by_method.values())))}).", ""]
     lines.append("| method | backend | tokens/s | vs none | vs hf | vs hf-lookup | vs llama.cpp | decode tokens/s | "
-                 "decode vs llama.cpp | tau | acceptance | greedy = none |")
+                 f"decode vs llama.cpp | tau | acceptance | {'greedy' if cfg.get('greedy', True) else 'text'} = none |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt="{:.2f}"):
@@ -254,3 +254,12 @@ def tree_pricing(summary: dict, tree_methods: list, backend):
             lazy[name] = (nodes, max(1, round(m["head_rows"] / m["target_passes"])),
                           max(1, round(m.get("head_calls", 0) / m["target_passes"])))
     return tree_nodes, lazy, ks
+
+
+def _decoding(cfg: dict) -> str:
+    """How the run decoded: greedy, or sampled at its temperature (seeded per prompt or not)."""
+    if cfg.get("greedy", True):
+        return "Greedy"
+    how = "each prompt seeded (every method samples plain decoding's text)" if cfg.get("seeded") else \
+        "unseeded (the rejection sampler; texts differ between methods)"
+    return f"Sampled at temperature {cfg['temperature']}, {how}"

@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a GGUF model when llama-cpp-python is installed, else hf")
     b.add_argument("--k", default=4, type=_k_arg)
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; above 0 every method samples (top-p 1, no top-k), each prompt with "
+                        "seed --seed + its index, so every method gives plain decoding's text")
+    b.add_argument("--seed", type=int, default=0, help="sampled runs: the first prompt's seed (default 0)")
+    b.add_argument("--unseeded", action="store_true",
+                   help="sampled runs without a seed per request (the rejection sampler, torch seeded once with "
+                        "--seed): texts then differ between methods")
     b.add_argument("--eagle-head", default=None, help="head folder for eagle (default: the shipped one)")
     b.add_argument("--medusa-head", default=None, help="head folder for medusa (default: the shipped one)")
     _tree_args(b)
@@ -259,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for prompt prefixes shared between requests, reused exactly (torch backend; "
                         "default 512, 0: off)")
     s.add_argument("--max-context", type=int, default=4096,
-                   help="positions per sequence (prompt + output; default 4096): each of the --max-batch slots "
-                        "holds a KV cache this long, allocated when the slot is first used")
+                   help="positions per sequence (prompt + output; default 4096, below most models' own context): "
+                        "each of the --max-batch slots holds a KV cache this long, allocated when the server starts "
+                        "(about 95 MB a slot for SmolLM2); up to the model's own context where requests need it")
     s.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds a connection may sit idle (before its first request or between requests) before it "
                         "is closed (default 5)")

@@ -95,8 +95,19 @@ class Service:
         could not fit and would only hold a worker for seconds."""
         limit = self.engine.target.max_context * self.CHARS_PER_TOKEN
         if chars > limit:
-            raise ApiError(400, f"the prompt is {chars} characters; this model's context ({self.engine.target.max_context} "
-                                f"tokens) cannot hold more than {limit}", param=param, code="context_length_exceeded")
+            raise ApiError(400, f"the prompt is {chars} characters; {self.context_text()}, which cannot hold more than "
+                                f"{limit} characters", param=param, code="context_length_exceeded")
+
+    def context_text(self) -> str:
+        """The context limit a refused prompt ran into, said as what it is: the server's (set by
+        ``--max-context``) where it is below the model's own, else the model's."""
+        limit = self.engine.target.max_context
+        cfg = getattr(self.model, "config", None)
+        own = getattr(cfg, "max_position_embeddings", None)
+        if own is not None and limit < own:
+            return (f"this server's context limit is {limit} tokens (--max-context; the model's own context is "
+                    f"{own} tokens)")
+        return f"this model's context is {limit} tokens"
 
     CHARS_PER_TOKEN = 32
 

@@ -173,8 +173,8 @@ def validate(body, service, chat: bool) -> Job:
         raise bad_request("the prompt is empty after tokenization", "messages" if chat else "prompt")
     limit = service.engine.target.max_context
     if len(ids) >= limit:
-        raise bad_request(f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens (room for one new token "
-                   "is needed)", "messages" if chat else "prompt", code="context_length_exceeded")
+        raise bad_request(f"the prompt is {len(ids)} tokens; {service.context_text()} (room for one new token is needed)",
+                          "messages" if chat else "prompt", code="context_length_exceeded")
 
     # chat: max_completion_tokens wins over max_tokens, but both are checked when given
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
