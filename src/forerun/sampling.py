@@ -84,8 +84,9 @@ class SeededNoise:
         e = self._noise.get(key)
         if e is None:
             g = torch.Generator(device="cpu").manual_seed(_mix(self.seed, position))
-            u = torch.rand(vocab, generator=g, dtype=torch.float64, device="cpu")
-            e = self._noise[key] = (-torch.log1p(-u)).float()  # u in [0, 1): 1 - u > 0, E > 0
+            u = torch.rand(vocab, generator=g, device="cpu")  # [0, 1) in steps of 2^-24
+            # E = -log(1 - u), kept above 0 so that a token of probability 0 never wins (0 / 0)
+            e = self._noise[key] = torch.log1p(-u).neg_().clamp_(min=2.0 ** -30)
         return e
 
     def sample(self, probs: torch.Tensor, position: int) -> torch.Tensor:
