@@ -87,7 +87,7 @@ MUTANTS = [
      "judge(c.draft, out, c.params, None, c.root)",
      "a batched pass samples with the global generator instead of each request's seeded one",
      ["tests/test_batching.py"]),
-    ("noise-follows-draft", "verify.py", "(root + 1 + depth).tolist()", "(root + 1 + depth + len(draft)).tolist()",
+    ("noise-follows-draft", "verify.py", "[root + 1 + d for d in depth]", "[root + 1 + d + len(draft) for d in depth]",
      "a seeded sequence's noise depends on how much was drafted, not on the position alone",
      ["tests/test_seeded.py"]),
     ("noise-shared-stream", "sampling.py", "e = self._noise.get(key)",

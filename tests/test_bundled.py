@@ -71,3 +71,17 @@ def test_cli_generate_bundled(capsys):
     assert rc == 0
     obj = json.loads(out)
     assert obj["new_tokens"] == 16 and obj["text"]
+
+
+def test_seeded_sampling_gives_plain_decodings_text_for_every_drafter(bundled):
+    """Sampled with a seed, the shipped heads (chains and trees), n-gram and suffix give the text
+    plain decoding gives with that seed."""
+    from forerun.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.7, seed=3)
+    ids = bundled.tokenizer(spec_bench_prompts("writing", 1)[0]).input_ids
+    ref = Engine(bundled.backend, None, bundled.eos_token_ids).generate(ids, max_new_tokens=24, params=params)
+    for method, k, tree in (("ngram", 4, None), ("eagle", 4, None), ("eagle", 6, (16, 6)), ("medusa", 4, None),
+                            ("medusa", 4, (12, 4)), ("suffix", 4, (8, None))):
+        eng = Engine(bundled.backend, make_drafter(method, bundled, tree=tree), bundled.eos_token_ids)
+        assert eng.generate(ids, max_new_tokens=24, params=params, k=k).token_ids == ref.token_ids, (method, tree)

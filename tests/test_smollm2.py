@@ -231,3 +231,17 @@ def test_export_draft_writes_the_shipped_head_for_vllm(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     rc = main(["export-draft", "--format", "speculators", "--out", str(tmp_path / "file")])
     assert rc == 2 and "is a file" in capsys.readouterr().err
+
+
+def test_seeded_sampling_gives_plain_decodings_text_for_every_method(smollm2):
+    """Sampled with a seed, every method (a head chain and tree, suffix, n-gram, layer skip)
+    gives the text plain decoding gives with that seed."""
+    from forerun.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    ids = chat_ids(smollm2.tokenizer, [{"role": "user", "content": PROMPTS[0]}])
+    ref = Engine(smollm2.backend, None, smollm2.eos_token_ids).generate(ids, max_new_tokens=32, params=params)
+    for method, tree in (("ngram", None), ("suffix", (8, None)), ("layerskip", None), ("eagle", None), ("eagle", (8, 4))):
+        drafter = make_drafter(method, smollm2, tree=tree, skip_layers=[10, 20] if method == "layerskip" else None)
+        res = Engine(smollm2.backend, drafter, smollm2.eos_token_ids).generate(ids, max_new_tokens=32, params=params, k="auto")
+        assert res.token_ids == ref.token_ids, (method, tree)

@@ -129,8 +129,8 @@ def accept(draft: Draft, out, params: SamplingParams, generator=None, root: int 
     sample at its position: the row at depth j (row 0 at ``root``) predicts the token at
     root + 1 + j."""
     if isinstance(generator, SeededNoise) and not params.greedy:
-        depth = torch.arange(len(draft) + 1) if draft.parents is None else tree_layout(draft.parents)[0]
-        targets = generator.samples(logits_to_probs(out.logits, params), (root + 1 + depth).tolist())
+        depth = range(len(draft) + 1) if draft.parents is None else tree_layout(draft.parents)[0].tolist()
+        targets = generator.samples(logits_to_probs(out.logits, params), [root + 1 + d for d in depth])
         if draft.parents is not None:
             rows, toks = greedy_tree_accept(draft.tokens, draft.parents, targets)
             return rows, toks, len(rows)
