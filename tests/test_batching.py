@@ -446,10 +446,9 @@ def test_slots_reserve_a_bounded_cache(gemma, monkeypatch):
 
 
 def test_a_seeded_request_samples_the_same_alone_and_in_a_shared_pass():
-    """Seeded sampling without speculation: each request draws from its own generator, so its text
-    is the same alone (the single-sequence engine) and in a batched pass shared with other
-    requests, and the same run after run. (With speculation the draft lengths, chosen from
-    measured timings and load, decide how many numbers a step draws: not yet repeatable.)"""
+    """Seeded sampling without speculation: each request draws from its own seed, so its text is
+    the same alone (the single-sequence engine) and in a batched pass shared with other requests,
+    and the same run after run (with speculation too: ``test_seeded.py``)."""
     from spread import spread_target
 
     target = spread_target()  # spread-out distributions: the draws decide the text
