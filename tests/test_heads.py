@@ -697,3 +697,43 @@ def test_heads_stored_in_blocks_load_within_half_a_step_and_save_back_identicall
                 == (tmp_path / f"{kind}{bits}-again" / "model.safetensors").read_bytes())
     with pytest.raises(ValueError):
         head.save(tmp_path / "bad", dtype="q9")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_seeded_text_through_heads_equals_plain_decoding(gemma, heads, kind):
+    """Seeded sampling through a trained head, as a chain and as a tree, in the engine and through
+    the server (three times, then inside 16 concurrent mixed requests): plain decoding's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from forerun.server.run import build_service
+
+    from serving import setup_for
+    from test_server import Live
+
+    params = SamplingParams(temperature=1.2, top_k=30, seed=5)
+    prompt = [2, 7, 8, 9, 7, 8]
+    ref = Engine(gemma.backend).generate(prompt, max_new_tokens=16, params=params).token_ids
+    for tree in (None, (8, 2)):
+        eng = Engine(gemma.backend, make_drafter(kind, gemma, head_path=heads[kind][0], tree=tree))
+        res = eng.generate(prompt, max_new_tokens=16, params=params, k=3)
+        assert res.token_ids == ref and res.stats.drafted > 0, tree
+    srv = Live(build_service(setup_for(gemma, kind, draft=str(heads[kind][0])), name="tiny", max_batch=16,
+                             max_tokens=64, calibrate=False))
+    try:
+        text = " ".join(f"w{t}" for t in prompt)
+        want = gemma.tokenizer.decode(Engine(gemma.backend.fork()).generate(
+            gemma.tokenizer(text).input_ids, max_new_tokens=16, params=params).token_ids, skip_special_tokens=True)
+        body = {"model": "tiny", "prompt": text, "max_tokens": 16, "temperature": 1.2, "top_k": 30, "seed": 5}
+
+        def ask(b):
+            status, out = srv.request("POST", "/v1/completions", b)
+            assert status == 200, out
+            return out["choices"][0]["text"]
+
+        assert [ask(body) for _ in range(3)] == [want] * 3
+        mixed = [{"model": "tiny", "prompt": f"w2 w{7 + i % 5} w9", "max_tokens": 6 + i, "temperature": [0.8, 0][i % 2]}
+                 for i in range(15)]
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(ask, mixed[:7] + [body] + mixed[7:]))[7] == want
+    finally:
+        srv.close()
