@@ -132,6 +132,9 @@ def test_bench_writes_results(capsys, tiny_folder, tmp_path):
         assert set(m["by_category"]) == {"a", "b"}
     assert res["methods"]["ngram"]["greedy_equal"] == 3
     assert res["methods"]["layerskip:2"]["greedy_equal"] == 3
+    # methods and peers rotate: each prompt starts one further along the list (none first, then ngram, ...)
+    first = [next(r["method"] for r in res["records"] if r["id"] == i and r["order"] == 0) for i in range(3)]
+    assert first == ["none", "ngram", "layerskip:2"]
     for name in ("ngram", "layerskip:2"):  # alpha from the tested drafts: never below accepted / drafted
         m = res["methods"][name]
         rej = sum(r["rejections"] for r in res["records"] if r["method"] == name)

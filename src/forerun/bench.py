@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from forerun.backend_timing import kept_timing
 from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel, plain_generate
+from forerun.backends.llamacpp_lib import llama_cpp_info
 from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
@@ -271,6 +272,7 @@ def run_bench(args) -> dict:
         if hf_model is None:
             hf_model = load_target(options, backend="hf").hf_model
     llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
+    library = llama_cpp_info() if llama_peer is not None else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
     def setup_of(m):
@@ -337,16 +339,19 @@ def run_bench(args) -> dict:
         if "llama.cpp" in targets:
             config["llama_cpp"] = "exact mode (see docs); peer llama.cpp: llama.cpp's default settings"
     dtype = _weights_kind(target, hf_model)
+    if library is not None:
+        config["llama_cpp_peer"] = library  # llama-cpp-python's version and llama.cpp's own system info
     results = {"machine": machine_info(dtype), "config": config}
     records, reference_outputs = [], {}
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
     if unseeded:
         torch.manual_seed(seed)  # each unseeded sequence's rejection sampler is seeded from it
     for i_prompt, (p, ids) in enumerate(zip(prompts, encoded)):
-        refs = {}
         params = sampled_params if sampled_params.greedy or unseeded else SamplingParams(temperature=temperature,
                                                                                           seed=seed + i_prompt)
-        for name in names:  # every method on the same prompt back to back: machine noise hits all alike
+        outs, prompt_recs = {}, []
+        turn = i_prompt % len(names)  # every method and peer on the same prompt back to back (machine noise hits
+        for order, name in enumerate(names[turn:] + names[:turn]):  # all alike), each prompt one further along
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name in engines:
                 res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
@@ -358,15 +363,17 @@ def run_bench(args) -> dict:
                 rec = {"new_tokens": len(out), "wall_s": wall}
                 if prefill is not None:
                     rec["prefill_s"] = prefill
-            if name in ref_of.values():
-                refs[name] = out
-                reference_outputs.setdefault(name, []).append(out)
-            rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids),
-                       equal_none=out == refs.get(ref_of.get(name, "none")))
+            outs[name] = out
+            rec.update(method=name, id=p["id"], category=p["category"], prompt_tokens=len(ids), order=order)
             if name in backend_of:
                 rec["backend"] = backend_of[name]
-            records.append(rec)
+            prompt_recs.append(rec)
             bar.update(1)
+        for name in ref_of.values():
+            reference_outputs.setdefault(name, []).append(outs[name])
+        for rec in prompt_recs:
+            rec["equal_none"] = outs[rec["method"]] == outs[ref_of.get(rec["method"], "none")]
+        records += sorted(prompt_recs, key=lambda r: names.index(r["method"]))
         results["methods"] = summarise(records, names, ref_of)
         for name, d in drafters.items():
             if getattr(d, "adapter", None) is not None:

@@ -21,7 +21,14 @@ import torch
 
 from forerun.backends.base import Capabilities
 from forerun.drafters.base import Draft
-from forerun.sampling import SamplingParams, SeededNoise, greedy_accept, greedy_verify, logits_to_probs, rejection_sample
+from forerun.sampling import (
+    SamplingParams,
+    SeededNoise,
+    greedy_accept,
+    greedy_verify,
+    logits_to_probs,
+    rejection_sample,
+)
 from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
 
 

@@ -47,6 +47,15 @@ def load_llama_cpp():
     return llama_cpp
 
 
+def llama_cpp_info() -> dict:
+    """llama-cpp-python's version and llama.cpp's own system info line (its CPU features and
+    backends), as a report records them."""
+    L = load_llama_cpp()
+    info = L.llama_print_system_info()
+    return {"llama_cpp_python": getattr(L, "__version__", "?"),
+            "system_info": (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()}
+
+
 _LOG_CB = None
 
 
