@@ -81,6 +81,22 @@ def gemma():
 
 
 @pytest.fixture(scope="session")
+def spread():
+    """The sampling tests' target: a tiny Gemma 3 with spread-out distributions (``spread.py``)."""
+    from spread import spread_target
+
+    return spread_target()
+
+
+@pytest.fixture(scope="session")
+def copy_model(spread):
+    """A draft model close to ``spread`` (``spread.near_copy``)."""
+    from spread import near_copy
+
+    return near_copy(spread)
+
+
+@pytest.fixture(scope="session")
 def gemma_draft():
     return wrap(tiny_gemma(1, layers=2), name="tiny-draft")
 

@@ -12,17 +12,7 @@ from forerun.engine import Engine
 from forerun.sampling import SamplingParams, logits_to_probs
 
 from conftest import VOCAB, run_batch
-from spread import K, N, NEW, PROMPT, SETTINGS, bound, check, entropy, exact, near_copy, sample, spread_target, tv
-
-
-@pytest.fixture(scope="module")
-def spread():
-    return spread_target()
-
-
-@pytest.fixture(scope="module")
-def copy_model(spread):
-    return near_copy(spread)
+from spread import K, N, NEW, PROMPT, SETTINGS, bound, check, entropy, exact, sample, tv
 
 
 def test_the_target_is_spread_and_every_setting_matters(spread):

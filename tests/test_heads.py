@@ -285,13 +285,6 @@ def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
         assert head_rows < sum(pass_rows)
 
 
-@pytest.fixture(scope="module")
-def spread():
-    from spread import spread_target
-
-    return spread_target()
-
-
 @pytest.mark.parametrize("kind,tree,lookup,setting", [
     ("eagle", None, False, "t0.7-k4"), ("medusa", None, False, "t1.4-k6-p0.85"), ("eagle", (8, 2), False, "t1.4-k6-p0.85"),
     ("medusa", (8, 2), False, "t0.7-k4"), ("eagle", (4, 2), True, "t0.7-k4"), ("eagle", (4, 2), "auto", "t1.4-k6-p0.85"),

@@ -14,21 +14,11 @@ from forerun.engine import Engine
 from forerun.sampling import SamplingParams, SeededNoise
 
 from conftest import run_batch
-from spread import bound, near_copy, spread_target, tv
+from spread import bound, tv
 
 PROMPT = [2, 7, 8, 7, 8, 7, 8, 9, 7, 8]
 PARAMS = SamplingParams(temperature=0.9, top_k=20, seed=1234)
 METHODS = ("none", "ngram", "suffix", "draft", "layerskip", "suffix-tree")
-
-
-@pytest.fixture(scope="module")
-def spread():
-    return spread_target()
-
-
-@pytest.fixture(scope="module")
-def copy_model(spread):
-    return near_copy(spread)
 
 
 def _drafter(method, lm, draft_model):

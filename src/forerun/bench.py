@@ -152,10 +152,10 @@ def _lazy_tree_pass(backend, head_rows: int, calls: int):
     return run
 
 
-def _weights_kind(target, hf_model) -> str:
-    """What the target's weights are, for the report: GGUF blocks (integer path or llama.cpp) or
-    the transformers model's dtype."""
-    said = target.backend.report().get("weights")
+def _weights_kind(target, report: dict, hf_model) -> str:
+    """What the target's weights are, for the report: GGUF blocks (integer path or llama.cpp, as
+    its backend's ``report`` says) or the transformers model's dtype."""
+    said = report.get("weights")
     if said is not None:
         return said
     hf_model = hf_model if hf_model is not None else target.hf_model
@@ -328,17 +328,17 @@ def run_bench(args) -> dict:
     kind, loc = resolve_source(args.model)
     if args.backend == "auto" and kind == "gguf":
         config["auto_backend_timing"] = kept_timing(loc)
-    reports = [t.backend.report() for t in targets.values()]
-    config["threads"] = target.backend.report().get("threads", torch.get_num_threads())
-    for r in reports:
+    reports = {b: t.backend.report() for b, t in targets.items()}
+    config["threads"] = reports[primary].get("threads", torch.get_num_threads())
+    for r in reports.values():
         for attr in ("greedy_head", "body_kernel"):  # chosen by timing on this machine (native backend)
             if attr in r:
                 config[attr] = r[attr]
-    if all("batch_invariant" in r for r in reports):
-        config["batch_invariant"] = all(r["batch_invariant"] for r in reports)
+    if all("batch_invariant" in r for r in reports.values()):
+        config["batch_invariant"] = all(r["batch_invariant"] for r in reports.values())
         if "llama.cpp" in targets:
             config["llama_cpp"] = "exact mode (see docs); peer llama.cpp: llama.cpp's default settings"
-    dtype = _weights_kind(target, hf_model)
+    dtype = _weights_kind(target, reports[primary], hf_model)
     if library is not None:
         config["llama_cpp_peer"] = library  # llama-cpp-python's version and llama.cpp's own system info
     results = {"machine": machine_info(dtype), "config": config}

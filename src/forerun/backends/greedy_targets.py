@@ -40,13 +40,6 @@ class GreedyTargets:
             self._exact = head if head is not None else False
         return self._exact or None
 
-    def report(self) -> dict:
-        out = {"threads": torch.get_num_threads(), "greedy_head": self.greedy_head, "body_kernel": self.body_kernel,
-               "batch_invariant": self.batch_invariant}
-        if self.quant is not None:
-            out["weights"] = "gguf blocks (integer kernels)"
-        return out
-
     def warm_up(self, tokens: list[int], rows: int) -> None:
         """Let the LM head pick its kernel for every pass width up to ``rows`` now, not inside a
         timed generation."""

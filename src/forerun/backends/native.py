@@ -170,6 +170,13 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             return True  # fixed shapes (``fixed_rows``)
         return self.body_kernel in ("rows", "int8") and self._want_invariant
 
+    def report(self) -> dict:
+        out = {"threads": torch.get_num_threads(), "greedy_head": self.greedy_head, "body_kernel": self.body_kernel,
+               "batch_invariant": self.batch_invariant}
+        if self.quant is not None:
+            out["weights"] = "gguf blocks (integer kernels)"
+        return out
+
     def sub_head(self, rows: torch.Tensor) -> PackedLinear:
         """An LM head over the vocabulary rows ``rows`` only (logits come back in that order)."""
         return PackedLinear(self.lm_head.weight[rows.to(self.device)].contiguous(), self._pack)
