@@ -338,3 +338,27 @@ def test_cli_bad_threads(capsys):
 
     assert main(["generate", "hi", "--threads", "0"]) == 2
     assert "--threads" in capsys.readouterr().err
+
+
+def test_llamacpp_peer_runs_at_llamacpp_defaults_in_its_own_process(lc, monkeypatch):
+    """The bench's llama.cpp peer: a process of its own that never sees this process's
+    GGML_CPU_TILED_MM switch, llama.cpp's greedy text, the cache cleared between prompts (the same
+    prompt gives the same tokens before and after another one)."""
+    from forerun.bench_peers import LlamaCppPeer
+    from forerun.models import bundled_gguf_path
+
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")  # what forerun's llama.cpp backend sets for itself
+    peer = LlamaCppPeer(str(bundled_gguf_path()), 2, 1024)
+    try:
+        assert peer.info["tiled_mm_env"] is None and "swa_full off" in peer.info["settings"]
+        assert peer.info["system_info"] and peer.info["llama_cpp_python"]
+        a = lc.tokenizer(spec_bench_prompts("math_reasoning", 1)[0]).input_ids
+        b = lc.tokenizer(spec_bench_prompts("writing", 1)[0]).input_ids
+        first, wall, prefill = peer.generate(a, 12, {1})
+        assert len(first) == 12 and 0 < prefill < wall
+        assert peer.generate(b, 12, {1})[0] != first
+        assert peer.generate(a, 12, {1})[0] == first
+        assert peer.generate(a, 3, {first[1]})[0] == first[:2]  # stops at an end token
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0

@@ -139,10 +139,20 @@ def test_argmax_is_the_first_maximum_of_the_outputs(name):
                 try:
                     out = lin(x, lib=lib)
                     idx, val = lin.argmax(x, lib=lib)
+                    idx2, val2 = lin.top(x, 2, lib=lib)
+                    out16 = lin(x, lib=lib, f16_scales=True)
+                    idx16, val16 = lin.top(x, 2, f16_scales=True, lib=lib)
                 finally:
                     lib.forerun_q_portable(0)
                 assert torch.equal(idx, out.argmax(-1)), (name, isa, portable)
                 assert torch.equal(val, out.max(-1).values), (name, isa, portable)
+                # the top two: the largest, then the largest of the rest (equal values: lower index first)
+                assert torch.equal(idx2[:, 0], idx) and torch.equal(val2[:, 0], val), (name, isa, portable)
+                rest = out.clone()
+                rest[torch.arange(len(x)), idx] = -float("inf")
+                assert torch.equal(idx2[:, 1], rest.argmax(-1)) and torch.equal(val2[:, 1], rest.max(-1).values)
+                assert torch.equal(idx16[:, 0], out16.argmax(-1)) and torch.equal(val16[:, 0], out16.max(-1).values)
+                assert not torch.equal(out16, out)  # fp16 activation scales: other sums
         if len(parts[0][0].codes) == 50:
             assert idx.tolist() == [0] * 9
     assert lin.argmax(x[:0])[0].shape == (0,)  # no rows: nothing to find
@@ -195,7 +205,7 @@ def test_cached_builds_are_keyed_by_compiler_and_build_and_load_only_where_the_c
     assert ckernels.kernel_path("f32_rows", "cc", "avx2") == c
     monkeypatch.setattr(ckernels, "_LOADED", {})
     monkeypatch.setattr(ckernels, "_compile", lambda name, build: pytest.fail(f"{build} built on a CPU without it"))
-    assert ckernels.load("f32_rows", "vnni") is None and ckernels.load("q8_head", "avx-vnni") is None
+    assert ckernels.load("f32_rows", "vnni") is None and ckernels.load("qrows", "avx-vnni") is None
     assert "vnni" not in ckernels.runnable_builds() and "avx2" in ckernels.runnable_builds()
 
 

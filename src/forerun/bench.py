@@ -16,8 +16,7 @@ import transformers
 from tqdm import tqdm
 
 from forerun.backend_timing import kept_timing
-from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel, plain_generate
-from forerun.backends.llamacpp_lib import llama_cpp_info
+from forerun.bench_peers import PEERS, PER_PROMPT, LlamaCppPeer, hf_generate, llama_bench, prompt_rate
 from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
@@ -28,8 +27,6 @@ from forerun.machine import cpu_name
 from forerun.models import resolve_source
 from forerun.plots import bench_charts
 from forerun.sampling import SamplingParams
-
-PEERS = ("hf", "hf-lookup", "llama.cpp")
 
 
 def load_prompts(path: str, categories=None, limit_per_category=None) -> list[dict]:
@@ -162,36 +159,20 @@ def _weights_kind(target, report: dict, hf_model) -> str:
     return "gguf (llama.cpp)" if hf_model is None else str(hf_model.dtype)
 
 
-def _hf_generate(model, ids, max_new, eos, lookup: bool):
-    inp = torch.tensor([ids], device=model.device)
-    kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0],
-              attention_mask=torch.ones_like(inp), top_p=None, top_k=None, temperature=None)
-    if lookup:
-        kw["prompt_lookup_num_tokens"] = 10
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(inp, **kw)
-    wall = time.perf_counter() - t
-    return out[0, len(ids):].tolist(), wall
-
-
-def _llamacpp_peer(spec, target, threads):
+def _llamacpp_peer(spec, threads, n_ctx):
     """llama.cpp decoding plainly with its own sampler, on the same GGUF file with llama.cpp's default
-    settings (repacked weights, flash attention as llama.cpp chooses): its fastest plain decoding,
-    not the exact-mode settings forerun verifies with."""
+    settings in a process of its own (``bench_peers.LlamaCppPeer``): its fastest plain decoding, not
+    the exact-mode settings forerun verifies with."""
     kind, loc = resolve_source(spec)
     if kind != "gguf":
         raise ForerunError("the llama.cpp peer needs a .gguf model (or bundled)")
-    return LlamaCppBackend(LlamaCppModel(loc, exact=False), threads=threads, fast_greedy=False)
+    return LlamaCppPeer(loc, threads, n_ctx)
 
 
 def _peer_generate(name, hf_model, llama_peer, ids, max_new, eos):
     if name == "llama.cpp":
-        timings = {}
-        t = time.perf_counter()
-        out = plain_generate(llama_peer, ids, max_new, eos, timings=timings)
-        return out, time.perf_counter() - t, timings["prefill_s"]
-    return (*_hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup"), None)
+        return llama_peer.generate(ids, max_new, eos)
+    return (*hf_generate(hf_model, ids, max_new, eos, name == "hf-lookup"), None)
 
 
 def default_peers(spec: str) -> str:
@@ -218,6 +199,8 @@ def run_bench(args) -> dict:
         raise ForerunError("--max-new-tokens must be >= 1")
     temperature = getattr(args, "temperature", 0.0)
     sampled_params = SamplingParams(temperature=temperature)  # a bad temperature fails here
+    if "llama-bench" in peers and resolve_source(args.model)[0] != "gguf":
+        raise ForerunError("the llama-bench peer needs a .gguf model (or bundled)")
     if not sampled_params.greedy and peers:
         raise ForerunError("the peers decode greedily: give --peers '' for a sampled bench (--temperature > 0)")
     unseeded = getattr(args, "unseeded", False)
@@ -271,8 +254,9 @@ def run_bench(args) -> dict:
         hf_model = next((t.hf_model for t in targets.values() if t.hf_model is not None), None)
         if hf_model is None:
             hf_model = load_target(options, backend="hf").hf_model
-    llama_peer = _llamacpp_peer(args.model, target, threads) if "llama.cpp" in peers else None
-    library = llama_cpp_info() if llama_peer is not None else None
+    limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
+    llama_peer = _llamacpp_peer(args.model, threads, limit + args.max_new_tokens) if "llama.cpp" in peers else None
+    library = llama_peer.info if llama_peer is not None else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 
     def setup_of(m):
@@ -289,7 +273,6 @@ def run_bench(args) -> dict:
     engines = {m: s.engine() for m, s in setups.items()}
     params = SamplingParams()  # warm-up: greedy
     tok = target.tokenizer
-    limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
     encoded = []
 
     chat = getattr(args, "chat", "auto")
@@ -312,10 +295,11 @@ def run_bench(args) -> dict:
         e.generate(warm, max_new_tokens=8, params=params, k=method_k[m])
         if drafters[m] is not None:  # drafters that learn across prompts start the run afresh
             drafters[m].forget_history()
-    for p in peers:
+    per_prompt = [p for p in peers if p in PER_PROMPT]
+    for p in per_prompt:
         _peer_generate(p, hf_model, llama_peer, warm, 8, target.eos_token_ids)
 
-    names = methods + peers
+    names = methods + per_prompt
     config = {"model": args.model, "prompts_file": str(args.prompts), "categories": cats, "limit_per_category": args.limit_per_category,
               "methods": methods, "peers": peers, "k": args.k, "method_k": method_k, "max_new_tokens": args.max_new_tokens,
               "greedy": sampled_params.greedy, "temperature": temperature,
@@ -342,6 +326,10 @@ def run_bench(args) -> dict:
     if library is not None:
         config["llama_cpp_peer"] = library  # llama-cpp-python's version and llama.cpp's own system info
     results = {"machine": machine_info(dtype), "config": config}
+    if "llama-bench" in peers:  # llama.cpp's own tool on the same file, and our prompt pass at its pp512
+        kind, loc = resolve_source(args.model)
+        results["llama_bench"] = llama_bench(loc, threads, getattr(args, "llama_tools", None))
+        results["llama_bench"]["forerun_pp512"] = prompt_rate(target.backend, target.backend.vocab_size)
     records, reference_outputs = [], {}
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
     if unseeded:
@@ -380,6 +368,8 @@ def run_bench(args) -> dict:
                 results["methods"][name]["adaptation"] = d.adapter.report()
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))  # checkpoint after each prompt
     bar.close()
+    if llama_peer is not None:
+        llama_peer.close()
 
     # Each backend's verify cost, timed on the prompts with the target's own continuations (its plain
     # decoding's outputs): the rows decoding sees.

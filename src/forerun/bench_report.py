@@ -126,6 +126,17 @@ def k_text(cfg: dict) -> str:
     return "k per method: " + ", ".join(f"{m} {k}" for m, k in own.items())
 
 
+def llama_bench_text(lb: dict, methods: dict) -> str:
+    """llama.cpp's own llama-bench beside our prompt pass and each method's decode rate."""
+    pp, tg = lb.get("pp512", {}).get("tokens_per_s"), lb.get("tg128", {}).get("tokens_per_s")
+    text = (f"llama.cpp's own `{lb['command']}` (build {lb.get('build')}) on the same file, same run: pp512 "
+            f"{pp:.1f} tok/s (ours, one 512-token pass: {lb['forerun_pp512']:.1f}, {lb['forerun_pp512'] / pp:.2f}x), "
+            f"tg128 {tg:.1f} tok/s. Decode tokens/s against tg128: ")
+    text += ", ".join(f"{name} {m['decode_tokens_per_s'] / tg:.2f}x" for name, m in methods.items()
+                      if m.get("decode_tokens_per_s") and tg)
+    return text + "."
+
+
 def write_markdown(results: dict, path: Path) -> None:
     methods = results["methods"]
     cats = sorted({c for m in methods.values() for c in m["by_category"]})
@@ -165,6 +176,9 @@ def write_markdown(results: dict, path: Path) -> None:
                      f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
                      f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
+    lb = results.get("llama_bench")
+    if lb:
+        lines += ["", llama_bench_text(lb, methods)]
     if any("tau_first_third" in m for m in methods.values()):
         lines += ["", "Over the run, in prompt order (drafters that learn across prompts: suffix, +adapt):", "",
                   "| method | tau, first third | tau, last third | tokens/s, first third | tokens/s, last third |",

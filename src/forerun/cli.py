@@ -130,8 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated methods, each with its draft length where wanted (default "
                         "none,ngram:auto,suffix:auto: nothing to calibrate or train first)")
     b.add_argument("--peers", default="auto",
-                   help="comma-separated: hf, hf-lookup, llama.cpp (empty for none); auto (default): llama.cpp and hf "
-                        "for a GGUF model when llama-cpp-python is installed, else hf")
+                   help="comma-separated: hf, hf-lookup, llama.cpp (llama-cpp-python at llama.cpp's defaults, in a "
+                        "process of its own), llama-bench (llama.cpp's own tool: pp512/tg128 on the same file; build it "
+                        "with bench/llama_cpp_tools.sh) (empty for none); auto (default): llama.cpp and hf for a GGUF "
+                        "model when llama-cpp-python is installed, else hf")
+    b.add_argument("--llama-tools", default=None,
+                   help="folder holding llama.cpp's llama-bench (default: where bench/llama_cpp_tools.sh builds it)")
     b.add_argument("--k", default=4, type=_k_arg)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0,

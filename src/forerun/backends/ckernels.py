@@ -57,7 +57,6 @@ ISAS = tuple(name for name, b in BUILDS.items() if not b.test_only)  # fastest f
 
 P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _ROWS = [P, I64, I, P, I, P]
-_Q8 = [P, P, I64, I, P, P, I, P, P, P]
 _MULTI = [P, P, P, P, I, I, I, I, P, P, P, P, F, P]
 
 
@@ -73,10 +72,10 @@ class Kernel:
 # where two loops over the same values must give the same bits.
 KERNELS = {
     "qrows": Kernel("GGUF models run on float32 weights (slower)", {
-        "forerun_q_threads": (I, [I]), "forerun_q_linear": (I, [P, I, P, I, P, I64]),
-        "forerun_q_argmax": (I, [P, I, P, I, P, P]), "forerun_q_layer": (I, [P, P, I, P]),
+        "forerun_q_threads": (I, [I]), "forerun_q_linear": (I, [P, I, P, I, P, I64, I]),
+        "forerun_q_top": (I, [P, I, P, I, I, I, P, P]), "forerun_q_layer": (I, [P, P, I, P]),
         "forerun_q_layers": (I, [P, I, P, P, P, P]), "forerun_q_portable": (None, [I]),
-        "forerun_q_to_half": (None, [P, P, I])}, ("-ffp-contract=off",), ("qlayer.c",)),
+        "forerun_q_to_half": (None, [P, P, I])}, ("-ffp-contract=off",), ("qact.c", "qlayer.c")),
     "block_rows": Kernel("quantized layers run on their float32 weights", {
         "forerun_q4_rows": (I, [P, P, P, I, I64, I, P, I, P]), "forerun_q8w_rows": (I, [P, P, P, I64, I, P, I, P]),
         "forerun_block_threads": (I, [I])}, ("-ffp-contract=off",)),
@@ -87,9 +86,6 @@ KERNELS = {
         "forerun_attn_rows_multi": (I, _MULTI), "forerun_attn_rows_multi_f16": (I, _MULTI),
         "forerun_attn_threads": (I, [I]), "forerun_store_rows": (None, [P, P, P, P, P, P, I, I, I])},
         ("-ffp-contract=off",)),
-    "q8_head": Kernel("verification uses the float LM head (slower)", {
-        "forerun_q8_rows": (I, _Q8), "forerun_q8_rows_x16": (I, _Q8), "forerun_q8_rows_x8": (I, _Q8),
-        "forerun_q8_has_x16": (I, []), "forerun_q8_has_x8": (I, []), "forerun_q8_threads": (None, [I])}),
     "tap": Kernel("trained heads cannot read layer outputs on this backend"),
 }
 

@@ -1,5 +1,6 @@
-/* Integer products of GGUF-quantized weights with a few activation rows, and a whole transformer
- * layer around them (``qlayer.c``, built into the same library), for the native backend's GGUF path.
+/* Integer products of GGUF-quantized weights with a few activation rows, for the native backend's
+ * GGUF path (with ``qact.c``, the activations, and ``qlayer.c``, a whole layer around the products,
+ * built into one library).
  *
  * Why: a verify pass of K + 1 rows should cost about one one-token step. A one-token step of a
  * small model reads every weight once and is bound by memory; each further row only adds
@@ -32,8 +33,9 @@
  * the same bits, and a row's outputs do not depend on the other rows of its pass: a verify pass
  * is batch-invariant by construction. Threads split weight-row groups, never one output's sums.
  *
- * The same source is compiled three times (portable, -mavx2 -mfma -mf16c, and with AVX-512 VNNI
- * added); the Python side loads the build the CPU reports it can run (or FORERUN_KERNEL asks for).
+ * The same source is compiled once per instruction set (portable, -mavx2 -mfma -mf16c, with
+ * AVX-VNNI or with AVX-512 VNNI added: ckernels.BUILDS); the Python side loads the fastest build
+ * the CPU reports it can run (or the one FORERUN_KERNEL asks for).
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,96 +52,6 @@
 int forerun_q_threads(int n) { return rows_threads(n); }
 
 static inline int code_bytes(int kind) { return kind == U4 ? 128 : 256; }
-
-/* ---- activations ---------------------------------------------------------------------------- */
-
-/* Row-wise quantization: plain loops, or in AVX2 builds 8 lanes at a time with the same values. */
-void q_quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a) {
-    int nb = D / 32;
-#pragma omp parallel for schedule(static) if (N >= 16)
-    for (int r = 0; r < N; r++) {
-        const float *xr = x + (int64_t)r * ldx;
-        int8_t *q = a->xq + (int64_t)r * D;
-        for (int b = 0; b < nb; b++) {
-            float d;
-            int s0 = 0, s1 = 0;
-#if defined(__AVX2__)
-            { /* the same values as the plain loops, 8 lanes at a time (max, round to nearest even, clamp are exact) */
-                const float *xb = xr + b * 32;
-                const __m256 sign = _mm256_set1_ps(-0.0f);
-                __m256 v[4], mx = _mm256_setzero_ps();
-                for (int k = 0; k < 4; k++) {
-                    v[k] = _mm256_loadu_ps(xb + 8 * k);
-                    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
-                }
-                float lanes[8];
-                _mm256_storeu_ps(lanes, mx);
-                float amax = 0.0f;
-                for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-                d = amax / 127.0f;
-                float id = d > 0.0f ? 127.0f / amax : 0.0f;
-                __m256i c[4];
-                for (int k = 0; k < 4; k++) {
-                    __m256 y = _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-                    c[k] = _mm256_cvtps_epi32(y);
-                }
-                int32_t t0[8], t1[8];
-                _mm256_storeu_si256((__m256i *)t0, _mm256_add_epi32(c[0], c[1]));
-                _mm256_storeu_si256((__m256i *)t1, _mm256_add_epi32(c[2], c[3]));
-                for (int l = 0; l < 8; l++) {
-                    s0 += t0[l];
-                    s1 += t1[l];
-                }
-                __m256i w8 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-                w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* packs work per 128-bit half */
-                _mm256_storeu_si256((__m256i *)(q + b * 32), w8);
-            }
-#else
-            {
-                float amax = 0.0f;
-                for (int j = 0; j < 32; j++) {
-                    float v = fabsf(xr[b * 32 + j]);
-                    amax = v > amax ? v : amax;
-                }
-                d = amax / 127.0f;
-                float id = d > 0.0f ? 127.0f / amax : 0.0f;
-                for (int j = 0; j < 32; j++) {
-                    int c = (int)nearbyintf(xr[b * 32 + j] * id);
-                    c = c > 127 ? 127 : (c < -127 ? -127 : c);
-                    q[b * 32 + j] = (int8_t)c;
-                    if (j < 16) s0 += c; else s1 += c;
-                }
-            }
-#endif
-            int64_t i = (int64_t)r * nb + b;
-            a->dx[i] = d;
-            a->bs[2 * i] = s0;
-            a->bs[2 * i + 1] = s1;
-            a->xs[3 * i] = d * (float)(s0 + s1);
-            a->xs[3 * i + 1] = d * (float)s0;
-            a->xs[3 * i + 2] = d * (float)s1;
-        }
-    }
-}
-
-int q_act_alloc(qact_t *a, int N, int D) {
-    int nb = D / 32;
-    a->N = N;
-    a->D = D;
-    a->xq = (int8_t *)malloc((size_t)N * D + 64);
-    a->dx = (float *)malloc(sizeof(float) * (size_t)N * nb + 64);
-    a->bs = (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)N * nb + 64);
-    a->xs = (float *)malloc(sizeof(float) * 3 * (size_t)N * nb + 64);
-    return a->xq && a->dx && a->bs && a->xs ? 0 : -1;
-}
-
-void q_act_free(qact_t *a) {
-    free(a->xq);
-    free(a->dx);
-    free(a->bs);
-    free(a->xs);
-}
 
 /* ---- one group of 8 weight rows against all activation rows ---------------------------------- */
 
@@ -230,6 +142,9 @@ static inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1
 #define DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define VNNI 1 /* the same instruction in its VEX form (AVX-VNNI: Alder Lake and later, without AVX-512) */
+#define DPBUSD _mm256_dpbusd_avx_epi32
 #else
 #define VNNI 0
 #endif
@@ -454,47 +369,65 @@ void q_matmul(const qweight_t *w, int parts, const qact_t *a, float *out, int64_
     }
 }
 
-/* The greedy token of every row: for each row r of x, the index (counted over the parts' rows in
- * order, as forerun_q_linear's columns) of its largest output and that value, without storing the
- * outputs. Every output is computed exactly as forerun_q_linear computes it, and the winner is the
- * first of equal maxima with NaN above everything (torch.argmax's rule): each thread keeps the
- * first maximum of its contiguous range of row groups, and the ranges are merged in order. So the
- * answer is the argmax of forerun_q_linear's outputs, for any thread count.
+static int sizes_ok(const qweight_t *w, int parts, int N) {
+    if (N <= 0 || parts < 1 || parts > 8) return 0;
+    for (int p = 0; p < parts; p++)
+        if (w[p].D != w[0].D || w[p].D <= 0 || w[p].D % 32 || w[p].V <= 0) return 0;
+    return 1;
+}
+
+/* The LM head's one entry: each row's k (1 or 2) largest outputs without storing the outputs.
+ * For each row r of x: idx[r][0] the index (counted over the parts' rows in order, as
+ * forerun_q_linear's columns) of its largest output, val[r][0] that output; with k = 2 also the
+ * runner-up. Every output is computed exactly as forerun_q_linear computes it, and equal values
+ * keep the lower index first with NaN above everything (torch.argmax's rule): each thread keeps
+ * the top k of its contiguous range of row groups, and the ranges are merged in order. So the
+ * answer is the top k of forerun_q_linear's outputs, for any thread count and any pass size.
+ * f16_scales: activation scales rounded to float16 (qact.c, half_scales).
  * 0, -1 bad sizes, -2 out of memory. */
 static inline int beats(float v, float best) { return v > best || (v != v && best == best); }
 
-/* Whether any of o[0..n) (n a multiple of 8) is NaN or above best: the filter before the exact scan. */
-static int chunk_may_beat(const float *o, int n, float best) {
+/* Push (v, i) into a top-k list (k 1 or 2) kept as b[0..k), bi[0..k) (index -1: empty). Indices
+ * arrive in increasing order, so an equal value never displaces an earlier one. */
+static inline void top_push(float v, int64_t i, int k, float *b, int64_t *bi) {
+    if (bi[0] < 0 || beats(v, b[0])) {
+        if (k == 2) { b[1] = b[0]; bi[1] = bi[0]; }
+        b[0] = v; bi[0] = i;
+    } else if (k == 2 && (bi[1] < 0 || beats(v, b[1]))) {
+        b[1] = v; bi[1] = i;
+    }
+}
+
+/* Whether any of o[0..n) (n a multiple of 8) is NaN or above floor: the filter before the exact scan. */
+static int chunk_may_beat(const float *o, int n, float floor) {
 #if HAVE_SIMD
-    __m256 m = _mm256_set1_ps(best), hit = _mm256_setzero_ps();
+    __m256 m = _mm256_set1_ps(floor), hit = _mm256_setzero_ps();
     for (int j = 0; j < n; j += 8) {
         __m256 v = _mm256_loadu_ps(o + j);
-        hit = _mm256_or_ps(hit, _mm256_cmp_ps(v, m, _CMP_NLE_UQ)); /* v > best, or unordered */
+        hit = _mm256_or_ps(hit, _mm256_cmp_ps(v, m, _CMP_NLE_UQ)); /* v > floor, or unordered */
     }
     return _mm256_movemask_ps(hit) != 0;
 #else
     for (int j = 0; j < n; j++)
-        if (!(o[j] <= best)) return 1;
+        if (!(o[j] <= floor)) return 1;
     return 0;
 #endif
 }
 
-int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64_t *idx, float *val) {
-    if (N <= 0 || parts < 1 || parts > 8) return -1;
-    for (int p = 0; p < parts; p++)
-        if (w[p].D != w[0].D || w[p].D <= 0 || w[p].D % 32 || w[p].V <= 0) return -1;
+int forerun_q_top(const qweight_t *w, int parts, const float *x, int N, int k, int f16_scales, int64_t *idx,
+                  float *val) {
+    if (!sizes_ok(w, parts, N) || k < 1 || k > 2) return -1;
     int64_t start[9];
     group_starts(w, parts, start);
     enum { CH = 64 }; /* row groups per scan: 512 outputs per activation row stay in cache */
     const int nt = rows_threads(0);
     qact_t a;
-    float *tv = (float *)malloc(sizeof(float) * (size_t)nt * N);         /* per thread: best value */
-    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * (size_t)nt * N);  /* and its index (-1: none) */
+    float *tv = (float *)malloc(sizeof(float) * (size_t)nt * N * k);         /* per thread and row: top k */
+    int64_t *ti = (int64_t *)malloc(sizeof(int64_t) * (size_t)nt * N * k);  /* and their indices (-1: none) */
     float *bufs = (float *)malloc(sizeof(float) * (size_t)nt * N * CH * 8);
-    int rc = q_act_alloc(&a, N, w->D) != 0 || !tv || !ti || !bufs ? -2 : 0;
+    int rc = q_act_quantize(x, N, w->D, f16_scales, &a) != 0 || !tv || !ti || !bufs ? -2 : 0;
     if (rc == 0) {
-        q_quantize_rows(x, w->D, N, w->D, &a);
-        for (int64_t i = 0; i < (int64_t)nt * N; i++) ti[i] = -1;
+        for (int64_t i = 0; i < (int64_t)nt * N * k; i++) ti[i] = -1;
 #pragma omp parallel num_threads(nt)
         {
             int t = 0, used = 1;
@@ -502,8 +435,8 @@ int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64
             t = omp_get_thread_num();
             used = omp_get_num_threads();
 #endif
-            float *buf = bufs + (size_t)t * N * CH * 8, *bv = tv + (size_t)t * N;
-            int64_t *bi = ti + (size_t)t * N;
+            float *buf = bufs + (size_t)t * N * CH * 8, *bv = tv + (size_t)t * N * k;
+            int64_t *bi = ti + (size_t)t * N * k;
             int64_t G = start[parts], lo = G * t / used, hi = G * (t + 1) / used;
             for (int64_t c0 = lo; c0 < hi; c0 += CH) {
                 int64_t c1 = c0 + CH < hi ? c0 + CH : hi;
@@ -514,32 +447,28 @@ int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64
                 }
                 for (int r = 0; r < N; r++) {
                     const float *o = buf + (int64_t)r * CH * 8;
-                    /* the chunk's largest value first (a filter: the lanes past a weight's last row
-                     * hold stale values, which can only send a chunk to the exact scan below) */
-                    if (bi[r] >= 0 && !chunk_may_beat(o, (int)(c1 - c0) * 8, bv[r])) continue;
+                    float *rb = bv + (int64_t)r * k;
+                    int64_t *ri = bi + (int64_t)r * k;
+                    /* the chunk against the row's current k-th value first (a filter: the lanes past a
+                     * weight's last row hold stale values, which can only send a chunk to the scan) */
+                    if (ri[k - 1] >= 0 && !chunk_may_beat(o, (int)(c1 - c0) * 8, rb[k - 1])) continue;
                     p = 0;
                     for (int64_t gi = c0; gi < c1; gi++) {
                         while (gi >= start[p + 1]) p++;
                         int64_t g = gi - start[p], first = w[p].col + g * 8;
                         int lanes = (int)(w[p].V - g * 8 < 8 ? w[p].V - g * 8 : 8);
-                        for (int l = 0; l < lanes; l++)
-                            if (bi[r] < 0 || beats(o[(gi - c0) * 8 + l], bv[r])) {
-                                bv[r] = o[(gi - c0) * 8 + l];
-                                bi[r] = first + l;
-                            }
+                        for (int l = 0; l < lanes; l++) top_push(o[(gi - c0) * 8 + l], first + l, k, rb, ri);
                     }
                 }
             }
         }
-        for (int r = 0; r < N; r++) { /* the threads' ranges in order: the first maximum overall */
-            idx[r] = -1;
-            for (int t = 0; t < nt; t++) {
-                int64_t i = ti[(size_t)t * N + r];
-                if (i >= 0 && (idx[r] < 0 || beats(tv[(size_t)t * N + r], val[r]))) {
-                    idx[r] = i;
-                    val[r] = tv[(size_t)t * N + r];
+        for (int r = 0; r < N; r++) { /* the threads' ranges in order: the first maxima overall */
+            for (int j = 0; j < k; j++) idx[(int64_t)r * k + j] = -1;
+            for (int t = 0; t < nt; t++)
+                for (int j = 0; j < k; j++) {
+                    int64_t i = ti[((size_t)t * N + r) * k + j];
+                    if (i >= 0) top_push(tv[((size_t)t * N + r) * k + j], i, k, val + (int64_t)r * k, idx + (int64_t)r * k);
                 }
-            }
         }
     }
     q_act_free(&a);
@@ -549,19 +478,15 @@ int forerun_q_argmax(const qweight_t *w, int parts, const float *x, int N, int64
     return rc;
 }
 
-/* out [N][ldo] = x [N][D] . w^T for the parts of one stacked weight, activations quantized here.
- * 0, -1 bad sizes, -2 out of memory. */
-int forerun_q_linear(const qweight_t *w, int parts, const float *x, int N, float *out, int64_t ldo) {
-    if (N <= 0 || parts < 1 || parts > 8) return -1;
+/* out [N][ldo] = x [N][D] . w^T for the parts of one stacked weight, activations quantized here
+ * (f16_scales: qact.c, half_scales). 0, -1 bad sizes, -2 out of memory. */
+int forerun_q_linear(const qweight_t *w, int parts, const float *x, int N, float *out, int64_t ldo, int f16_scales) {
+    if (!sizes_ok(w, parts, N)) return -1;
     for (int p = 0; p < parts; p++)
-        if (w[p].D != w[0].D || w[p].D <= 0 || w[p].D % 32 || w[p].V <= 0 || w[p].col + w[p].V > ldo) return -1;
+        if (w[p].col + w[p].V > ldo) return -1;
     qact_t a;
-    if (q_act_alloc(&a, N, w->D) != 0) {
-        q_act_free(&a);
-        return -2;
-    }
-    q_quantize_rows(x, w->D, N, w->D, &a);
-    q_matmul(w, parts, &a, out, ldo);
+    int rc = q_act_quantize(x, N, w->D, f16_scales, &a);
+    if (rc == 0) q_matmul(w, parts, &a, out, ldo);
     q_act_free(&a);
-    return 0;
+    return rc;
 }

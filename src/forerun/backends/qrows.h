@@ -1,6 +1,6 @@
-/* What qrows.c (the integer products) and qlayer.c (the layer around them) share: the weight and
- * activation layouts (described at the top of qrows.c) and the product entry points. Both files are
- * built together into one library per instruction set (ckernels.py). */
+/* What qact.c (activations), qrows.c (the integer products) and qlayer.c (the layer around them)
+ * share: the weight and activation layouts (described at the top of qrows.c) and the product entry
+ * points. The files are built together into one library per instruction set (ckernels.py). */
 #ifndef FORERUN_QROWS_H
 #define FORERUN_QROWS_H
 
@@ -36,6 +36,9 @@ typedef struct {
 /* x [N][ldx] quantized per row and 32-block into a (allocated by q_act_alloc for N rows of D). */
 void q_quantize_rows(const float *x, int64_t ldx, int N, int D, qact_t *a);
 int q_act_alloc(qact_t *a, int N, int D); /* 0, or -1 out of memory (q_act_free still frees) */
+/* x [N][D] quantized into a, allocated here (q_act_free frees it either way); f16_scales: the
+ * scales rounded to float16 as ggml's Q8_0 activations hold them. 0, or -2 out of memory. */
+int q_act_quantize(const float *x, int N, int D, int f16_scales, qact_t *a);
 void q_act_free(qact_t *a);
 /* out[r][col + v] (row stride ldo) for all rows of a and the weight rows of the parts. */
 void q_matmul(const qweight_t *w, int parts, const qact_t *a, float *out, int64_t ldo);

@@ -112,6 +112,8 @@ class QPart:
 class QLinear:
     """A stacked weight (q, k, v; gate, up; or one tensor) as ``qrows.c`` parts: x [n, D] -> [n, V]."""
 
+    threads: int | None = None  # threads of its products (None: torch's setting at each call)
+
     def __init__(self, parts: list[tuple[Codes, int]]):
         col = 0
         self.parts = []
@@ -126,21 +128,30 @@ class QLinear:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, lib=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lib=None, f16_scales: bool = False) -> torch.Tensor:
+        """x [n, D] -> outputs [n, V]. ``f16_scales``: activation scales rounded to float16, as
+        ggml's Q8_0 activations store them (``qrows.c``, half_scales)."""
         x = self._rows(x)
         out = torch.empty(len(x), self.shape[0], dtype=torch.float32, device="cpu")
-        self._run(lib, "forerun_q_linear", x, out.data_ptr(), self.shape[0])
+        if len(x):
+            self._run(lib, "forerun_q_linear", x, out.data_ptr(), self.shape[0], int(f16_scales))
         return out
 
-    def argmax(self, x: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The argmax [n] (int64) of ``self(x)`` per row and its value [n], without forming the
-        outputs: the same sums, the first of equal maxima, NaN above all (torch.argmax's rule)."""
+    def top(self, x: torch.Tensor, k: int = 1, f16_scales: bool = False, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k (1 or 2) largest of ``self(x, f16_scales=...)`` per row, without forming the
+        outputs: indices [n, k] (int64; -1 where the weight has fewer rows) and values [n, k], the
+        same sums, equal values in index order, NaN above all (torch.argmax's rule)."""
         x = self._rows(x)
-        idx = torch.empty(len(x), dtype=torch.int64, device="cpu")
-        val = torch.empty(len(x), dtype=torch.float32, device="cpu")
+        idx = torch.empty(len(x), k, dtype=torch.int64, device="cpu")
+        val = torch.empty(len(x), k, dtype=torch.float32, device="cpu")
         if len(x):
-            self._run(lib, "forerun_q_argmax", x, idx.data_ptr(), val.data_ptr())
+            self._run(lib, "forerun_q_top", x, k, int(f16_scales), idx.data_ptr(), val.data_ptr())
         return idx, val
+
+    def argmax(self, x: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax [n] (int64) of ``self(x)`` per row and its value [n] (``top`` with k = 1)."""
+        idx, val = self.top(x, 1, lib=lib)
+        return idx[:, 0], val[:, 0]
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x as the kernels take it: float32 rows [n, D], D the weight's columns."""
@@ -153,7 +164,7 @@ class QLinear:
     def _run(self, lib, kernel: str, x: torch.Tensor, *outputs) -> None:
         """``kernel``(weight parts, x, n, *outputs) of ``lib`` (default: the chosen build), its error codes raised."""
         lib = lib or qrows_lib()
-        lib.forerun_q_threads(torch.get_num_threads())
+        lib.forerun_q_threads(self.threads or torch.get_num_threads())
         rc = getattr(lib, kernel)(self.structs, len(self.parts), x.data_ptr(), len(x), *outputs)
         if rc == -2:
             raise MemoryError("qrows: out of memory")

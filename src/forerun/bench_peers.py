@@ -1,0 +1,138 @@
+"""The peers ``forerun bench`` runs beside forerun's methods, each as its users run it.
+
+- ``hf``, ``hf-lookup``: transformers' ``generate()`` (greedy; with prompt lookup), in process.
+- ``llama.cpp``: llama.cpp's plain greedy decoding through llama-cpp-python, in a process of its own
+  at llama.cpp's defaults (``llamacpp_peer``), reset outside the clock.
+- ``llama-bench``: llama.cpp's own benchmark tool on the same file (pp512 and tg128), run once per
+  bench; the binary is built from the llama.cpp source the installed llama-cpp-python vendors
+  (``bench/llama_cpp_tools.sh``), found where that script puts it or under ``--llama-tools``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from forerun.errors import ForerunError
+from forerun.machine import cpu_flags
+from forerun.paths import cache_dir
+
+PEERS = ("hf", "hf-lookup", "llama.cpp", "llama-bench")
+PER_PROMPT = ("hf", "hf-lookup", "llama.cpp")  # llama-bench runs once, on its own prompts
+
+
+def hf_generate(model, ids, max_new, eos, lookup: bool):
+    inp = torch.tensor([ids], device=model.device)
+    kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0],
+              attention_mask=torch.ones_like(inp), top_p=None, top_k=None, temperature=None)
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = 10
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inp, **kw)
+    wall = time.perf_counter() - t
+    return out[0, len(ids):].tolist(), wall
+
+
+class LlamaCppPeer:
+    """The llama.cpp peer: a child process (``python -m forerun.llamacpp_peer``) with llama.cpp's
+    defaults, asked one prompt at a time. ``info``: its llama-cpp-python version, llama.cpp's
+    system info and the settings it runs with."""
+
+    def __init__(self, path: str, threads: int | None, n_ctx: int):
+        env = dict(os.environ)
+        env.pop("GGML_CPU_TILED_MM", None)  # llama.cpp's default: the tiled product on
+        self._log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "forerun.llamacpp_peer", path, "--threads", str(threads or torch.get_num_threads()),
+               "--n-ctx", str(n_ctx)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.info = self._reply()["info"]
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("@"):
+                return json.loads(line[1:])
+        self._log.seek(0)
+        tail = self._log.read().decode(errors="replace").strip().splitlines()[-5:]
+        raise ForerunError("the llama.cpp peer stopped: " + (" | ".join(tail) or f"exit code {self.proc.poll()}"))
+
+    def generate(self, ids: list[int], max_new: int, eos) -> tuple[list[int], float, float]:
+        """(tokens, wall seconds, prompt-pass seconds), timed inside the peer's process."""
+        self.proc.stdin.write(json.dumps({"prompt": list(ids), "max_new": max_new, "eos": sorted(eos)}) + "\n")
+        self.proc.stdin.flush()
+        r = self._reply()
+        return r["out"], r["wall_s"], r["prefill_s"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def llama_tools_dir() -> Path:
+    """Where ``bench/llama_cpp_tools.sh`` puts llama.cpp's own tools for the installed
+    llama-cpp-python and this CPU (its flags in the key: a build for another CPU is never used)."""
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    cpu = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
+    return cache_dir() / "llama.cpp-tools" / f"{version}-{cpu}" / "bin"
+
+
+def find_tool(name: str, where: str | None = None) -> Path:
+    """llama.cpp's tool ``name`` (``llama-bench``, ``llama-server``) in ``where`` or the built tools' folder."""
+    folder = Path(where) if where else llama_tools_dir()
+    exe = folder / name
+    if not exe.is_file():
+        raise ForerunError(f"{name} not found in {folder}: build llama.cpp's tools first with bench/llama_cpp_tools.sh "
+                           "(or give the folder holding them with --llama-tools)")
+    return exe
+
+
+def llama_bench(model_path: str, threads: int | None, tools: str | None = None, reps: int = 3) -> dict:
+    """llama.cpp's own ``llama-bench -p 512 -n 128`` on the file: tokens/s of a 512-token prompt pass
+    (pp512) and of 128 one-token decode steps (tg128), mean and standard deviation over ``reps``."""
+    exe = find_tool("llama-bench", tools)
+    t = str(threads or torch.get_num_threads())
+    cmd = [str(exe), "-m", model_path, "-t", t, "-p", "512", "-n", "128", "-r", str(reps), "-o", "json"]
+    env = dict(os.environ)
+    env.pop("GGML_CPU_TILED_MM", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise ForerunError(f"llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}")
+    rows = json.loads(r.stdout)
+    out = {"command": " ".join(cmd[:1] + ["-m", Path(model_path).name] + cmd[3:]), "build": rows[0].get("build_commit"),
+           "cpu_info": rows[0].get("cpu_info")}
+    for row in rows:
+        key = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        out[key] = {"tokens_per_s": row["avg_ts"], "stddev": row["stddev_ts"]}
+    return out
+
+
+def prompt_rate(backend, vocab: int, n: int = 512, reps: int = 3) -> float:
+    """Our prompt pass at llama-bench's pp512 terms: tokens/s of one pass of ``n`` random tokens into
+    an empty cache (logits of the last row only), best of ``reps``."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, min(vocab, 20000), (min(n, backend.max_context - 1),), generator=g)
+    best = float("inf")
+    for _ in range(reps):
+        backend.reset()
+        t = time.perf_counter()
+        backend.forward(ids, 0, last_only=True)
+        best = min(best, time.perf_counter() - t)
+    backend.reset()
+    return len(ids) / best
