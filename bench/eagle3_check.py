@@ -42,6 +42,7 @@ def run_forerun(args) -> None:
             if d is not None:
                 s = res.stats
                 row["drafts"] = sum(1 for k in s.k_history if k > 0)
+                row["drafted"] = s.drafted
                 row["accepted"] = s.accepted
                 row["accepted_per_pos"] = s.accepted_per_position
         rows.append(row)
@@ -73,6 +74,89 @@ def run_vllm(args) -> None:
     name = "vllm-plain" if args.plain else "vllm-eagle3"
     Path(args.out, f"{name}.json").write_text(json.dumps({"outputs": outs, "metrics": metrics, "seconds": time.time() - t0,
                                                         "vllm": vllm.__version__}))
+
+
+def run_llama_server(args) -> None:
+    """The same token ids through llama.cpp's own llama-server (``--server``: the binary), greedy, one
+    request at a time on one slot, without (--plain) or with the exported EAGLE-3 GGUF (``--head``,
+    ``--spec-type draft-eagle3``, K tokens); acceptance from each response's ``timings``."""
+    import os
+    import subprocess
+    import urllib.request
+
+    src = json.loads(Path(args.out, "forerun.json").read_text())
+    port = 8019
+    cmd = [args.server, "-m", args.target, "-t", str(args.threads or 2), "-np", "1", "-c", "4096", "--port", str(port),
+           "--host", "127.0.0.1"]
+    if not args.plain:
+        cmd += ["--spec-type", "draft-eagle3", "-md", args.head, "--spec-draft-n-max", str(src["k"]),
+                "--spec-draft-n-min", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    log = open(Path(args.out, "llama-server-plain.log" if args.plain else "llama-server-eagle3.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited ({proc.returncode}); see its log in {args.out}")
+        outs, drafts, accepted, t0 = [], 0, 0, time.time()
+        for row in src["rows"]:
+            body = {"prompt": row["prompt_ids"], "n_predict": src["max_tokens"], "temperature": 0.0, "top_k": 1,
+                    "cache_prompt": False, "return_tokens": True, "ignore_eos": False}
+            req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            r = json.loads(urllib.request.urlopen(req, timeout=600).read())
+            outs.append(list(r["tokens"]))
+            t = r.get("timings", {})
+            drafts += int(t.get("draft_n", 0))
+            accepted += int(t.get("draft_n_accepted", 0))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    name = "llama-server-plain" if args.plain else "llama-server-eagle3"
+    Path(args.out, f"{name}.json").write_text(json.dumps({"outputs": outs, "seconds": time.time() - t0,
+                                                        "draft_tokens": drafts, "accepted_tokens": accepted}))
+
+
+def report_llama_server(args) -> None:
+    """forerun's and llama-server's losslessness and acceptance with the same head on the same ids.
+    llama-server counts drafted tokens, not drafts: its acceptance rate (accepted / drafted) is set
+    beside forerun's on the same definition."""
+    out = Path(args.out)
+    f = json.loads((out / "forerun.json").read_text())
+    plain = json.loads((out / "llama-server-plain.json").read_text())
+    spec = json.loads((out / "llama-server-eagle3.json").read_text())
+    rows, n = f["rows"], len(f["rows"])
+    f_acc = sum(r["accepted"] for r in rows)
+    f_drafted = sum(r.get("drafted", 0) for r in rows)
+    result = {
+        "model": f["model"], "k": f["k"], "max_tokens": f["max_tokens"], "prompts": n,
+        "llama_server_lossless": sum(a == b for a, b in zip(spec["outputs"], plain["outputs"])) / n,
+        "forerun_lossless": sum(r["plain"] == r["eagle"] for r in rows) / n,
+        "llama_server_plain_equals_forerun_plain": sum(a == r["plain"] for a, r in zip(plain["outputs"], rows)) / n,
+        "llama_server_acceptance_rate": round(spec["accepted_tokens"] / spec["draft_tokens"], 4) if spec["draft_tokens"] else None,
+        "forerun_acceptance_rate": round(f_acc / f_drafted, 4) if f_drafted else None,
+        "llama_server_counts": {"drafted": spec["draft_tokens"], "accepted": spec["accepted_tokens"]},
+        "forerun_counts": {"drafted": f_drafted, "accepted": f_acc},
+        "llama_server_seconds": {"plain": round(plain["seconds"], 1), "eagle3": round(spec["seconds"], 1)},
+    }
+    ls, fr = result["llama_server_acceptance_rate"], result["forerun_acceptance_rate"]
+    result["ratio"] = round(ls / fr, 4) if ls and fr else None
+    (out / "report-llama-server.json").write_text(json.dumps(result, indent=1))
+    md = ["| engine | outputs equal with / without the head | drafted tokens | accepted | acceptance rate |",
+          "|---|---|---|---|---|",
+          f"| forerun | {result['forerun_lossless']:.0%} | {f_drafted} | {f_acc} | {fr} |",
+          f"| llama-server (draft-eagle3) | {result['llama_server_lossless']:.0%} | {spec['draft_tokens']} | "
+          f"{spec['accepted_tokens']} | {ls} |",
+          "", f"llama-server / forerun acceptance rate: {result['ratio']}; llama-server's plain output equal to "
+              f"forerun's plain output on {result['llama_server_plain_equals_forerun_plain']:.0%} of {n} prompts."]
+    (out / "report-llama-server.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
 
 
 def _mean_len(accepted: int, drafts: int) -> float:
@@ -119,11 +203,12 @@ def report(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["forerun", "vllm", "report"])
+    ap.add_argument("step", choices=["forerun", "vllm", "report", "llama-server", "report-llama-server"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--head", default=None, help="forerun: head folder (default: shipped); vllm: the exported folder")
-    ap.add_argument("--target", default=None, help="vllm: the target's HF folder")
+    ap.add_argument("--target", default=None, help="vllm: the target's HF folder; llama-server: its GGUF file")
+    ap.add_argument("--server", default=None, help="llama-server: the binary (bench/llama_cpp_tools.sh builds it)")
     ap.add_argument("--plain", action="store_true", help="vllm: without the drafter")
     ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/spec_bench/question.jsonl"))
     ap.add_argument("--limit-per-category", type=int, default=3)
@@ -132,7 +217,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    {"forerun": run_forerun, "vllm": run_vllm, "report": report}[args.step](args)
+    {"forerun": run_forerun, "vllm": run_vllm, "report": report, "llama-server": run_llama_server,
+     "report-llama-server": report_llama_server}[args.step](args)
 
 
 if __name__ == "__main__":

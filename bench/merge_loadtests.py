@@ -26,14 +26,21 @@ def main() -> None:
             if name in merged["methods"]:
                 raise SystemExit(f"{path}: server {name!r} appears twice")
             merged["methods"][name] = run
-    base = merged["methods"].get("forerun-none")
-    if base is not None and merged.get("temperature") == 0:  # greedy: every server's text against forerun's plain decoding
+    # greedy: every server's text against forerun's plain decoding, and each llama-server variant's
+    # against llama-server's own plain decoding
+    for ref_name in ("forerun-none", "llama-server") if merged.get("temperature") == 0 else ():
+        base = merged["methods"].get(ref_name)
+        if base is None:
+            continue
         ref = {lv["concurrency"]: lv.get("texts", {}) for lv in base["levels"]}
-        for run in merged["methods"].values():
+        for name, run in merged["methods"].items():
+            if ref_name == "llama-server" and not name.startswith("llama-server"):
+                continue
             for lv in run["levels"]:
                 b = ref.get(lv["concurrency"], {})
                 same = [k for k in lv.get("texts", {}) if k in b]
-                lv["greedy_equal_to_forerun_none"] = f"{sum(lv['texts'][k] == b[k] for k in same)}/{len(same)}"
+                key = "greedy_equal_to_" + ref_name.replace("-", "_")
+                lv[key] = f"{sum(lv['texts'][k] == b[k] for k in same)}/{len(same)}"
     merged["table"] = comparison_table(merged)
     Path(args.out).write_text(json.dumps(merged, indent=1))
     loadtest_chart(merged, Path(args.out).with_suffix(".png"))

@@ -1,10 +1,12 @@
 """The README's results table from the folders ``bench/users_models.sh`` writes.
 
-Usage: python bench/summary.py RESULTS_DIR [RESULTS_DIR ...]  (prints markdown)
+Usage: python bench/summary.py [--decode] RESULTS_DIR [RESULTS_DIR ...]  (prints markdown)
 
 One row per model, backend and peer: the peer's plain decoding, our plain decoding, our fastest
 method, its speedup over the peer, its mean accepted length, and greedy equality with our plain
-decoding over all prompts.
+decoding over all prompts. ``--decode`` (folders of ``bench/vs_llama_cpp.sh``): one row per model
+with decode-only rates against llama.cpp's own ``llama-bench`` tg128 and the llama.cpp peer, and
+whole-request rates against the peer, side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +40,39 @@ def rows(folder: Path) -> list[str]:
     return out
 
 
+def decode_row(folder: Path) -> str:
+    d = json.loads((folder / "results.json").read_text())
+    cfg, methods, lb = d["config"], d["methods"], d.get("llama_bench") or {}
+    ours = {m: methods[m] for m in cfg["methods"] if m in methods}
+    best = max(ours, key=lambda m: ours[m]["decode_tokens_per_s"] or 0)
+    tg = lb.get("tg128", {}).get("tokens_per_s")
+    peer = methods.get("llama.cpp", {})
+    none_d, best_d, peer_d = ours["none"]["decode_tokens_per_s"], ours[best]["decode_tokens_per_s"], peer.get("decode_tokens_per_s")
+    best_w = max(ours, key=lambda m: ours[m]["tokens_per_s"])
+
+    def r(a, b):
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    model = Path(str(cfg["model"])).name
+    return (f"| {model} | {tg:.1f} | {peer_d or 0:.1f} | {none_d:.1f} | `{best}` {best_d:.1f} | **{r(none_d, tg)}** / "
+            f"**{r(best_d, tg)}** | {r(none_d, peer_d)} / {r(best_d, peer_d)} | {peer.get('tokens_per_s', 0):.1f} | "
+            f"`{best_w}` {ours[best_w]['tokens_per_s']:.1f} ({r(ours[best_w]['tokens_per_s'], peer.get('tokens_per_s'))}) | "
+            f"{lb.get('pp512', {}).get('tokens_per_s', 0):.0f} / {lb.get('forerun_pp512', 0):.0f} | "
+            f"{min(m['greedy_equal'] for m in ours.values())}/{cfg['prompts']} |")
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--decode":
+        out = ["| model | llama-bench tg128 | llama.cpp peer, decode | our plain, decode | our best, decode | "
+               "plain / best vs tg128 | plain / best vs peer | llama.cpp peer, whole request | our best, whole request "
+               "(vs peer) | pp512 llama-bench / ours | greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        dates = set()
+        for a in argv[1:]:
+            out.append(decode_row(Path(a)))
+            dates.add(json.loads((Path(a) / "results.json").read_text())["machine"]["date"][:10])
+        print("\n".join(out))
+        print(f"\nTokens/s; decode excludes the prompt pass, whole request includes it; measured {', '.join(sorted(dates))}.")
+        return 0
     if not argv:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2

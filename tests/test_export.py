@@ -246,3 +246,23 @@ def test_refusals_say_why(heads, llama8, tmp_path):
     with pytest.raises(ForerunError, match="medusa"):
         Trainer(TrainConfig(kind="medusa", shape="eagle3"), llama8.backend.embed, 1.0, llama8.backend.lm_head.weight,
                 llama8.backend.final_norm, LAYERS)
+
+
+def test_llama_cpp_format_refuses_feature_norms_and_needs_the_converter(heads, llama8, tmp_path):
+    """--format llama.cpp: heads with per-layer feature norms are refused (llama.cpp's EAGLE-3 has
+    none), any three feature layers go (their ids named, the inputs' numbering), and without
+    llama.cpp's converter the error says how to get it, writing nothing."""
+    from forerun.training.export import export_config
+
+    cfg = _target_config(llama8)
+    norms, plain = load_head(heads["forerun"][0]), load_head(heads["eagle3"][0])
+    assert "--shape eagle3" in refusal(norms, "llama.cpp", cfg)
+    assert refusal(plain, "llama.cpp", cfg) is None
+    c = export_config(plain, "llama.cpp", cfg, "t", 4, "float32")
+    assert c["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and c["draft_vocab_size"] == plain.cfg.draft_vocab
+    assert c["num_hidden_layers"] == 1 and c["architectures"] == ["LlamaForCausalLMEagle3"]
+    with pytest.raises(ForerunError, match="bench/llama_cpp_tools.sh"):
+        export_head(plain, tmp_path / "d.gguf", fmt="llama.cpp", target=cfg, verifier=str(tmp_path),
+                    converter=tmp_path / "none.py")
+    assert not (tmp_path / "d.gguf").exists()
+

@@ -233,6 +233,48 @@ def test_export_draft_writes_the_shipped_head_for_vllm(tmp_path, capsys):
     assert rc == 2 and "is a file" in capsys.readouterr().err
 
 
+def test_export_draft_for_llama_cpp_writes_a_gguf_llama_cpp_loads(smollm2, tmp_path, capsys):
+    """`forerun export-draft --format llama.cpp` on SmolLM2: an EAGLE-3-shaped head (random weights:
+    the file's form is under test) becomes a GGUF file by llama.cpp's own converter, which llama.cpp
+    loads as an eagle3 model reading the layers' inputs the head was trained on; the shipped head
+    (feature norms) is refused with the reason, a folder as --out too. Needs llama.cpp's tools
+    (bench/llama_cpp_tools.sh)."""
+    from forerun.bench_peers import llama_tools_dir
+    from forerun.cli import main
+    from forerun.drafters.heads import HeadConfig, build_head, eagle3_feature_layers, target_fingerprint
+
+    rc = main(["export-draft", "--model", "smollm2", "--format", "llama.cpp", "--out", str(tmp_path / "s.gguf")])
+    assert rc == 2 and "--shape eagle3" in capsys.readouterr().err and not (tmp_path / "s.gguf").exists()
+    rc = main(["export-draft", "--model", "smollm2", "--format", "llama.cpp", "--out", str(tmp_path)])
+    assert rc == 2 and "ending in .gguf" in capsys.readouterr().err
+    if not (llama_tools_dir().parent / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp's tools are not built here (bench/llama_cpp_tools.sh)")
+    gguf = pytest.importorskip("gguf")
+    be = smollm2.backend
+    layers = eagle3_feature_layers(be.num_layers)
+    cfg = HeadConfig(kind="eagle", hidden_size=be.hidden_size, vocab_size=be.vocab_size, draft_vocab=512,
+                     feature_layers=layers, target=target_fingerprint(be.embed, be.num_layers),
+                     n_heads=9, head_dim=64, feature_norms=False)
+    torch.manual_seed(0)
+    head = build_head(cfg, torch.arange(512) * 7)
+    head.save(tmp_path / "head")
+    out = tmp_path / "draft.gguf"
+    rc = main(["export-draft", "--model", "smollm2", "--draft", str(tmp_path / "head"), "--format", "llama.cpp",
+               "--out", str(out)])
+    assert rc == 0 and out.is_file(), capsys.readouterr().err
+    r = gguf.GGUFReader(str(out))
+    assert bytes(r.fields["general.architecture"].parts[-1]).decode() == "eagle3"
+    ids = r.fields["eagle3.target_layers"]
+    assert [int(ids.parts[i][0]) for i in ids.data] == [i + 1 for i in layers] == [2, 15, 27]
+    from forerun.backends.llamacpp_lib import load_llama_cpp
+
+    L = load_llama_cpp()
+    params = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(str(out).encode(), params)
+    assert model, "llama.cpp could not load the exported draft"
+    assert L.llama_model_n_embd(model) == be.hidden_size
+    L.llama_model_free(model)
+
 def test_seeded_sampling_gives_plain_decodings_text_for_every_method(smollm2):
     """Sampled with a seed, every method (a head chain and tree, suffix, n-gram, layer skip)
     gives the text plain decoding gives with that seed."""

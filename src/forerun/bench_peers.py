@@ -115,7 +115,7 @@ def llama_bench(model_path: str, threads: int | None, tools: str | None = None, 
     if r.returncode != 0:
         raise ForerunError(f"llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}")
     rows = json.loads(r.stdout)
-    out = {"command": " ".join(cmd[:1] + ["-m", Path(model_path).name] + cmd[3:]), "build": rows[0].get("build_commit"),
+    out = {"command": " ".join(["llama-bench", "-m", Path(model_path).name] + cmd[3:]), "build": rows[0].get("build_commit"),
            "cpu_info": rows[0].get("cpu_info")}
     for row in rows:
         key = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"

@@ -18,6 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from forerun import kept
 from forerun.bench import load_prompts, run_bench
+from forerun.bench_peers import llama_tools_dir
 from forerun.build import Options, build, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
 from forerun.draft_length import K_MAX
@@ -210,15 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "a rerun resumes from what is there")
     t.add_argument("--threads", type=int, default=None)
 
-    x = sub.add_parser("export-draft", help="write a trained eagle head as a checkpoint vLLM (speculators) or SGLang "
-                       "(eagle3) loads")
+    x = sub.add_parser("export-draft", help="write a trained eagle head as a checkpoint vLLM (speculators), SGLang "
+                       "(eagle3) or llama.cpp's llama-server (llama.cpp: a GGUF file) loads")
     x.add_argument("--model", default=DEFAULT_MODEL,
                    help="the target the head was trained for: smollm2 (default), HF hub id, local folder or .gguf")
     x.add_argument("--draft", default=None, help="the eagle head folder (default: the one shipped for the target)")
-    x.add_argument("--format", required=True, choices=["speculators", "eagle3"],
+    x.add_argument("--format", required=True, choices=["speculators", "eagle3", "llama.cpp"],
                    help="speculators: vLLM's format; eagle3: the original EAGLE-3 layout SGLang loads (heads trained "
-                        "with --shape eagle3)")
-    x.add_argument("--out", required=True, help="folder to write (config.json + model.safetensors)")
+                        "with --shape eagle3); llama.cpp: a GGUF file for llama-server --spec-type draft-eagle3 (heads "
+                        "without feature norms, e.g. --shape eagle3), converted by llama.cpp's own converter")
+    x.add_argument("--out", required=True,
+                   help="folder to write (config.json + model.safetensors); for --format llama.cpp the .gguf file")
+    x.add_argument("--llama-tools", default=None,
+                   help="--format llama.cpp: the folder of llama.cpp's tools whose parent holds convert_hf_to_gguf.py "
+                        "(default: where bench/llama_cpp_tools.sh builds them)")
     x.add_argument("--verifier", default=None,
                    help="the target as the engine should load it (default: the hub id or folder given as --model; "
                         "for a .gguf model, the HF folder forerun dequantized it into)")
@@ -297,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
     lt.add_argument("--requests", type=int, default=None, help="requests per concurrency level (default: 4 x concurrency, at least 26 = 2 per Spec-Bench category)")
     lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
+                    help="completions (default): each prompt sent raw to /v1/completions; chat: as one user message to "
+                         "/v1/chat/completions (the model's chat template applies)")
     lt.add_argument("--temperature", type=float, default=0.0)
     lt.add_argument("--invalid-fraction", type=float, default=0.0, help="share of deliberately invalid requests (robustness run)")
     lt.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before remaining requests are skipped")
@@ -442,7 +451,10 @@ def cmd_export_draft(args) -> int:
         raise ForerunError(f"--k must be >= 1, got {args.k}")
     if args.threads is not None and args.threads < 1:
         raise ForerunError(f"--threads must be >= 1, got {args.threads}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
+    if args.format == "llama.cpp":
+        if Path(args.out).is_dir() or not args.out.endswith(".gguf"):
+            raise ForerunError(f"--format llama.cpp writes one GGUF file: give --out a path ending in .gguf, not {args.out}")
+    elif Path(args.out).exists() and not Path(args.out).is_dir():
         raise ForerunError(f"--out {args.out} is a file, not a folder")
     if args.draft and (Path(args.draft) / "config.json").is_file():
         try:
@@ -462,7 +474,9 @@ def cmd_export_draft(args) -> int:
         verifier = str(converted_dir(Path(loc))) if kind == "gguf" else (
             str(Path(loc).resolve()) if kind == "folder" else loc)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    out = export_head(head, args.out, fmt=args.format, target=config, verifier=verifier, k=args.k, dtype=dtype)
+    tools = Path(args.llama_tools) if args.llama_tools else llama_tools_dir()
+    out = export_head(head, args.out, fmt=args.format, target=config, verifier=verifier, k=args.k, dtype=dtype,
+                      converter=tools.parent / "convert_hf_to_gguf.py")
     print(json.dumps({"out": str(out), "format": args.format, "verifier": verifier,
                       "feature_layers": list(head.cfg.feature_layers), "draft_vocab": head.cfg.draft_vocab}))
     return 0

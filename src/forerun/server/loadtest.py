@@ -73,13 +73,17 @@ def parse_urls(urls: list[str] | str | None) -> dict[str, str]:
     return out
 
 
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
 def comparison_table(report: dict) -> str:
     """Markdown: output tokens/s of every server or method at every concurrency level, each with
-    its ratio to the best of the others at that level."""
+    its ratio to the best of the others at that level, and its median time to first token."""
     runs = report["methods"]
     levels = sorted({lv["concurrency"] for r in runs.values() for lv in r["levels"]})
     tps = {name: {lv["concurrency"]: lv["output_tokens_per_s"] for lv in r["levels"]} for name, r in runs.items()}
-    lines = ["| server | " + " | ".join(f"c={c} tokens/s (vs best other)" for c in levels) + " |",
+    ttft = {name: {lv["concurrency"]: lv.get("ttft_p50_s") for lv in r["levels"]} for name, r in runs.items()}
+    lines = ["| server | " + " | ".join(f"c={c} tokens/s (vs best other), TTFT p50" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     for name in runs:
         cells = []
@@ -88,10 +92,10 @@ def comparison_table(report: dict) -> str:
             others = [t[c] for n, t in tps.items() if n != name and t.get(c)]
             if mine is None:
                 cells.append("-")
-            elif others:
-                cells.append(f"{mine:.1f} ({mine / max(others):.2f}x)")
             else:
-                cells.append(f"{mine:.1f}")
+                t = ttft[name].get(c)
+                cells.append(f"{mine:.1f}" + (f" ({mine / max(others):.2f}x)" if others else "")
+                             + (f", {t * 1000:.0f} ms" if t is not None else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -140,12 +144,12 @@ class _Client:
         finally:
             c.close()
 
-    def stream(self, body: dict, timeout: float) -> dict:
-        """One streaming completion: status, text, tokens, ttft, per-token latency."""
+    def stream(self, body: dict, timeout: float, path: str = "/v1/completions") -> dict:
+        """One streaming completion (or chat completion): status, text, tokens, ttft, per-token latency."""
         t0 = time.perf_counter()
         c = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            c.request("POST", "/v1/completions", body=json.dumps(body), headers=self.headers)
+            c.request("POST", path, body=json.dumps(body), headers=self.headers)
             r = c.getresponse()
             if r.status != 200:
                 r.read()
@@ -165,10 +169,11 @@ class _Client:
                 if "error" in obj:
                     return {"status": 200, "stream_error": obj["error"].get("message")}
                 for ch in obj.get("choices", []):
-                    if ch.get("text"):
+                    piece = ch.get("text") or (ch.get("delta") or {}).get("content")
+                    if piece:
                         if t_first is None:
                             t_first = time.perf_counter()
-                        text.append(ch["text"])
+                        text.append(piece)
                 if obj.get("usage"):
                     tokens = obj["usage"]["completion_tokens"]
                     spec = obj["usage"].get("speculative")
@@ -193,8 +198,9 @@ class _Client:
 
 def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int, *, max_tokens: int,
               temperature: float, invalid_fraction: float = 0.0, time_limit: float = 600.0, api_key: str | None = None,
-              on_count=None, seed: int = 0) -> dict:
-    """``n_requests`` requests from ``concurrency`` client threads; returns the level's figures."""
+              on_count=None, seed: int = 0, endpoint: str = "completions") -> dict:
+    """``n_requests`` requests from ``concurrency`` client threads; returns the level's figures.
+    ``endpoint``: ``completions`` (the prompt sent raw) or ``chat`` (as one user message)."""
     client = _Client(url, api_key)
     rng = random.Random(seed)
     plan = []
@@ -220,9 +226,13 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requ
             kind, a, data = plan[i]
             try:
                 if kind == "valid":
-                    body = {"model": model, "prompt": prompts[a], "max_tokens": max_tokens, "temperature": temperature,
+                    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
                             "stream": True, "stream_options": {"include_usage": True}, "seed": i}
-                    res = client.stream(body, timeout=max(60.0, time_limit))
+                    if endpoint == "chat":
+                        body["messages"] = [{"role": "user", "content": prompts[a]}]
+                    else:
+                        body["prompt"] = prompts[a]
+                    res = client.stream(body, timeout=max(60.0, time_limit), path=ENDPOINTS[endpoint])
                 else:
                     res = {"status": client.raw(a, data, timeout=60)}
             except (OSError, http.client.HTTPException, ValueError) as e:
@@ -321,11 +331,14 @@ def run_loadtest(args, log=print) -> dict:
     if args.requests is not None and args.requests < 1:
         raise ForerunError(f"--requests must be >= 1, got {args.requests}")
     prompts = load_prompts(args.prompts)
+    endpoint = getattr(args, "endpoint", "completions")
+    if endpoint not in ENDPOINTS:
+        raise ForerunError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
     servers = parse_urls(args.url)  # name -> URL of running servers, or {} to start our own
     methods = list(servers) if servers else [m for m in args.methods.split(",") if m]
     # running servers say which model they serve (per server, "served_model" below)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": None if servers else args.model,
-              "max_tokens": args.max_tokens,
+              "max_tokens": args.max_tokens, "endpoint": ENDPOINTS[endpoint],
               "temperature": args.temperature, "invalid_fraction": args.invalid_fraction, "cpu_count": os.cpu_count(),
               "methods": {}}
     for method in methods:
@@ -347,10 +360,10 @@ def run_loadtest(args, log=print) -> dict:
                         mem.setdefault("rss_every_50", []).append(_rss(pid))
 
                 # one unmeasured request first: the server's first pass pays one-time costs
-                run_level(url, model, prompts, 1, 1, max_tokens=4, temperature=0.0, api_key=args.api_key)
+                run_level(url, model, prompts, 1, 1, max_tokens=4, temperature=0.0, api_key=args.api_key, endpoint=endpoint)
                 res = run_level(url, model, prompts, c, n, max_tokens=args.max_tokens, temperature=args.temperature,
                                 invalid_fraction=args.invalid_fraction, time_limit=args.time_limit, api_key=args.api_key,
-                                on_count=on_count)
+                                on_count=on_count, endpoint=endpoint)
                 res.update(mem)
                 res["rss_end"] = _rss(proc.pid if proc else None)
                 res["server_alive"] = proc is None or proc.poll() is None

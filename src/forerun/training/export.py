@@ -11,6 +11,12 @@ names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``):
 * ``eagle3``: the original EAGLE-3 checkpoint layout (``LlamaForCausalLMEagle3``), the one SGLang
   loads (vLLM too). SGLang has no feature norms and cannot hand a drafter the last layer's output:
   only heads trained with ``forerun train-draft --shape eagle3`` fit it.
+* ``llama.cpp``: a GGUF file ``llama-server --spec-type draft-eagle3 -md FILE`` loads: the
+  ``eagle3`` layout with its layer ids named, converted by llama.cpp's own ``convert_hf_to_gguf.py``
+  (the copy ``bench/llama_cpp_tools.sh`` keeps from the source llama-cpp-python vendors, with that
+  source's ``gguf-py``). llama.cpp has no per-layer feature norms either (only one norm over the
+  fused features), so heads trained with ``--shape eagle3`` fit it; it reads the layers' inputs as
+  vLLM numbers them, and the last layer's output too.
 
 Layer numbering differs between the engines. forerun names a feature by the layer whose output it
 is (0-based); vLLM's ``eagle_aux_hidden_state_layer_ids`` count the embedding as 0 (id j = output
@@ -26,6 +32,10 @@ vLLM's numbering.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,7 +44,7 @@ from safetensors.torch import save_file
 from forerun.drafters.heads import DraftHead, eagle3_feature_layers
 from forerun.errors import ForerunError
 
-FORMATS = ("speculators", "eagle3")
+FORMATS = ("speculators", "eagle3", "llama.cpp")
 # target model types whose EAGLE-3 drafting vLLM implements (and forerun's native backend runs);
 # Mistral targets load as Llama in both engines.
 TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -64,6 +74,12 @@ def refusal(head: DraftHead, fmt: str, target: dict) -> str | None:
             return f"the head was trained for a target with {key} {ours}, this target has {target.get(key)}"
     if cfg.embed_scale != 1.0:
         return f"the head scales token embeddings by {cfg.embed_scale}; the engines feed them unscaled"
+    if fmt == "llama.cpp":
+        if cfg.feature_norms:
+            return ("the head normalises each feature layer before fusing them; llama.cpp's EAGLE-3 drafter "
+                    "has no such norms: train one with --shape eagle3")
+        if len(cfg.feature_layers) != 3:
+            return f"llama.cpp's EAGLE-3 drafter fuses 3 feature layers, this head {len(cfg.feature_layers)}"
     if fmt == "eagle3":
         n = target["num_hidden_layers"]
         if cfg.feature_norms:
@@ -126,6 +142,9 @@ def export_config(head: DraftHead, fmt: str, target: dict, verifier: str, k: int
         # no layer ids: both engines then read their common default, the layers the head was trained on
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.draft_vocab,
                 "target_hidden_size": cfg.hidden_size}
+    if fmt == "llama.cpp":  # llama.cpp's converter reads the ids as vLLM numbers them (the layers' inputs)
+        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.draft_vocab,
+                "target_hidden_size": cfg.hidden_size, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.feature_layers]}
     return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
             "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab,
             "target_hidden_size": cfg.hidden_size, "norm_before_residual": False, "norm_before_fc": False,
@@ -168,9 +187,11 @@ def check_speculators_config(config: dict) -> None:
 
 
 def export_head(head: DraftHead, out: str | Path, *, fmt: str, target: dict, verifier: str, k: int = 4,
-                dtype: torch.dtype | None = None) -> Path:
+                dtype: torch.dtype | None = None, converter: Path | None = None) -> Path:
     """Write ``head`` to ``out`` as ``fmt`` for the target with HF config ``target``; ``verifier``:
-    the target as the engine should load it (hub id or folder); ``k``: the draft length recorded."""
+    the target as the engine should load it (hub id or folder; for ``llama.cpp`` a local folder with
+    the target's config and tokenizer); ``k``: the draft length recorded. ``llama.cpp``: ``out`` is
+    the GGUF file, written by llama.cpp's ``converter`` (its ``convert_hf_to_gguf.py``)."""
     why = refusal(head, fmt, target)
     if why:
         raise ForerunError(f"cannot export this head as {fmt}: {why}")
@@ -184,9 +205,37 @@ def export_head(head: DraftHead, out: str | Path, *, fmt: str, target: dict, ver
     config = export_config(head, fmt, target, verifier, k, name)
     if fmt == "speculators":
         check_speculators_config(config)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if fmt == "llama.cpp":
+        with tempfile.TemporaryDirectory() as tmp:
+            _write(Path(tmp), tensors, config)
+            return to_gguf(Path(tmp), Path(verifier), Path(out), converter, "f16" if dtype == torch.float16 else "f32")
+    return _write(Path(out), tensors, config)
 
+
+def _write(out: Path, tensors: dict, config: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def to_gguf(folder: Path, target_dir: Path, out: Path, converter: Path | None, outtype: str) -> Path:
+    """An EAGLE-3 checkpoint ``folder`` as the GGUF file ``out``, by llama.cpp's own converter (run
+    with the ``gguf-py`` beside it), the target's config and tokenizer read from ``target_dir``."""
+    if converter is None or not converter.is_file():
+        raise ForerunError(f"llama.cpp's convert_hf_to_gguf.py not found ({converter}): build llama.cpp's tools with "
+                           "bench/llama_cpp_tools.sh (it keeps the converter of the same source)")
+    if not (target_dir / "config.json").is_file() or not (target_dir / "tokenizer.json").is_file():
+        raise ForerunError(f"{target_dir} lacks the target's config.json or tokenizer.json: give --verifier a local "
+                           "folder holding them")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(converter.parent / "gguf-py"), str(converter.parent)]))
+    cmd = [sys.executable, str(converter), str(folder), "--target-model-dir", str(target_dir), "--outfile", str(out),
+           "--outtype", outtype]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if "No module named 'sentencepiece'" in r.stderr:
+        raise ForerunError("llama.cpp's converter needs sentencepiece: pip install sentencepiece (or 'forerun[llamacpp]')")
+    if r.returncode != 0 or not out.is_file():
+        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+        raise ForerunError(f"llama.cpp's converter failed ({r.returncode}): {tail}")
     return out
