@@ -11,6 +11,16 @@ middle one in vLLM's (bench/vllm_cpu.sh setup); bench/vllm_eagle3.sh runs them a
 
 Mean acceptance length is vLLM's definition for both: 1 + accepted draft tokens / verify passes
 that carried a draft. Prompts run one at a time in both engines (no batching).
+
+The same check in llama.cpp's own server (bench/llama_cpp_tools.sh builds it):
+  forerun:             as above (the head trained with --shape eagle3)
+  llama-server:        the same token ids through llama-server, one slot, greedy, without (--plain)
+                       or with the head exported by `forerun export-draft --format llama.cpp`
+                       (--spec-type draft-eagle3); --exact runs llama-server in forerun's exact mode
+                       for llama.cpp (no repacked weights, a Q8_0 cache, ggml's tiled product off: one
+                       kernel for every pass size, docs/kernels.md)
+  report-llama-server: equality with llama-server's own plain output, and acceptance rates
+                       (accepted / drafted tokens, llama-server's counters) beside forerun's
 """
 
 from __future__ import annotations
@@ -92,7 +102,11 @@ def run_llama_server(args) -> None:
         cmd += ["--spec-type", "draft-eagle3", "-md", args.head, "--spec-draft-n-max", str(src["k"]),
                 "--spec-draft-n-min", "0"]
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
-    log = open(Path(args.out, "llama-server-plain.log" if args.plain else "llama-server-eagle3.log"), "w")
+    if args.exact:  # forerun's exact mode for llama.cpp (docs/kernels.md): one kernel for every pass size
+        cmd += ["--no-repack", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]
+        env["GGML_CPU_TILED_MM"] = "0"
+    name = ("llama-server-exact" if args.exact else "llama-server") + ("-plain" if args.plain else "-eagle3")
+    log = open(Path(args.out, name + ".log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -118,43 +132,44 @@ def run_llama_server(args) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    name = "llama-server-plain" if args.plain else "llama-server-eagle3"
     Path(args.out, f"{name}.json").write_text(json.dumps({"outputs": outs, "seconds": time.time() - t0,
                                                         "draft_tokens": drafts, "accepted_tokens": accepted}))
 
 
 def report_llama_server(args) -> None:
-    """forerun's and llama-server's losslessness and acceptance with the same head on the same ids.
-    llama-server counts drafted tokens, not drafts: its acceptance rate (accepted / drafted) is set
-    beside forerun's on the same definition."""
+    """forerun's and llama-server's losslessness and acceptance with the same head on the same ids,
+    for llama-server at its defaults and (where run with --exact) without repacked weights or the
+    tiled product. llama-server counts drafted tokens, not drafts: its acceptance rate (accepted /
+    drafted) is set beside forerun's on the same definition."""
     out = Path(args.out)
     f = json.loads((out / "forerun.json").read_text())
-    plain = json.loads((out / "llama-server-plain.json").read_text())
-    spec = json.loads((out / "llama-server-eagle3.json").read_text())
     rows, n = f["rows"], len(f["rows"])
     f_acc = sum(r["accepted"] for r in rows)
     f_drafted = sum(r.get("drafted", 0) for r in rows)
-    result = {
-        "model": f["model"], "k": f["k"], "max_tokens": f["max_tokens"], "prompts": n,
-        "llama_server_lossless": sum(a == b for a, b in zip(spec["outputs"], plain["outputs"])) / n,
-        "forerun_lossless": sum(r["plain"] == r["eagle"] for r in rows) / n,
-        "llama_server_plain_equals_forerun_plain": sum(a == r["plain"] for a, r in zip(plain["outputs"], rows)) / n,
-        "llama_server_acceptance_rate": round(spec["accepted_tokens"] / spec["draft_tokens"], 4) if spec["draft_tokens"] else None,
-        "forerun_acceptance_rate": round(f_acc / f_drafted, 4) if f_drafted else None,
-        "llama_server_counts": {"drafted": spec["draft_tokens"], "accepted": spec["accepted_tokens"]},
-        "forerun_counts": {"drafted": f_drafted, "accepted": f_acc},
-        "llama_server_seconds": {"plain": round(plain["seconds"], 1), "eagle3": round(spec["seconds"], 1)},
-    }
-    ls, fr = result["llama_server_acceptance_rate"], result["forerun_acceptance_rate"]
-    result["ratio"] = round(ls / fr, 4) if ls and fr else None
+    fr = round(f_acc / f_drafted, 4) if f_drafted else None
+    result = {"model": f["model"], "k": f["k"], "max_tokens": f["max_tokens"], "prompts": n,
+              "forerun_lossless": sum(r["plain"] == r["eagle"] for r in rows) / n, "forerun_acceptance_rate": fr,
+              "forerun_counts": {"drafted": f_drafted, "accepted": f_acc}, "llama_server": {}}
+    md = ["| engine | outputs equal with / without the head | drafted tokens | accepted | acceptance rate | "
+          "vs forerun's rate | plain output = forerun's plain |", "|---|---|---|---|---|---|---|",
+          f"| forerun | {result['forerun_lossless']:.0%} ({sum(r['plain'] == r['eagle'] for r in rows)}/{n}) | "
+          f"{f_drafted} | {f_acc} | {fr} | 1 | - |"]
+    for mode, label in (("llama-server", "llama-server, its defaults"),
+                        ("llama-server-exact", "llama-server in forerun's exact mode (--no-repack, Q8_0 cache, GGML_CPU_TILED_MM=0)")):
+        if not (out / f"{mode}-eagle3.json").is_file():
+            continue
+        plain = json.loads((out / f"{mode}-plain.json").read_text())
+        spec = json.loads((out / f"{mode}-eagle3.json").read_text())
+        same = sum(a == b for a, b in zip(spec["outputs"], plain["outputs"]))
+        ls = round(spec["accepted_tokens"] / spec["draft_tokens"], 4) if spec["draft_tokens"] else None
+        r = {"lossless": same / n, "acceptance_rate": ls, "ratio": round(ls / fr, 4) if ls and fr else None,
+             "plain_equals_forerun_plain": sum(a == r["plain"] for a, r in zip(plain["outputs"], rows)) / n,
+             "counts": {"drafted": spec["draft_tokens"], "accepted": spec["accepted_tokens"]},
+             "seconds": {"plain": round(plain["seconds"], 1), "eagle3": round(spec["seconds"], 1)}}
+        result["llama_server"][mode] = r
+        md.append(f"| {label} (draft-eagle3) | {same / n:.0%} ({same}/{n}) | {spec['draft_tokens']} | "
+                  f"{spec['accepted_tokens']} | {ls} | {r['ratio']} | {r['plain_equals_forerun_plain']:.0%} |")
     (out / "report-llama-server.json").write_text(json.dumps(result, indent=1))
-    md = ["| engine | outputs equal with / without the head | drafted tokens | accepted | acceptance rate |",
-          "|---|---|---|---|---|",
-          f"| forerun | {result['forerun_lossless']:.0%} | {f_drafted} | {f_acc} | {fr} |",
-          f"| llama-server (draft-eagle3) | {result['llama_server_lossless']:.0%} | {spec['draft_tokens']} | "
-          f"{spec['accepted_tokens']} | {ls} |",
-          "", f"llama-server / forerun acceptance rate: {result['ratio']}; llama-server's plain output equal to "
-              f"forerun's plain output on {result['llama_server_plain_equals_forerun_plain']:.0%} of {n} prompts."]
     (out / "report-llama-server.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -209,7 +224,9 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="forerun: head folder (default: shipped); vllm: the exported folder")
     ap.add_argument("--target", default=None, help="vllm: the target's HF folder; llama-server: its GGUF file")
     ap.add_argument("--server", default=None, help="llama-server: the binary (bench/llama_cpp_tools.sh builds it)")
-    ap.add_argument("--plain", action="store_true", help="vllm: without the drafter")
+    ap.add_argument("--plain", action="store_true", help="vllm, llama-server: without the drafter")
+    ap.add_argument("--exact", action="store_true",
+                    help="llama-server: forerun's exact mode (no repacked weights, Q8_0 cache, tiled product off)")
     ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/spec_bench/question.jsonl"))
     ap.add_argument("--limit-per-category", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -169,6 +169,26 @@ def test_bench_bad_inputs(capsys, tmp_path):
         assert_clean_error(rc, err, "unknown method")
 
 
+
+def test_llama_cpp_peers_say_what_they_need(capsys, tiny_folder, tmp_path):
+    """The llama.cpp tool peers: llama-bench runs on a .gguf file only, and without the built tools
+    the error names the script that builds them; the report sets llama-bench's rates beside ours."""
+    from forerun.bench_peers import find_tool
+    from forerun.bench_report import llama_bench_text
+    from forerun.errors import ForerunError
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "a", "turns": ["w5 w9"]}) + "\n")
+    rc, _, err = run(capsys, "bench", "--prompts", str(q), "--model", str(tiny_folder), "--peers", "llama-bench")
+    assert_clean_error(rc, err, "needs a .gguf model")
+    with pytest.raises(ForerunError, match="bench/llama_cpp_tools.sh"):
+        find_tool("llama-bench", str(tmp_path))
+    text = llama_bench_text({"command": "llama-bench -m f.gguf", "build": "abc", "pp512": {"tokens_per_s": 500.0},
+                             "tg128": {"tokens_per_s": 100.0}, "forerun_pp512": 1000.0},
+                            {"none": {"decode_tokens_per_s": 150.0}, "ngram:auto": {"decode_tokens_per_s": 250.0}})
+    assert "pp512 500.0 tok/s (ours, one 512-token pass: 1000.0, 2.00x)" in text
+    assert "none 1.50x, ngram:auto 2.50x" in text
+
 def test_train_draft_end_to_end(capsys, tiny_folder, tmp_path):
     """train-draft on a corpus, then generate with the head it wrote (greedy equals plain)."""
     corpus = tmp_path / "corpus.txt"
