@@ -9,7 +9,7 @@ import forerun
 
 ROOT = Path(forerun.__file__).parent
 DRIVERS = ("forerun.engine", "forerun.batching", "forerun.decode", "forerun.build", "forerun.server", "forerun.cli",
-           "forerun.bench", "forerun.training")
+           "forerun.bench", "forerun.llamacpp_peer", "forerun.training")
 # What a function may import where it runs rather than at the top of its module: dependencies that
 # an install may lack (the llamacpp and server extras; matplotlib is imported only to draw).
 OPTIONAL = ("llama_cpp", "uvicorn", "fastapi", "psutil", "matplotlib", "forerun.server.run")
