@@ -300,8 +300,10 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         ps = QPassC()
         ps.N, ps.hidden, ps.H, ps.KVH, ps.D = h.shape[0], self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
         ps.eps, ps.scale, ps.softcap = self.eps, self.scale, self.arch.attn_softcap or 0.0
-        rows = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts], [p[1] for p in parts])
-                for sl in (False, True)}
+        rows = {False: SequenceRows([p[0] for p in parts], [p[4][False][2] for p in parts], [p[1] for p in parts])}
+        same = all(p[4][True][2].rows == p[4][False][2].rows for p in parts)  # no sliding window reaches back that far
+        rows[True] = rows[False] if same else SequenceRows([p[0] for p in parts], [p[4][True][2] for p in parts],
+                                                           [p[1] for p in parts])
         keep = []  # tensors the pass reads through pointers, alive until the layers have run
         for k in (0, 1):
             cos, sin = kinds.get(k) or next(iter(kinds.values()))
