@@ -29,27 +29,8 @@ file=$(python -c "from forerun.models import resolve_source; print(resolve_sourc
 mkdir -p "$out"
 port=8012
 
-wait_up() {  # URL PID
-    for _ in $(seq 1 600); do
-        curl -sf "$1/health" >/dev/null 2>&1 && return 0
-        kill -0 "$2" 2>/dev/null || { echo "server exited" >&2; return 1; }
-        sleep 1
-    done
-    echo "server did not start" >&2
-    return 1
-}
-
-run_one() {  # NAME, then the server command
-    local name=$1; shift
-    echo "== $name: $*" >&2
-    env -u GGML_CPU_TILED_MM "$@" >"$out/$name.log" 2>&1 &
-    local pid=$!
-    wait_up "http://127.0.0.1:$port" "$pid"
-    forerun loadtest --url "$name=http://127.0.0.1:$port" --model "$model" --prompts "$prompts" --endpoint "$endpoint" \
-        --concurrency "$levels" --max-tokens 64 --out "$out/$name.json" >&2
-    kill "$pid"; wait "$pid" 2>/dev/null || true
-    rm -f "$out/$name.png"
-}
+LOADTEST_ARGS=(--endpoint "$endpoint")
+. "$here/bench/serve_one.sh"
 
 ls_args=(-m "$file" -t 2 -tb 2 -np 16 -c 32768 --host 127.0.0.1 --port "$port")
 all="llama-server llama-server-ngram-simple llama-server-ngram-map-k llama-server-ngram-mod llama-server-ngram-cache forerun-none forerun-suffix"

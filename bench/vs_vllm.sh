@@ -16,26 +16,8 @@ prompts="${PROMPTS:-$here/../shared/data/spec_bench/question.jsonl}"
 mkdir -p "$out"
 port=8011
 
-wait_up() {  # URL PID
-    for _ in $(seq 1 600); do
-        curl -sf "$1/health" >/dev/null 2>&1 && return 0
-        kill -0 "$2" 2>/dev/null || { echo "server exited" >&2; return 1; }
-        sleep 1
-    done
-    echo "server did not start" >&2
-    return 1
-}
-
-run_one() {  # NAME, then the server command
-    local name=$1; shift
-    echo "== $name: $*" >&2
-    "$@" >"$out/$name.log" 2>&1 &
-    local pid=$!
-    wait_up "http://127.0.0.1:$port" "$pid"
-    forerun loadtest --url "$name=http://127.0.0.1:$port" --model "$model" --prompts "$prompts" \
-        --concurrency "$levels" --max-tokens 64 --out "$out/$name.json" >&2
-    kill "$pid"; wait "$pid" 2>/dev/null || true
-}
+LOADTEST_ARGS=()
+. "$here/bench/serve_one.sh"
 
 servers=${SERVERS:-vllm vllm-ngram forerun-none forerun-ngram}
 for name in $servers; do
@@ -46,7 +28,6 @@ for name in $servers; do
     forerun-ngram) run_one forerun-ngram forerun serve --model "$model" --method ngram --port "$port" --max-batch 16 ;;
     *) echo "unknown server $name" >&2; exit 2 ;;
     esac
-    rm -f "$out/$name.png"
 done
 python "$here/bench/merge_loadtests.py" --out "$out/vs-vllm.json" \
     "$out/vllm.json" "$out/vllm-ngram.json" "$out/forerun-none.json" "$out/forerun-ngram.json"
