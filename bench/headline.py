@@ -4,8 +4,8 @@ Usage: python bench/headline.py OUT_DIR   (OUT_DIR/vs-llama-cpp/<model>/results.
        OUT_DIR/llama-server/<model>[-chat]/vs-llama-server.json; prints markdown)
 
 One row per model file: plain decoding's and the best method's decode rate against llama.cpp's
-own llama-bench tg128, the best method's whole-request rate against the in-process llama.cpp
-peer, and forerun serve's best against llama-server's best at each client count.
+own llama-bench tg128, the best method's whole-request rate against bench's llama.cpp peer
+(llama-cpp-python), and forerun serve's best against llama-server's best at each client count.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
     root = Path(argv[0])
-    rows = ["| model (GGUF) | decode vs `llama-bench` tg128: plain / best | whole request vs llama.cpp in process: "
+    rows = ["| model (GGUF) | decode vs `llama-bench` tg128: plain / best | whole request vs llama-cpp-python: "
             "best | server vs `llama-server`'s best at 1 / 4 / 16 clients |", "|---|---|---|---|"]
     for key, name in NAMES.items():
         f = root / "vs-llama-cpp" / key / "results.json"
