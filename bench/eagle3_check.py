@@ -90,9 +90,10 @@ def run_llama_server(args) -> None:
     """The same token ids through llama.cpp's own llama-server (``--server``: the binary), greedy, one
     request at a time on one slot, without (--plain) or with the exported EAGLE-3 GGUF (``--head``,
     ``--spec-type draft-eagle3``, K tokens); acceptance from each response's ``timings``."""
-    import os
     import subprocess
     import urllib.request
+
+    from forerun.bench_peers import llama_defaults_env  # here: the vllm step runs where forerun is not installed
 
     src = json.loads(Path(args.out, "forerun.json").read_text())
     port = 8019
@@ -101,7 +102,7 @@ def run_llama_server(args) -> None:
     if not args.plain:
         cmd += ["--spec-type", "draft-eagle3", "-md", args.head, "--spec-draft-n-max", str(src["k"]),
                 "--spec-draft-n-min", "0"]
-    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    env = llama_defaults_env()
     if args.exact:  # forerun's exact mode for llama.cpp (docs/kernels.md): one kernel for every pass size
         cmd += ["--no-repack", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]
         env["GGML_CPU_TILED_MM"] = "0"

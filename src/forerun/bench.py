@@ -254,8 +254,9 @@ def run_bench(args) -> dict:
         hf_model = next((t.hf_model for t in targets.values() if t.hf_model is not None), None)
         if hf_model is None:
             hf_model = load_target(options, backend="hf").hf_model
-    limit = min(t.backend.max_context for t in targets.values()) - args.max_new_tokens
-    llama_peer = _llamacpp_peer(args.model, threads, limit + args.max_new_tokens) if "llama.cpp" in peers else None
+    n_ctx = min(t.backend.max_context for t in targets.values())
+    limit = n_ctx - args.max_new_tokens  # the longest prompt kept
+    llama_peer = _llamacpp_peer(args.model, threads, n_ctx) if "llama.cpp" in peers else None
     library = llama_peer.info if llama_peer is not None else None
     heads = {"eagle": args.eagle_head, "medusa": args.medusa_head}
 

@@ -43,18 +43,23 @@ def hf_generate(model, ids, max_new, eos, lookup: bool):
     return out[0, len(ids):].tolist(), wall
 
 
+def llama_defaults_env() -> dict:
+    """This process's environment without forerun's switch of ggml's tiled product
+    (``GGML_CPU_TILED_MM``): what llama.cpp runs with by default."""
+    return {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+
+
 class LlamaCppPeer:
     """The llama.cpp peer: a child process (``python -m forerun.llamacpp_peer``) with llama.cpp's
     defaults, asked one prompt at a time. ``info``: its llama-cpp-python version, llama.cpp's
     system info and the settings it runs with."""
 
     def __init__(self, path: str, threads: int | None, n_ctx: int):
-        env = dict(os.environ)
-        env.pop("GGML_CPU_TILED_MM", None)  # llama.cpp's default: the tiled product on
         self._log = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "forerun.llamacpp_peer", path, "--threads", str(threads or torch.get_num_threads()),
                "--n-ctx", str(n_ctx)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=llama_defaults_env())
         self.info = self._reply()["info"]
 
     def _reply(self) -> dict:
@@ -109,9 +114,7 @@ def llama_bench(model_path: str, threads: int | None, tools: str | None = None, 
     exe = find_tool("llama-bench", tools)
     t = str(threads or torch.get_num_threads())
     cmd = [str(exe), "-m", model_path, "-t", t, "-p", "512", "-n", "128", "-r", str(reps), "-o", "json"]
-    env = dict(os.environ)
-    env.pop("GGML_CPU_TILED_MM", None)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=llama_defaults_env())
     if r.returncode != 0:
         raise ForerunError(f"llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}")
     rows = json.loads(r.stdout)

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from forerun.backends.llamacpp_lib import quiet
+from forerun.backends.llamacpp_lib import llama_cpp_info, quiet
 
 PREFIX = "@"
 
@@ -62,10 +62,7 @@ class Peer:
         L.llama_sampler_chain_add(self.chain, L.llama_sampler_init_greedy())
 
     def info(self) -> dict:
-        L = self.L
-        sysinfo = L.llama_print_system_info()
-        return {"llama_cpp_python": getattr(L, "__version__", "?"),
-                "system_info": (sysinfo.decode(errors="replace") if isinstance(sysinfo, bytes) else str(sysinfo)).strip(),
+        return {**llama_cpp_info(self.L),
                 "tiled_mm_env": os.environ.get("GGML_CPU_TILED_MM"),  # unset: llama.cpp's default (on)
                 "settings": "llama.cpp defaults in a process of its own (tiled product on, swa_full off, "
                             f"n_ctx {self.n_ctx}, n_batch {self.n_batch})"}

@@ -47,10 +47,10 @@ def load_llama_cpp():
     return llama_cpp
 
 
-def llama_cpp_info() -> dict:
+def llama_cpp_info(L) -> dict:
     """llama-cpp-python's version and llama.cpp's own system info line (its CPU features and
-    backends), as a report records them."""
-    L = load_llama_cpp()
+    backends), as a report records them. ``L``: the llama_cpp module, initialised by the caller
+    (the bench's peer initialises it without ``load_llama_cpp``'s process-wide settings)."""
     info = L.llama_print_system_info()
     return {"llama_cpp_python": getattr(L, "__version__", "?"),
             "system_info": (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()}

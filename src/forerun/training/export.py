@@ -138,18 +138,17 @@ def layer_config(head: DraftHead, target: dict, dtype: str) -> dict:
 def export_config(head: DraftHead, fmt: str, target: dict, verifier: str, k: int, dtype: str) -> dict:
     cfg = head.cfg
     layer = layer_config(head, target, dtype)
-    if fmt == "eagle3":
-        # no layer ids: both engines then read their common default, the layers the head was trained on
-        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.draft_vocab,
-                "target_hidden_size": cfg.hidden_size}
-    if fmt == "llama.cpp":  # llama.cpp's converter reads the ids as vLLM numbers them (the layers' inputs)
-        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.draft_vocab,
-                "target_hidden_size": cfg.hidden_size, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.feature_layers]}
+    ids = [i + 1 for i in cfg.feature_layers]  # vLLM's numbering (the layers' inputs), llama.cpp's converter's too
+    if fmt in ("eagle3", "llama.cpp"):
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.draft_vocab,
+                  "target_hidden_size": cfg.hidden_size}
+        # eagle3 names no layer ids: vLLM and SGLang then read their common default, the layers the head was trained on
+        return {**config, "eagle_aux_hidden_state_layer_ids": ids} if fmt == "llama.cpp" else config
     return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
             "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab,
             "target_hidden_size": cfg.hidden_size, "norm_before_residual": False, "norm_before_fc": False,
             "fc_norm": bool(cfg.feature_norms),
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.feature_layers],
+            "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k),
