@@ -41,6 +41,12 @@ static inline void KVN(dot8_scaled)(const float *qv, const KV_T *const *kr, int 
 }
 #endif
 
+/* Ask for slots j0 .. j1 - 1 of a head's keys or values ([slots][D]) to be brought into the cache. */
+static inline void KVN(prefetch)(const KV_T *base, int j0, int j1, int D) {
+    const char *p = (const char *)(base + (int64_t)j0 * D), *e = (const char *)(base + (int64_t)j1 * D);
+    for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 /* acc[0..D-1] += p * vr[0..D-1], element by element (a product, then a sum: every build alike). */
 static inline void KVN(add_scaled)(float *acc, float p, const KV_T *vr, int D) {
     int d = 0;
@@ -75,8 +81,15 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
         R = hi[r] > R ? hi[r] : R;
     }
     const int KB = D <= 64 ? 64 : D <= 128 ? 32 : 16; /* keys per block: 16 KiB at D = 64 */
+    /* The cache is out of the CPU's caches by the time a layer comes round again (a step streams
+     * every weight in between), and a head's keys are too short a run for the hardware's prefetch
+     * to ramp up: so each block of keys (values) is fetched while the one before is worked on, and
+     * the first block of values while the last block of keys is. Reads only: no result changes. */
+    KVN(prefetch)(kh, L, L + KB < R ? L + KB : R, D);
     for (int j0 = L; j0 < R; j0 += KB) { /* scores over the slot ranges, block by block */
         int j1 = j0 + KB < R ? j0 + KB : R;
+        if (j1 < R) KVN(prefetch)(kh, j1, j1 + KB < R ? j1 + KB : R, D);
+        else KVN(prefetch)(vh, L, L + KB < R ? L + KB : R, D);
         for (int r = 0; r < n; r++) {
             int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
             float *wr = w + (int64_t)r * smax - lo[r];
@@ -107,6 +120,7 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
     }
     for (int j0 = L; j0 < R; j0 += KB) { /* the weighted values, block by block, in slot order */
         int j1 = j0 + KB < R ? j0 + KB : R;
+        if (j1 < R) KVN(prefetch)(vh, j1, j1 + KB < R ? j1 + KB : R, D);
         for (int r = 0; r < n; r++) {
             int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
             const float *wr = w + (int64_t)r * smax - lo[r];

@@ -110,7 +110,11 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
 #define PF_AHEAD 4096
 #endif
 #ifndef RT
-#define RT 4 /* activation rows per register tile */
+#if defined(__AVX512VL__)
+#define RT 8 /* activation rows per register tile: 32 vector registers hold 8 rows' sums */
+#else
+#define RT 4 /* 16 vector registers: 4 rows */
+#endif
 #endif
 
 static inline __m256 load8_scales(const void *p, int f16, int64_t i) {
@@ -192,7 +196,7 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
                     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * i));
                     __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                     for (int r = 0; r < nr; r++) {
                         const int8_t *x = xr[r] + b * 32 + 4 * i;
 #if VNNI
@@ -222,7 +226,7 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
                         v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
                         u = kind == S8 ? _mm256_abs_epi8(v) : v;
                     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                     for (int r = 0; r < nr; r++) {
                         __m256i xb = bcast4(xr[r] + b * 32 + 4 * j);
                         if (kind == S8) xb = _mm256_sign_epi8(xb, v);
@@ -243,7 +247,7 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
             }
             const int64_t si = sbase + ((int64_t)b * sub + s) * 8;
             const __m256 sc = load8_scales(w->scale, f16, si);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
                 if (has_zb) {
                     int32_t bsum = sub == 1 ? bsr[r][2 * b] + bsr[r][2 * b + 1] : bsr[r][2 * b + s];
@@ -309,6 +313,12 @@ static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *ou
 #endif
 #if RT >= 4
         case 4: TILE_KIND(4) break;
+#endif
+#if RT >= 8
+        case 5: TILE_KIND(5) break;
+        case 6: TILE_KIND(6) break;
+        case 7: TILE_KIND(7) break;
+        case 8: TILE_KIND(8) break;
 #endif
         default: break;
         }
