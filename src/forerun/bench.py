@@ -16,7 +16,17 @@ import transformers
 from tqdm import tqdm
 
 from forerun.backend_timing import kept_timing
-from forerun.bench_peers import PEERS, PER_PROMPT, LlamaCppPeer, hf_generate, llama_bench, prompt_rate
+from forerun.bench_peers import (
+    LLAMA_BENCH_TG,
+    PEERS,
+    PER_PROMPT,
+    LlamaCppPeer,
+    hf_generate,
+    interleaved_tg,
+    llama_bench,
+    llama_bench_tg,
+    prompt_rate,
+)
 from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
@@ -327,12 +337,14 @@ def run_bench(args) -> dict:
     if library is not None:
         config["llama_cpp_peer"] = library  # llama-cpp-python's version and llama.cpp's own system info
     results = {"machine": machine_info(dtype), "config": config}
+    tg_runs, tg_first = [], None  # llama-bench's decode rate, once between each prompt's methods
     if "llama-bench" in peers:  # llama.cpp's own tool on the same file, and our prompt pass at its pp512
-        kind, loc = resolve_source(args.model)
-        results["llama_bench"] = llama_bench(loc, threads, getattr(args, "llama_tools", None))
+        kind, gguf_loc = resolve_source(args.model)
+        results["llama_bench"] = llama_bench(gguf_loc, threads, getattr(args, "llama_tools", None))
         results["llama_bench"]["forerun_pp512"] = prompt_rate(target.backend, target.backend.vocab_size)
+        tg_first = results["llama_bench"].get("tg128")
     records, reference_outputs = [], {}
-    bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="gen")
+    bar = tqdm(total=len(prompts) * (len(names) + (tg_first is not None)), desc="bench", unit="gen")
     if unseeded:
         torch.manual_seed(seed)  # each unseeded sequence's rejection sampler is seeded from it
     for i_prompt, (p, ids) in enumerate(zip(prompts, encoded)):
@@ -340,8 +352,18 @@ def run_bench(args) -> dict:
                                                                                           seed=seed + i_prompt)
         outs, prompt_recs = {}, []
         turn = i_prompt % len(names)  # every method and peer on the same prompt back to back (machine noise hits
-        for order, name in enumerate(names[turn:] + names[:turn]):  # all alike), each prompt one further along
+        rotation = names[turn:] + names[:turn]  # all alike), each prompt one further along
+        if tg_first is not None:  # llama-bench's decode steps among them, one place further each prompt
+            rotation.insert(i_prompt % (len(rotation) + 1), LLAMA_BENCH_TG)
+        order = -1
+        for name in rotation:
             bar.set_postfix_str(f"{p['category']}:{name}")
+            if name == LLAMA_BENCH_TG:
+                tg_runs.append(llama_bench_tg(gguf_loc, threads, getattr(args, "llama_tools", None)))
+                results["llama_bench"]["tg128"] = interleaved_tg(tg_first, tg_runs)
+                bar.update(1)
+                continue
+            order += 1
             if name in engines:
                 res = engines[name].generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=method_k[name])
                 out, rec = res.token_ids, res.stats.to_dict()

@@ -27,7 +27,8 @@ from forerun.machine import cpu_flags
 from forerun.paths import cache_dir
 
 PEERS = ("hf", "hf-lookup", "llama.cpp", "llama-bench")
-PER_PROMPT = ("hf", "hf-lookup", "llama.cpp")  # llama-bench runs once, on its own prompts
+PER_PROMPT = ("hf", "hf-lookup", "llama.cpp")  # llama-bench runs on its own prompts: pp512/tg128 once before,
+LLAMA_BENCH_TG = "llama-bench tg128"  # and its tg128 once between each prompt's methods (the report's figure)
 
 
 def hf_generate(model, ids, max_new, eos, lookup: bool):
@@ -108,22 +109,41 @@ def find_tool(name: str, where: str | None = None) -> Path:
     return exe
 
 
-def llama_bench(model_path: str, threads: int | None, tools: str | None = None, reps: int = 3) -> dict:
-    """llama.cpp's own ``llama-bench -p 512 -n 128`` on the file: tokens/s of a 512-token prompt pass
-    (pp512) and of 128 one-token decode steps (tg128), mean and standard deviation over ``reps``."""
+def _llama_bench_rows(model_path: str, threads: int | None, tools: str | None, args: list[str]) -> tuple[list, list]:
+    """Run ``llama-bench`` on the file with ``args`` (JSON output); its rows and the command as said."""
     exe = find_tool("llama-bench", tools)
-    t = str(threads or torch.get_num_threads())
-    cmd = [str(exe), "-m", model_path, "-t", t, "-p", "512", "-n", "128", "-r", str(reps), "-o", "json"]
+    cmd = [str(exe), "-m", model_path, "-t", str(threads or torch.get_num_threads()), *args, "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=llama_defaults_env())
     if r.returncode != 0:
         raise ForerunError(f"llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}")
-    rows = json.loads(r.stdout)
-    out = {"command": " ".join(["llama-bench", "-m", Path(model_path).name] + cmd[3:]), "build": rows[0].get("build_commit"),
-           "cpu_info": rows[0].get("cpu_info")}
+    return json.loads(r.stdout), ["llama-bench", "-m", Path(model_path).name] + cmd[3:]
+
+
+def llama_bench(model_path: str, threads: int | None, tools: str | None = None, reps: int = 3) -> dict:
+    """llama.cpp's own ``llama-bench -p 512 -n 128`` on the file: tokens/s of a 512-token prompt pass
+    (pp512) and of 128 one-token decode steps (tg128), mean and standard deviation over ``reps``."""
+    rows, said = _llama_bench_rows(model_path, threads, tools, ["-p", "512", "-n", "128", "-r", str(reps)])
+    out = {"command": " ".join(said), "build": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info")}
     for row in rows:
         key = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
         out[key] = {"tokens_per_s": row["avg_ts"], "stddev": row["stddev_ts"]}
     return out
+
+
+def llama_bench_tg(model_path: str, threads: int | None, tools: str | None = None, n: int = 128) -> float:
+    """One ``llama-bench -p 0 -n 128 -r 1`` on the file: tokens/s of 128 one-token decode steps. The
+    bench runs it once between each prompt's methods, so that llama.cpp's decode rate is taken in the
+    same minutes as ours (this machine's speed drifts by tens of percent within minutes)."""
+    rows, _ = _llama_bench_rows(model_path, threads, tools, ["-p", "0", "-n", str(n), "-r", "1"])
+    return float(rows[0]["avg_ts"])
+
+
+def interleaved_tg(before: dict, rates: list[float], n: int = 128) -> dict:
+    """tg128 as the report compares it: the decode rate over the runs taken between the prompts'
+    methods (total tokens over total time), with the run before the bench kept beside it."""
+    rate = len(rates) * n / sum(n / r for r in rates)
+    spread = (sum((r - rate) ** 2 for r in rates) / len(rates)) ** 0.5
+    return {"tokens_per_s": rate, "stddev": spread, "runs": len(rates), "interleaved": True, "before": before}
 
 
 def prompt_rate(backend, vocab: int, n: int = 512, reps: int = 3) -> float:

@@ -126,12 +126,21 @@ def k_text(cfg: dict) -> str:
     return "k per method: " + ", ".join(f"{m} {k}" for m, k in own.items())
 
 
+def _tg_how(tg: dict) -> str:
+    """How the tg128 figure was taken: one run before the bench, or runs between the prompts' methods."""
+    if not tg.get("interleaved"):
+        return ""
+    before = tg["before"]["tokens_per_s"]
+    return (f" (over {tg['runs']} runs of `-p 0 -n 128 -r 1`, one between each prompt's methods, in the same "
+            f"minutes as ours; spread {tg['stddev']:.1f}; {before:.1f} in the run before the bench)")
+
+
 def llama_bench_text(lb: dict, methods: dict) -> str:
     """llama.cpp's own llama-bench beside our prompt pass and each method's decode rate."""
     pp, tg = lb.get("pp512", {}).get("tokens_per_s"), lb.get("tg128", {}).get("tokens_per_s")
     text = (f"llama.cpp's own `{lb['command']}` (build {lb.get('build')}) on the same file, same run: pp512 "
             f"{pp:.1f} tok/s (ours, one 512-token pass: {lb['forerun_pp512']:.1f}, {lb['forerun_pp512'] / pp:.2f}x), "
-            f"tg128 {tg:.1f} tok/s. Decode tokens/s against tg128: ")
+            f"tg128 {tg:.1f} tok/s{_tg_how(lb['tg128'])}. Decode tokens/s against tg128: ")
     text += ", ".join(f"{name} {m['decode_tokens_per_s'] / tg:.2f}x" for name, m in methods.items()
                       if m.get("decode_tokens_per_s") and tg)
     return text + "."
