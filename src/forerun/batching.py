@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from forerun import kept
+from forerun.backends.ckernels import release_threads
 from forerun.decode import Decoder, Sequence
 from forerun.draft_length import K_MAX, DraftLength
 from forerun.errors import ForerunError
@@ -164,12 +165,17 @@ class BatchEngine:
         """Step until ``stop`` (or ``until()`` is true); failures are reported to the requests they
         touched (``step`` isolates them per request where it can) and logged. Should the loop itself
         die, ``dead`` says why (the server's /health reports it)."""
+        busy = False
         try:
             while not self._stop.is_set() and not (until is not None and until()):
                 if not self.active and not self.waiting:
+                    if busy:  # idle now: another thread may run the model meanwhile (ckernels.release_threads)
+                        release_threads()
+                    busy = False
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                busy = True
                 self._steps += 1
                 if self.housekeeping is not None and self._steps % self.HOUSEKEEPING_STEPS == 0:
                     try:
@@ -240,6 +246,7 @@ class BatchEngine:
             self.policy.costs["pass"][r] = sorted(times[1:])[len(times[1:]) // 2]
         bar.close()
         del scratch
+        release_threads()  # timed on this thread; the engine may run on another
         return dict(sorted(self.policy.costs["pass"].items()))
 
     def _pass(self, backend, feed: torch.Tensor, position: int) -> None:
@@ -254,6 +261,7 @@ class BatchEngine:
         pays for zeroing a new slot's cache, and memory is what it will be under full load."""
         while self._n_slots < self.max_batch:
             self._free.append(self._new_slot())
+        release_threads()  # the caches were zeroed on this thread; the engine may run on another
 
     def _slot(self) -> _Slot:
         return self._free.pop() if self._free else self._new_slot()

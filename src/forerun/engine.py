@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from forerun.backends.ckernels import release_threads
 from forerun.decode import Decoder, Sequence
 from forerun.draft_length import MAX_K, DraftLength
 from forerun.drafters.base import Drafter
@@ -72,11 +73,14 @@ class Engine:
         seq = Sequence(list(prompt), max_new_tokens, self.target, self.drafter, params,
                        stats if stats is not None else GenerationStats())
         self.decoder.start(seq)
-        while True:
-            (out,) = self.decoder.step([seq])
-            yield StepOutput(tokens=out.tokens, finish_reason=out.finish)
-            if out.finish is not None:
-                return
+        try:
+            while True:
+                (out,) = self.decoder.step([seq])
+                yield StepOutput(tokens=out.tokens, finish_reason=out.finish)
+                if out.finish is not None:
+                    return
+        finally:  # another thread may drive the model next (ckernels.release_threads)
+            release_threads()
 
     def generate(self, prompt: list[int], **kw) -> GenerationResult:
         stats = GenerationStats()

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from forerun.backend_timing import faster, timing
 from forerun.backends.arch import SUPPORTED_MODEL_TYPES
+from forerun.backends.ckernels import release_threads
 from forerun.backends.gguf_model import skeleton
 from forerun.backends.hf import HFBackend
 from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
@@ -414,8 +415,19 @@ def load_model(
     ``auto`` (see ``choose_backend``: for a .gguf model on the CPU with llama-cpp-python
     installed, the faster of the two measured on this machine where both run it).
     A GGUF model that runs on the torch backend's integer path is read straight from its file
-    (``_load_gguf_integer``); its transformers model is built only when asked for.
+    (``_load_gguf_integer``); its transformers model is built only when asked for. The loading
+    thread gives its kernel workers back at the end (``ckernels.release_threads``): the model may
+    well be driven from another thread.
     """
+    try:
+        return _load_model(spec, dtype=dtype, device=device, backend=backend, max_context=max_context,
+                           threads=threads)
+    finally:
+        release_threads()
+
+
+def _load_model(spec: str, *, dtype: str, device: str, backend: str, max_context: int | None,
+                threads: int | None) -> LoadedModel:
     if threads is not None:
         if threads < 1:
             raise ForerunError(f"--threads must be >= 1, got {threads}")

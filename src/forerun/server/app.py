@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from forerun.backends.ckernels import release_threads
 from forerun.batching import BatchEngine, BatchRequest, EngineStopped, QueueFull
 from forerun.chat import chat_ids
 from forerun.server.metrics import Metrics
@@ -63,6 +64,7 @@ class Service:
 
     def start(self) -> None:
         if self._thread is None:
+            release_threads()  # this thread's kernel workers (calibration): the engine thread runs the model now
             self._thread = threading.Thread(target=self.engine.run, name="forerun-engine", daemon=True)
             self._thread.start()
 
