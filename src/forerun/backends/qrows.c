@@ -107,7 +107,7 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_SIMD 1
 #ifndef PF_AHEAD
-#define PF_AHEAD 4096
+#define PF_AHEAD 8192
 #endif
 #ifndef RT
 #if defined(__AVX512VL__)
