@@ -311,25 +311,27 @@ if args[args.index("-p") + 1] != "0":
     rows.append({{"n_prompt": 512, "n_gen": 0, "avg_ts": 1000.0, "stddev_ts": 1.0, "build_commit": "x", "cpu_info": "y"}})
 rows.append({{"n_prompt": 0, "n_gen": 128, "avg_ts": [50.0, 100.0, 200.0, 400.0][(n - 1) % 4], "stddev_ts": 0.0,
              "build_commit": "x", "cpu_info": "y"}})
+if n == 5:  # a run that fails: the bench goes on without it
+    sys.exit("llama-bench: out of luck")
 print(json.dumps(rows))
 """)
     fake.chmod(0o755)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [PROMPTS[i]]}) + "\n"
-                               for i, c in enumerate(["coding", "math", "qa"])))
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [PROMPTS[i % 3]]}) + "\n"
+                               for i, c in enumerate(["coding", "math", "qa", "rag"])))
     rc = main(["bench", "--model", "smollm2", "--backend", "torch", "--prompts", str(prompts), "--methods", "none,ngram",
                "--peers", "llama-bench", "--llama-tools", str(tools), "--max-new-tokens", "6", "--threads", "2",
                "--out", str(tmp_path / "b")])
     assert rc == 0
     calls = log.read_text().splitlines()
-    assert len(calls) == 4 and "-p 512 -n 128 -r 3" in calls[0]
+    assert len(calls) == 5 and "-p 512 -n 128 -r 3" in calls[0]
     assert all("-p 0 -n 128 -r 1" in c for c in calls[1:])
     res = json.loads((tmp_path / "b" / "results.json").read_text())
     tg = res["llama_bench"]["tg128"]
-    assert tg["runs"] == 3 and tg["before"]["tokens_per_s"] == 50.0
+    assert tg["runs"] == 3 and tg["failed_runs"] == 1 and tg["before"]["tokens_per_s"] == 50.0
     assert tg["tokens_per_s"] == pytest.approx(3 / (1 / 100 + 1 / 200 + 1 / 400))  # total tokens over total time
     none = res["methods"]["none"]["decode_tokens_per_s"]
     assert f"none {none / tg['tokens_per_s']:.2f}x" in (tmp_path / "b" / "results.md").read_text()
     # the methods' own order per prompt is kept apart from where llama-bench ran
     orders = sorted((r["id"], r["order"]) for r in res["records"])
-    assert orders == [(i, o) for i in range(3) for o in range(2)]
+    assert orders == [(i, o) for i in range(4) for o in range(2)]

@@ -337,7 +337,7 @@ def run_bench(args) -> dict:
     if library is not None:
         config["llama_cpp_peer"] = library  # llama-cpp-python's version and llama.cpp's own system info
     results = {"machine": machine_info(dtype), "config": config}
-    tg_runs, tg_first = [], None  # llama-bench's decode rate, once between each prompt's methods
+    tg_runs, tg_first, tg_failed = [], None, 0  # llama-bench's decode rate, once between each prompt's methods
     if "llama-bench" in peers:  # llama.cpp's own tool on the same file, and our prompt pass at its pp512
         kind, gguf_loc = resolve_source(args.model)
         results["llama_bench"] = llama_bench(gguf_loc, threads, getattr(args, "llama_tools", None))
@@ -359,8 +359,13 @@ def run_bench(args) -> dict:
         for name in rotation:
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name == LLAMA_BENCH_TG:
-                tg_runs.append(llama_bench_tg(gguf_loc, threads, getattr(args, "llama_tools", None)))
-                results["llama_bench"]["tg128"] = interleaved_tg(tg_first, tg_runs)
+                try:
+                    tg_runs.append(llama_bench_tg(gguf_loc, threads, getattr(args, "llama_tools", None)))
+                except ForerunError as e:  # one failed run of the peer's tool does not end the bench
+                    tg_failed += 1
+                    tqdm.write(f"llama-bench failed between the methods of prompt {p['id']} ({e}); going on")
+                if tg_runs:
+                    results["llama_bench"]["tg128"] = {**interleaved_tg(tg_first, tg_runs), "failed_runs": tg_failed}
                 bar.update(1)
                 continue
             order += 1

@@ -116,7 +116,13 @@ def _llama_bench_rows(model_path: str, threads: int | None, tools: str | None, a
     r = subprocess.run(cmd, capture_output=True, text=True, env=llama_defaults_env())
     if r.returncode != 0:
         raise ForerunError(f"llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}")
-    return json.loads(r.stdout), ["llama-bench", "-m", Path(model_path).name] + cmd[3:]
+    try:
+        rows = json.loads(r.stdout)
+    except ValueError:
+        rows = None
+    if not (isinstance(rows, list) and rows and all(isinstance(row, dict) and "avg_ts" in row for row in rows)):
+        raise ForerunError(f"llama-bench wrote no results we can read: {r.stdout.strip()[:200]!r}")
+    return rows, ["llama-bench", "-m", Path(model_path).name] + cmd[3:]
 
 
 def llama_bench(model_path: str, threads: int | None, tools: str | None = None, reps: int = 3) -> dict:
