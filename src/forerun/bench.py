@@ -339,8 +339,7 @@ def run_bench(args) -> dict:
     results = {"machine": machine_info(dtype), "config": config}
     tg_runs, tg_first, tg_failed = [], None, 0  # llama-bench's decode rate, once between each prompt's methods
     if "llama-bench" in peers:  # llama.cpp's own tool on the same file, and our prompt pass at its pp512
-        kind, gguf_loc = resolve_source(args.model)
-        results["llama_bench"] = llama_bench(gguf_loc, threads, getattr(args, "llama_tools", None))
+        results["llama_bench"] = llama_bench(loc, threads, getattr(args, "llama_tools", None))
         results["llama_bench"]["forerun_pp512"] = prompt_rate(target.backend, target.backend.vocab_size)
         tg_first = results["llama_bench"].get("tg128")
     records, reference_outputs = [], {}
@@ -360,7 +359,7 @@ def run_bench(args) -> dict:
             bar.set_postfix_str(f"{p['category']}:{name}")
             if name == LLAMA_BENCH_TG:
                 try:
-                    tg_runs.append(llama_bench_tg(gguf_loc, threads, getattr(args, "llama_tools", None)))
+                    tg_runs.append(llama_bench_tg(loc, threads, getattr(args, "llama_tools", None)))
                 except ForerunError as e:  # one failed run of the peer's tool does not end the bench
                     tg_failed += 1
                     tqdm.write(f"llama-bench failed between the methods of prompt {p['id']} ({e}); going on")

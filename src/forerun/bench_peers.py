@@ -3,8 +3,8 @@
 - ``hf``, ``hf-lookup``: transformers' ``generate()`` (greedy; with prompt lookup), in process.
 - ``llama.cpp``: llama.cpp's plain greedy decoding through llama-cpp-python, in a process of its own
   at llama.cpp's defaults (``llamacpp_peer``), reset outside the clock.
-- ``llama-bench``: llama.cpp's own benchmark tool on the same file (pp512 and tg128), run once per
-  bench; the binary is built from the llama.cpp source the installed llama-cpp-python vendors
+- ``llama-bench``: llama.cpp's own benchmark tool on the same file: pp512 and tg128 once before the
+  prompts, then tg128 once between each prompt's methods (the figure the report compares); the binary is built from the llama.cpp source the installed llama-cpp-python vendors
   (``bench/llama_cpp_tools.sh``), found where that script puts it or under ``--llama-tools``.
 """
 
@@ -27,8 +27,8 @@ from forerun.machine import cpu_flags
 from forerun.paths import cache_dir
 
 PEERS = ("hf", "hf-lookup", "llama.cpp", "llama-bench")
-PER_PROMPT = ("hf", "hf-lookup", "llama.cpp")  # llama-bench runs on its own prompts: pp512/tg128 once before,
-LLAMA_BENCH_TG = "llama-bench tg128"  # and its tg128 once between each prompt's methods (the report's figure)
+PER_PROMPT = ("hf", "hf-lookup", "llama.cpp")  # peers that decode the bench's prompts (llama-bench has its own)
+LLAMA_BENCH_TG = "llama-bench tg128"  # llama-bench's place in a prompt's rotation of methods
 
 
 def hf_generate(model, ids, max_new, eos, lookup: bool):
@@ -144,10 +144,11 @@ def llama_bench_tg(model_path: str, threads: int | None, tools: str | None = Non
     return float(rows[0]["avg_ts"])
 
 
-def interleaved_tg(before: dict, rates: list[float], n: int = 128) -> dict:
+def interleaved_tg(before: dict, rates: list[float]) -> dict:
     """tg128 as the report compares it: the decode rate over the runs taken between the prompts'
-    methods (total tokens over total time), with the run before the bench kept beside it."""
-    rate = len(rates) * n / sum(n / r for r in rates)
+    methods (total tokens over total time: each run decodes as many tokens, so the harmonic mean of
+    their rates), with the run before the bench kept beside it."""
+    rate = len(rates) / sum(1 / r for r in rates)
     spread = (sum((r - rate) ** 2 for r in rates) / len(rates)) ** 0.5
     return {"tokens_per_s": rate, "stddev": spread, "runs": len(rates), "interleaved": True, "before": before}
 
