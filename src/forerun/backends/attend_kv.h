@@ -41,9 +41,11 @@ static inline void KVN(dot8_scaled)(const float *qv, const KV_T *const *kr, int 
 }
 #endif
 
-/* Ask for slots j0 .. j1 - 1 of a head's keys or values ([slots][D]) to be brought into the cache. */
-static inline void KVN(prefetch)(const KV_T *base, int j0, int j1, int D) {
-    const char *p = (const char *)(base + (int64_t)j0 * D), *e = (const char *)(base + (int64_t)j1 * D);
+/* Ask for the block of slots j .. min(j + KB, R) - 1 of a head's keys or values ([slots][D]) to be
+ * brought into the cache. */
+static inline void KVN(prefetch)(const KV_T *base, int j, int R, int KB, int D) {
+    const char *p = (const char *)(base + (int64_t)j * D);
+    const char *e = (const char *)(base + (int64_t)(j + KB < R ? j + KB : R) * D);
     for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
@@ -85,11 +87,11 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
      * every weight in between), and a head's keys are too short a run for the hardware's prefetch
      * to ramp up: so each block of keys (values) is fetched while the one before is worked on, and
      * the first block of values while the last block of keys is. Reads only: no result changes. */
-    KVN(prefetch)(kh, L, L + KB < R ? L + KB : R, D);
+    KVN(prefetch)(kh, L, R, KB, D);
     for (int j0 = L; j0 < R; j0 += KB) { /* scores over the slot ranges, block by block */
         int j1 = j0 + KB < R ? j0 + KB : R;
-        if (j1 < R) KVN(prefetch)(kh, j1, j1 + KB < R ? j1 + KB : R, D);
-        else KVN(prefetch)(vh, L, L + KB < R ? L + KB : R, D);
+        if (j1 < R) KVN(prefetch)(kh, j1, R, KB, D);
+        else KVN(prefetch)(vh, L, R, KB, D);
         for (int r = 0; r < n; r++) {
             int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
             float *wr = w + (int64_t)r * smax - lo[r];
@@ -120,7 +122,7 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
     }
     for (int j0 = L; j0 < R; j0 += KB) { /* the weighted values, block by block, in slot order */
         int j1 = j0 + KB < R ? j0 + KB : R;
-        if (j1 < R) KVN(prefetch)(vh, j1, j1 + KB < R ? j1 + KB : R, D);
+        if (j1 < R) KVN(prefetch)(vh, j1, R, KB, D);
         for (int r = 0; r < n; r++) {
             int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
             const float *wr = w + (int64_t)r * smax - lo[r];
