@@ -93,6 +93,21 @@ def test_the_weights_rebuild_exactly():
         assert np.array_equal(QPart(c, typ).dequantize().astype(np.float32), c.dequantize()), name
 
 
+def test_five_and_six_bit_codes_are_held_in_their_bits():
+    """Q5_0, Q5_1 and Q5_K as U5 (U4's nibbles and one bit plane), Q6_K as U6 (two planes): a step
+    reads what the GGUF blocks hold, not a byte a code."""
+    from forerun.backends.qweights import U4, U5, U6, S8
+    kinds = {Q4_0: U4, Q4_1: U4, Q4_K: U4, Q5_0: U5, Q5_1: U5, Q5_K: U5, Q6_K: U6, Q8_0: S8}
+    for typ, kind in kinds.items():
+        part = QPart(unpack(random_blocks(typ, 16, 256, seed=3), typ), typ)
+        assert part.kind == kind, typ
+    for typ in (Q5_0, Q5_1):  # float16 scales (and offsets): exactly the file's bytes
+        part = QPart(unpack(random_blocks(typ, 16, 256, seed=3), typ), typ)
+        assert part.nbytes == 16 * 256 // BLOCKS[typ][0] * BLOCKS[typ][1], typ
+    part = QPart(unpack(random_blocks(Q6_K, 16, 256, seed=3), Q6_K), Q6_K)
+    assert part.codes.numel() == 16 * 256 * 6 // 8
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", list(TYPES))
 def test_a_row_does_not_depend_on_the_pass(name):

@@ -16,6 +16,10 @@
  * activation codes leaves 8 lanes, one per weight row: no horizontal sums, no shuffles.
  *   kind U4: unsigned 4-bit codes, 4 vectors per block; vector i holds columns 4i..4i+3 in its low
  *            nibbles and 4(i+4)..4(i+4)+3 in its high ones;
+ *   kind U5, U6: unsigned 5- and 6-bit codes, as U4's 128 bytes (their low 4 bits) followed by one
+ *            32-byte bit plane per further bit (U5: bit 4; U6: bits 4 and 5): byte k of a plane
+ *            holds, as its bit j, that bit of the code at byte k of vector j (160 and 192 bytes a
+ *            block against U8's 256: Q5_0, Q5_1, Q5_K and Q6_K read what their GGUF blocks hold);
  *   kind U8: unsigned codes < 128, 8 vectors per block; vector j holds columns 4j..4j+3;
  *   kind S8: signed codes, same as U8 (llama.cpp's sign trick makes the product u8 x s8).
  * Each weight is  w = scale * (code + zb) + offset  per group of 32 columns (sub = 1) or 16
@@ -51,7 +55,10 @@
 
 int forerun_q_threads(int n) { return rows_threads(n); }
 
-static inline int code_bytes(int kind) { return kind == U4 ? 128 : 256; }
+static inline int code_planes(int kind) { return kind == U5 ? 1 : kind == U6 ? 2 : 0; }
+static inline int code_bytes(int kind) {
+    return kind == U4 || kind == U5 || kind == U6 ? 128 + 32 * code_planes(kind) : 256;
+}
 
 /* ---- one group of 8 weight rows against all activation rows ---------------------------------- */
 
@@ -65,9 +72,11 @@ static inline float offset_at(const qweight_t *w, int64_t i) {
 /* Code of lane l (weight row), column c (0..31) of a block's interleaved codes, as an integer. */
 static inline int code_at(const uint8_t *blk, int kind, int l, int c) {
     int j = c / 4, e = c % 4;
-    if (kind == U4) {
+    if (kind == U4 || kind == U5 || kind == U6) {
         uint8_t b = blk[(j & 3) * 32 + l * 4 + e];
-        return j < 4 ? (b & 15) : (b >> 4);
+        int code = j < 4 ? (b & 15) : (b >> 4);
+        for (int p = 0; p < code_planes(kind); p++) code |= ((blk[128 + 32 * p + l * 4 + e] >> j) & 1) << (4 + p);
+        return code;
     }
     if (kind == U8) return blk[j * 32 + l * 4 + e];
     return (int8_t)blk[j * 32 + l * 4 + e];
@@ -131,6 +140,16 @@ static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* Bit q of the codes of vector j (0..7) of a block, from its bit plane at p (bit j of each byte),
+ * in place (value 1 << q): 16-bit shifts move bit j of each byte to bit q without crossing bytes
+ * at that bit, and the mask drops the rest. j and q are constants where it is inlined. */
+static inline __m256i plane_bits(const uint8_t *p, int j, int q) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (j < q) h = _mm256_slli_epi16(h, q - j);
+    if (j > q) h = _mm256_srli_epi16(h, j - q);
+    return _mm256_and_si256(h, _mm256_set1_epi8((char)(1 << q)));
 }
 
 #if defined(FORERUN_EMULATE_VNNI) && !defined(__AVX512VNNI__)
@@ -218,10 +237,12 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
                 for (int jj = 0; jj < per; jj++) {
                     const int j = s * per + jj; /* vector j: U4 load j & 3, low nibbles below 4 */
                     __m256i u, v;
-                    if (kind == U4) {
+                    if (kind == U4 || kind == U5 || kind == U6) {
                         v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (j & 3)));
                         u = j < 4 ? _mm256_and_si256(v, _mm256_set1_epi8(15))
                                   : _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+                        if (kind != U4) u = _mm256_or_si256(u, plane_bits(blk + 128, j, 4));
+                        if (kind == U6) u = _mm256_or_si256(u, plane_bits(blk + 160, j, 5));
                     } else {
                         v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
                         u = kind == S8 ? _mm256_abs_epi8(v) : v;
@@ -296,10 +317,19 @@ static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *ou
     } else if (w->kind == U8 && w->sub == 2 && span >= 2) {                                             \
         if (zb && !off && !f16) GT(NR, U8, 2, 2, 1, 0, 0);                                              \
         else GT(NR, U8, 2, 2, zb, off, f16);                                                            \
+    } else if (w->kind == U5 && w->sub == 1 && span >= 4) {                                             \
+        if (zb && !off && f16) GT(NR, U5, 1, 4, 1, 0, 1);                                               \
+        else if (!zb && off && f16) GT(NR, U5, 1, 4, 0, 1, 1);                                          \
+        else if (!zb && off && !f16) GT(NR, U5, 1, 4, 0, 1, 0);                                         \
+        else GT(NR, U5, 1, 4, zb, off, f16);                                                            \
+    } else if (w->kind == U6 && w->sub == 2 && span >= 2) {                                             \
+        if (zb && !off && !f16) GT(NR, U6, 2, 2, 1, 0, 0);                                              \
+        else GT(NR, U6, 2, 2, zb, off, f16);                                                            \
     } else if (w->kind == S8 && w->sub == 1) {                                                          \
         if (!zb && !off && f16) GT(NR, S8, 1, 1, 0, 0, 1);                                              \
         else GT(NR, S8, 1, 1, zb, off, f16);                                                            \
     } else if (w->kind == U4) GT(NR, U4, 2, 4, zb, off, f16);                                           \
+    else if (w->kind == U5 || w->kind == U6) GT(NR, w->kind, w->sub, 1, zb, off, f16);                 \
     else if (w->kind == U8 && w->sub == 1) GT(NR, U8, 1, 1, zb, off, f16);                              \
     else if (w->kind == U8) GT(NR, U8, 2, 1, zb, off, f16);                                             \
     else GT(NR, S8, 2, 1, zb, off, f16);

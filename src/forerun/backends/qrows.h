@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-enum { U4 = 0, U8 = 1, S8 = 2 };
+enum { U4 = 0, U8 = 1, S8 = 2, U5 = 3, U6 = 4 };
 
 typedef struct {
     const uint8_t *codes;
@@ -19,7 +19,7 @@ typedef struct {
     int32_t f16;        /* scales and offsets stored as float16 */
     int32_t zb;         /* integer code bias */
     int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
-    int32_t cmax;       /* largest stored code (U4, U8): how many vpmaddubsw results int16 holds */
+    int32_t cmax;       /* largest stored code (unsigned kinds): how many vpmaddubsw results int16 holds */
     int32_t pad_;
 } qweight_t;
 

@@ -26,7 +26,8 @@ from forerun.gguf_file import Q4_0, Q5_0, Q6_K
 
 log = logging.getLogger("forerun")
 
-U4, U8, S8 = 0, 1, 2
+U4, U8, S8, U5, U6 = 0, 1, 2, 3, 4
+PLANES = {U5: 1, U6: 2}  # kinds held as U4's nibbles plus one bit plane per code bit above the fourth
 _ZB = {Q4_0: -8, Q5_0: -16, Q6_K: -32}  # codes stored unsigned, the type's signed offset added back
 
 
@@ -49,6 +50,10 @@ class QPart:
         lo, hi = int(stored.min()), int(stored.max())
         if c.group == 32 and lo >= 0 and hi <= 15:
             kind = U4
+        elif lo >= 0 and hi <= 31:
+            kind = U5
+        elif lo >= 0 and hi <= 63:
+            kind = U6
         elif lo >= 0 and hi <= 127:
             kind = U8
         else:
@@ -61,8 +66,13 @@ class QPart:
         b = np.zeros((G * 8, D), dtype=np.uint8)
         b[:rows] = stored.astype(np.int16).astype(np.uint8) if kind != S8 else stored.astype(np.int8).view(np.uint8)
         b = b.reshape(G, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [group, block, 4-column step j, lane, 4]
-        if kind == U4:  # steps 0-3 in the low nibbles, 4-7 in the high ones
-            b = b[:, :, :4] | (b[:, :, 4:] << 4)
+        if kind in (U4, U5, U6):  # steps 0-3 in the low nibbles, 4-7 in the high ones
+            nib = b & 15
+            nib = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).reshape(G, nb, 128)
+            # bit plane p: byte (lane, column in step) holds bit 4 + p of that code at step j as bit j
+            planes = [(((b >> (4 + p)) & 1) << np.arange(8, dtype=np.uint8)[:, None, None]).sum(2, dtype=np.uint8)
+                      .reshape(G, nb, 32) for p in range(PLANES.get(kind, 0))]
+            b = np.concatenate([nib, *planes], axis=2)
         self.codes = torch.from_numpy(np.ascontiguousarray(b).reshape(-1))
         sub = 32 // c.group
 
@@ -92,9 +102,14 @@ class QPart:
         """The weights [V, D] in float64, from the packed layout (tests: the reference)."""
         G, nb = -(-self.V // 8), self.D // 32
         raw = self.codes.numpy()
-        if self.kind == U4:
-            b = raw.reshape(G, nb, 4, 8, 4)
+        if self.kind in (U4, U5, U6):
+            planes = PLANES.get(self.kind, 0)
+            blk = raw.reshape(G, nb, 128 + 32 * planes)
+            b = blk[:, :, :128].reshape(G, nb, 4, 8, 4)
             b = np.concatenate([b & 15, b >> 4], axis=2)
+            for p in range(planes):
+                plane = blk[:, :, 128 + 32 * p: 160 + 32 * p].reshape(G, nb, 1, 8, 4)
+                b = b | (((plane >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1) << (4 + p))
         else:
             b = raw.reshape(G, nb, 8, 8, 4)
         codes = b.view(np.int8) if self.kind == S8 else b
