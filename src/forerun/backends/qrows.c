@@ -300,7 +300,8 @@ static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *ou
     for (int t = 0, r0 = 0; t < tiles; t++) { /* balanced tiles: 5 rows as 3 + 2, not 4 + 1 */
         int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0);
         /* constants for the common weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), so that
-         * the tile's sums stay in registers; anything else takes the same code with run-time flags */
+         * the tile's sums stay in registers; anything else (U8: a Q8_0 tensor with no negative code)
+         * takes the same code with run-time flags */
         const int zb = w->zb != 0, off = w->offset != NULL, f16 = w->f16;
 #define GT(NR, K, S, SP, ZB, OFF, F16) group_tile(w, a, g, r0, NR, K, S, SP, ZB, OFF, F16, res)
 #define TILE_KIND(NR)                                                                                   \
@@ -309,14 +310,6 @@ static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *ou
         else if (!zb && off && !f16) GT(NR, U4, 1, 8, 0, 1, 0);                                         \
         else if (zb && !off && f16) GT(NR, U4, 1, 8, 1, 0, 1);                                          \
         else GT(NR, U4, 1, 8, zb, off, f16);                                                            \
-    } else if (w->kind == U8 && w->sub == 1 && span >= 4) {                                             \
-        if (zb && !off && f16) GT(NR, U8, 1, 4, 1, 0, 1);                                               \
-        else if (!zb && off && f16) GT(NR, U8, 1, 4, 0, 1, 1);                                          \
-        else if (!zb && off && !f16) GT(NR, U8, 1, 4, 0, 1, 0);                                         \
-        else GT(NR, U8, 1, 4, zb, off, f16);                                                            \
-    } else if (w->kind == U8 && w->sub == 2 && span >= 2) {                                             \
-        if (zb && !off && !f16) GT(NR, U8, 2, 2, 1, 0, 0);                                              \
-        else GT(NR, U8, 2, 2, zb, off, f16);                                                            \
     } else if (w->kind == U5 && w->sub == 1 && span >= 4) {                                             \
         if (zb && !off && f16) GT(NR, U5, 1, 4, 1, 0, 1);                                               \
         else if (!zb && off && f16) GT(NR, U5, 1, 4, 0, 1, 1);                                          \
