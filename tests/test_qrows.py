@@ -7,7 +7,7 @@ import torch
 
 from forerun.backends.block_weights import unpack
 from forerun.backends import ckernels
-from forerun.backends.qweights import QLinear, QPart, qrows_lib
+from forerun.backends.qweights import S8, U4, U5, U6, QLinear, QPart, qrows_lib
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 needs_kernels = pytest.mark.skipif(qrows_lib() is None, reason="the integer kernels need a C compiler")
@@ -96,7 +96,6 @@ def test_the_weights_rebuild_exactly():
 def test_five_and_six_bit_codes_are_held_in_their_bits():
     """Q5_0, Q5_1 and Q5_K as U5 (U4's nibbles and one bit plane), Q6_K as U6 (two planes): a step
     reads what the GGUF blocks hold, not a byte a code."""
-    from forerun.backends.qweights import U4, U5, U6, S8
     kinds = {Q4_0: U4, Q4_1: U4, Q4_K: U4, Q5_0: U5, Q5_1: U5, Q5_K: U5, Q6_K: U6, Q8_0: S8}
     for typ, kind in kinds.items():
         part = QPart(unpack(random_blocks(typ, 16, 256, seed=3), typ), typ)
