@@ -4,7 +4,8 @@
 - ``llama.cpp``: llama.cpp's plain greedy decoding through llama-cpp-python, in a process of its own
   at llama.cpp's defaults (``llamacpp_peer``), reset outside the clock.
 - ``llama-bench``: llama.cpp's own benchmark tool on the same file: pp512 and tg128 once before the
-  prompts, then tg128 once between each prompt's methods (the figure the report compares); the binary is built from the llama.cpp source the installed llama-cpp-python vendors
+  prompts, then tg128 once between each prompt's methods (the figure the report compares); the
+  binary is built from the llama.cpp source the installed llama-cpp-python vendors
   (``bench/llama_cpp_tools.sh``), found where that script puts it or under ``--llama-tools``.
 """
 

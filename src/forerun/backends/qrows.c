@@ -55,10 +55,10 @@
 
 int forerun_q_threads(int n) { return rows_threads(n); }
 
+/* U4, U5, U6: nibbles in U4's 128 bytes, then 0, 1 or 2 bit planes of 32 bytes */
+static inline int nibble_kind(int kind) { return kind == U4 || kind == U5 || kind == U6; }
 static inline int code_planes(int kind) { return kind == U5 ? 1 : kind == U6 ? 2 : 0; }
-static inline int code_bytes(int kind) {
-    return kind == U4 || kind == U5 || kind == U6 ? 128 + 32 * code_planes(kind) : 256;
-}
+static inline int code_bytes(int kind) { return nibble_kind(kind) ? 128 + 32 * code_planes(kind) : 256; }
 
 /* ---- one group of 8 weight rows against all activation rows ---------------------------------- */
 
@@ -72,7 +72,7 @@ static inline float offset_at(const qweight_t *w, int64_t i) {
 /* Code of lane l (weight row), column c (0..31) of a block's interleaved codes, as an integer. */
 static inline int code_at(const uint8_t *blk, int kind, int l, int c) {
     int j = c / 4, e = c % 4;
-    if (kind == U4 || kind == U5 || kind == U6) {
+    if (nibble_kind(kind)) {
         uint8_t b = blk[(j & 3) * 32 + l * 4 + e];
         int code = j < 4 ? (b & 15) : (b >> 4);
         for (int p = 0; p < code_planes(kind); p++) code |= ((blk[128 + 32 * p + l * 4 + e] >> j) & 1) << (4 + p);
@@ -237,7 +237,7 @@ static inline __attribute__((always_inline)) void group_tile(const qweight_t *w,
                 for (int jj = 0; jj < per; jj++) {
                     const int j = s * per + jj; /* vector j: U4 load j & 3, low nibbles below 4 */
                     __m256i u, v;
-                    if (kind == U4 || kind == U5 || kind == U6) {
+                    if (nibble_kind(kind)) {
                         v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (j & 3)));
                         u = j < 4 ? _mm256_and_si256(v, _mm256_set1_epi8(15))
                                   : _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));

@@ -28,6 +28,7 @@ log = logging.getLogger("forerun")
 
 U4, U8, S8, U5, U6 = 0, 1, 2, 3, 4
 PLANES = {U5: 1, U6: 2}  # kinds held as U4's nibbles plus one bit plane per code bit above the fourth
+NIBBLE_KINDS = (U4, *PLANES)  # U4's 128 bytes of nibbles first in each block
 _ZB = {Q4_0: -8, Q5_0: -16, Q6_K: -32}  # codes stored unsigned, the type's signed offset added back
 
 
@@ -66,7 +67,7 @@ class QPart:
         b = np.zeros((G * 8, D), dtype=np.uint8)
         b[:rows] = stored.astype(np.int16).astype(np.uint8) if kind != S8 else stored.astype(np.int8).view(np.uint8)
         b = b.reshape(G, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [group, block, 4-column step j, lane, 4]
-        if kind in (U4, U5, U6):  # steps 0-3 in the low nibbles, 4-7 in the high ones
+        if kind in NIBBLE_KINDS:  # steps 0-3 in the low nibbles, 4-7 in the high ones
             nib = b & 15
             nib = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).reshape(G, nb, 128)
             # bit plane p: byte (lane, column in step) holds bit 4 + p of that code at step j as bit j
@@ -102,7 +103,7 @@ class QPart:
         """The weights [V, D] in float64, from the packed layout (tests: the reference)."""
         G, nb = -(-self.V // 8), self.D // 32
         raw = self.codes.numpy()
-        if self.kind in (U4, U5, U6):
+        if self.kind in NIBBLE_KINDS:
             planes = PLANES.get(self.kind, 0)
             blk = raw.reshape(G, nb, 128 + 32 * planes)
             b = blk[:, :, :128].reshape(G, nb, 4, 8, 4)
