@@ -1,5 +1,7 @@
 /* Attention over one cache type, included by rows_common.h once per type: it defines KV_T, KV_SUF,
- * KV_GET, KV_LOAD8 and KV_AVX2 before, and this file undefines them at its end. */
+ * KV_GET, KV_LOAD8, KV_AVX2 and KV_WIDENS (1: a type narrower than float32, whose blocks are widened
+ * once for a group of rows) before, and this file undefines them at its end. The float32 instance
+ * comes first: the other one's widened blocks go through its score_block and value_block. */
 
 /* a . b, the keys b of this cache's type, each widened exactly: 8 lanes, then ((l0 + l4) + (l1 +
  * l5)) + ((l2 + l6) + (l3 + l7)), then the tail (for float32, rows_common.h's dot_f). */
@@ -60,29 +62,94 @@ static inline void KVN(add_scaled)(float *acc, float p, const KV_T *vr, int D) {
     for (; d < D; d++) acc[d] += p * KV_GET(vr + d);
 }
 
+/* dst[0..n-1] = src widened to float32 (exact). */
+static inline void KVN(widen)(float *dst, const KV_T *src, int n) {
+    int i = 0;
+#if KV_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, KV_LOAD8(src + i));
+#endif
+    for (; i < n; i++) dst[i] = KV_GET(src + i);
+}
+
+/* Scores of rows 0..n-1 against the keys at slots j0 .. j1 - 1 (clipped to each row's lo .. hi), the
+ * key of slot j at kb + (j - base) * D: scaled dot products into w[r][j - lo[r]]. */
+static inline void KVN(score_block)(int n, const float *const *q, const KV_T *kb, int base, int D, const int32_t *lo,
+                                    const int32_t *hi, int j0, int j1, float scale, float *w, int smax) {
+    for (int r = 0; r < n; r++) {
+        int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
+        float *wr = w + (int64_t)r * smax - lo[r];
+        int j = a;
+#if KV_AVX2 && defined(__FMA__)
+        if (D % 8 == 0)
+            for (; j + 8 <= b; j += 8) {
+                const KV_T *kr[8];
+                for (int k = 0; k < 8; k++) kr[k] = kb + (int64_t)(j + k - base) * D;
+                KVN(dot8_scaled)(q[r], kr, D, scale, wr + j);
+            }
+#endif
+        for (; j < b; j++) wr[j] = KVN(dot_kv)(q[r], kb + (int64_t)(j - base) * D, D) * scale;
+    }
+}
+
+/* Weighted values of slots j0 .. j1 - 1 (clipped to each row's lo .. hi) added to acc[r], in slot
+ * order, the value of slot j at vb + (j - base) * D. */
+static inline void KVN(value_block)(int n, const KV_T *vb, int base, int D, const int32_t *lo, const int32_t *hi,
+                                    int j0, int j1, const float *w, int smax, float *acc) {
+    for (int r = 0; r < n; r++) {
+        int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
+        const float *wr = w + (int64_t)r * smax - lo[r];
+        float *ar = acc + (int64_t)r * D;
+#if KV_AVX2
+        if (D % 64 == 0) { /* register sums, 64 columns at a time, carried from block to block through ar */
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                __m256 s[8];
+                for (int u = 0; u < 8; u++) s[u] = _mm256_loadu_ps(ar + d0 + 8 * u);
+                for (int j = a; j < b; j++) {
+                    const KV_T *vr = vb + (int64_t)(j - base) * D + d0;
+                    __m256 p = _mm256_set1_ps(wr[j]);
+                    for (int u = 0; u < 8; u++) s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(p, KV_LOAD8(vr + 8 * u)));
+                }
+                for (int u = 0; u < 8; u++) _mm256_storeu_ps(ar + d0 + 8 * u, s[u]);
+            }
+            continue;
+        }
+#endif
+        for (int j = a; j < b; j++) KVN(add_scaled)(ar, wr[j], vb + (int64_t)(j - base) * D, D);
+    }
+}
+
 /* Attention of n rows of one sequence for one head (row r: query q[r] over the keys kh and values
  * vh ([cap, D] of its KV head) at slots lo[r] .. hi[r] - 1, then extra[r][0 .. n_extra[r] - 1];
  * scores scaled, soft-capped where softcap > 0 (Gemma 2: cap * tanh(s / cap), with ``tanh_fn``),
  * softmax, weighted sum into o[r]). Each row's scores, softmax and value sums take the same
  * operations in an order fixed by its own slots, whatever the other rows: so a row's bits do not
- * depend on its pass. The rows share only the reads of the cache: keys and values go by in blocks of about 16 KiB that every row
- * uses while they are in the L1 cache, so a pass of n rows reads a head's keys and values once,
- * not n times (at a context of 1,000 the keys and values are most of what a pass reads).
- * n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a row sees). */
+ * depend on its pass. The rows share only the reads of the cache: keys and values go by in blocks
+ * of about 16 KiB that every row uses while they are in the L1 cache, so a pass of n rows reads a
+ * head's keys and values once, not n times (at a context of 1,000 the keys and values are most of
+ * what a pass reads). A float16 cache's block is widened once into ``wide`` ([KB][D] floats) where
+ * several rows share it, and the rows then read floats: the widening is exact, so every product is
+ * the one a row alone computes, without the conversion repeated per row (most of a long prompt's
+ * attention otherwise). n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a
+ * row sees), wide. */
 #ifndef ROW_GROUP
 #define ROW_GROUP 16
 #endif
+#ifndef WIDEN_ROWS
+#define WIDEN_ROWS 8 /* the fewest rows that share a widened block (fewer: each converts its own reads, as cheap) */
+#endif
+
 static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh, const KV_T *vh, int D,
-                               const int32_t *lo, const int32_t *hi, const int32_t *const *extra,
-                               const int32_t *n_extra, float scale, float softcap, float (*tanh_fn)(float),
-                               float *w, int smax, float *acc, float *const *o) {
+                                    const int32_t *lo, const int32_t *hi, const int32_t *const *extra,
+                                    const int32_t *n_extra, float scale, float softcap, float (*tanh_fn)(float),
+                                    float *w, int smax, float *acc, float *wide, float *const *o) {
     float inv[ROW_GROUP];
     int L = lo[0], R = hi[0];
     for (int r = 1; r < n; r++) {
         L = lo[r] < L ? lo[r] : L;
         R = hi[r] > R ? hi[r] : R;
     }
-    const int KB = D <= 64 ? 64 : D <= 128 ? 32 : 16; /* keys per block: 16 KiB at D = 64 */
+    const int KB = kv_block(D);
+    const int widen = KV_WIDENS && n >= WIDEN_ROWS;
     /* The cache is out of the CPU's caches by the time a layer comes round again (a step streams
      * every weight in between), and a head's keys are too short a run for the hardware's prefetch
      * to ramp up: so each block of keys (values) is fetched while the one before is worked on, and
@@ -92,19 +159,11 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
         int j1 = j0 + KB < R ? j0 + KB : R;
         if (j1 < R) KVN(prefetch)(kh, j1, R, KB, D);
         else KVN(prefetch)(vh, L, R, KB, D);
-        for (int r = 0; r < n; r++) {
-            int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
-            float *wr = w + (int64_t)r * smax - lo[r];
-            int j = a;
-#if KV_AVX2 && defined(__FMA__)
-            if (D % 8 == 0)
-                for (; j + 8 <= b; j += 8) {
-                    const KV_T *kr[8];
-                    for (int k = 0; k < 8; k++) kr[k] = kh + (int64_t)(j + k) * D;
-                    KVN(dot8_scaled)(q[r], kr, D, scale, wr + j);
-                }
-#endif
-            for (; j < b; j++) wr[j] = KVN(dot_kv)(q[r], kh + (int64_t)j * D, D) * scale;
+        if (widen) {
+            KVN(widen)(wide, kh + (int64_t)j0 * D, (j1 - j0) * D);
+            score_block_f32(n, q, wide, j0, D, lo, hi, j0, j1, scale, w, smax);
+        } else {
+            KVN(score_block)(n, q, kh, 0, D, lo, hi, j0, j1, scale, w, smax);
         }
     }
     for (int r = 0; r < n; r++) { /* the extra slots, the caps, the softmax: row by row */
@@ -123,26 +182,11 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
     for (int j0 = L; j0 < R; j0 += KB) { /* the weighted values, block by block, in slot order */
         int j1 = j0 + KB < R ? j0 + KB : R;
         if (j1 < R) KVN(prefetch)(vh, j1, R, KB, D);
-        for (int r = 0; r < n; r++) {
-            int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
-            const float *wr = w + (int64_t)r * smax - lo[r];
-            float *ar = acc + (int64_t)r * D;
-#if KV_AVX2
-            if (D % 64 == 0) { /* register sums, 64 columns at a time, carried from block to block through ar */
-                for (int d0 = 0; d0 < D; d0 += 64) {
-                    __m256 s[8];
-                    for (int u = 0; u < 8; u++) s[u] = _mm256_loadu_ps(ar + d0 + 8 * u);
-                    for (int j = a; j < b; j++) {
-                        const KV_T *vr = vh + (int64_t)j * D + d0;
-                        __m256 p = _mm256_set1_ps(wr[j]);
-                        for (int u = 0; u < 8; u++) s[u] = _mm256_add_ps(s[u], _mm256_mul_ps(p, KV_LOAD8(vr + 8 * u)));
-                    }
-                    for (int u = 0; u < 8; u++) _mm256_storeu_ps(ar + d0 + 8 * u, s[u]);
-                }
-                continue;
-            }
-#endif
-            for (int j = a; j < b; j++) KVN(add_scaled)(ar, wr[j], vh + (int64_t)j * D, D);
+        if (widen) {
+            KVN(widen)(wide, vh + (int64_t)j0 * D, (j1 - j0) * D);
+            value_block_f32(n, wide, j0, D, lo, hi, j0, j1, w, smax, acc);
+        } else {
+            KVN(value_block)(n, vh, 0, D, lo, hi, j0, j1, w, smax, acc);
         }
     }
     for (int r = 0; r < n; r++) {
@@ -181,7 +225,8 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
     {
         float *w = (float *)malloc(sizeof(float) * (size_t)smax * ROW_GROUP);
         float *acc = (float *)malloc(sizeof(float) * (size_t)D * ROW_GROUP);
-        if (!w || !acc) {
+        float *wide = KV_WIDENS ? (float *)malloc(sizeof(float) * (size_t)kv_block(D) * D) : NULL;
+        if (!w || !acc || (KV_WIDENS && !wide)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -195,7 +240,7 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
 #endif
         int J = ng * H, j0 = ng == 1 ? (int)((int64_t)J * tid / nt) : tid, j1 = ng == 1 ? (int)((int64_t)J * (tid + 1) / nt) : J;
         for (int job = j0; job < j1; job += ng == 1 ? 1 : nt) {
-            if (!w || !acc) continue;
+            if (!w || !acc || (KV_WIDENS && !wide)) continue;
             int g = job / H, h = job % H, t0 = start[g], n = start[g + 1] - t0;
             int64_t off = (layer * KVH + h / group) * cap[t0] * D;
             const KV_T *kh = (const KV_T *)(intptr_t)kbase[t0] + off, *vh = (const KV_T *)(intptr_t)vbase[t0] + off;
@@ -209,10 +254,12 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
                 ex[r] = extra + xp[t0 + r];
                 nex[r] = xp[t0 + r + 1] - xp[t0 + r];
             }
-            KVN(attend_rows)(n, qr, kh, vh, D, lo + t0, hi + t0, ex, nex, scale, softcap, tanh_fn, w, smax, acc, orow);
+            KVN(attend_rows)(n, qr, kh, vh, D, lo + t0, hi + t0, ex, nex, scale, softcap, tanh_fn, w, smax, acc, wide,
+                             orow);
         }
         free(w);
         free(acc);
+        free(wide);
     }
     free(start);
     return failed ? -2 : 0;
@@ -223,3 +270,4 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
 #undef KV_GET
 #undef KV_LOAD8
 #undef KV_AVX2
+#undef KV_WIDENS

@@ -39,7 +39,10 @@
  *
  * The same source is compiled once per instruction set (portable, -mavx2 -mfma -mf16c, with
  * AVX-VNNI or with AVX-512 VNNI added: ckernels.BUILDS); the Python side loads the fastest build
- * the CPU reports it can run (or the one FORERUN_KERNEL asks for).
+ * the CPU reports it can run (or the one FORERUN_KERNEL asks for). The SIMD tile is written once
+ * in qtile.h for 256-bit vectors (one row group) and, in the AVX-512 VNNI build, 512-bit ones (two
+ * row groups side by side: the same lane operations, so the same bits), which that build takes
+ * for passes of two rows or more.
  */
 #include <math.h>
 #include <stdint.h>
@@ -83,7 +86,7 @@ static inline int code_at(const uint8_t *blk, int kind, int l, int c) {
 }
 
 /* The reference: plain C, every build has it (FORERUN_KERNEL=portable runs it). Group g's outputs
- * for activation row r go to out[r * ldo + lane], as in group_simd. */
+ * for activation row r go to out[r * ldo + lane], as in qtile.h's group_simd. */
 static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
     int nb = w->D / 32, sub = w->sub;
     const uint8_t *cg = w->codes + g * nb * code_bytes(w->kind);
@@ -136,22 +139,6 @@ static inline __m256 load8_scales(const void *p, int f16, int64_t i) {
  * them to the stack (about a quarter slower for 4-row tiles). The sums are exact either way. */
 #define IN_ORDER(v) __asm__("" : "+x"(v))
 
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-/* Bit q of the codes of vector j (0..7) of a block, from its bit plane at p (bit j of each byte),
- * in place (value 1 << q): 16-bit shifts move bit j of each byte to bit q without crossing bytes
- * at that bit, and the mask drops the rest. j and q are constants where it is inlined. */
-static inline __m256i plane_bits(const uint8_t *p, int j, int q) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    if (j < q) h = _mm256_slli_epi16(h, q - j);
-    if (j > q) h = _mm256_srli_epi16(h, j - q);
-    return _mm256_and_si256(h, _mm256_set1_epi8((char)(1 << q)));
-}
-
 #if defined(FORERUN_EMULATE_VNNI) && !defined(__AVX512VNNI__)
 /* Tests only: the VNNI code path on a CPU without VNNI, vpdpbusd done with AVX2 (exact). */
 #define VNNI 1
@@ -172,194 +159,28 @@ static inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #define VNNI 0
 #endif
 
-/* Rows r0 .. r0 + nr - 1 (nr <= RT) against group g. Everything the loop branches on is a constant
- * where it is inlined (row count, code kind, scale groups, int16 span, code bias, offset, scale
- * storage), so a row's sums stay in registers: a float accumulator, an int16 partial and (where a
- * scale group needs more than one widening) an int32 sum. Each scale group's integer sum is
- * finished and folded into the float accumulator before the next one starts, in the reference's
- * order. Without VNNI the u8 x s8 pair sums of vpmaddubsw are added in int16 over SPAN vectors
- * where that cannot overflow (codes below 16, 32, 64 and 128 against |xq| <= 127: 8, 4, 2 and 1
- * vectors), then widened once by vpmaddwd. */
-static inline __attribute__((always_inline)) void group_tile(const qweight_t *w, const qact_t *a, int64_t g, int r0,
-                                                             const int nr, const int kind, const int sub,
-                                                             const int span, const int has_zb, const int has_off,
-                                                             const int f16, __m256 *res) {
-    const int nb = w->D / 32;
-    const int cb = code_bytes(kind);
-    const uint8_t *blk = w->codes + g * nb * cb;
-    const int64_t sbase = g * nb * sub * 8;
-    const int per = 8 / sub; /* 4-column vectors per scale group */
-    const int32_t zb = w->zb;
-    const int8_t *xr[RT];
-    const float *dxr[RT], *xsr[RT];
-    const int32_t *bsr[RT];
-    for (int r = 0; r < nr; r++) {
-        xr[r] = a->xq + (int64_t)(r0 + r) * a->D;
-        dxr[r] = a->dx + (int64_t)(r0 + r) * nb;
-        xsr[r] = a->xs + 3 * (int64_t)(r0 + r) * nb;
-        bsr[r] = a->bs + 2 * (int64_t)(r0 + r) * nb;
-    }
-    __m256 acc[RT];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, blk += cb) {
-        if (PF_AHEAD)
-            for (int c = 0; c < cb; c += 64) _mm_prefetch((const char *)blk + PF_AHEAD + c, _MM_HINT_T0);
-        for (int s = 0; s < sub; s++) {
-            __m256i isum[RT];
-#if !VNNI
-            __m256i part[RT];
-#endif
-            if (kind == U4 && sub == 1) { /* one load serves both nibbles (columns 4i.. and 4i+16..) */
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * i));
-                    __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-#pragma GCC unroll 8
-                    for (int r = 0; r < nr; r++) {
-                        const int8_t *x = xr[r] + b * 32 + 4 * i;
-#if VNNI
-                        __m256i t = DPBUSD(i == 0 ? _mm256_setzero_si256() : isum[r], lo, bcast4(x));
-                        isum[r] = DPBUSD(t, hi, bcast4(x + 16));
-#else /* 8 products of codes < 16: at most 8 * 2 * 15 * 127 < 32768 */
-                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                                     _mm256_maddubs_epi16(hi, bcast4(x + 16)));
-                        part[r] = i == 0 ? p : _mm256_add_epi16(part[r], p);
-                        IN_ORDER(part[r]);
-#endif
-                    }
-                }
-#if !VNNI
-                for (int r = 0; r < nr; r++) isum[r] = _mm256_madd_epi16(part[r], _mm256_set1_epi16(1));
-#endif
-            } else {
-#pragma GCC unroll 8
-                for (int jj = 0; jj < per; jj++) {
-                    const int j = s * per + jj; /* vector j: U4 load j & 3, low nibbles below 4 */
-                    __m256i u, v;
-                    if (nibble_kind(kind)) {
-                        v = _mm256_loadu_si256((const __m256i *)(blk + 32 * (j & 3)));
-                        u = j < 4 ? _mm256_and_si256(v, _mm256_set1_epi8(15))
-                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-                        if (kind != U4) u = _mm256_or_si256(u, plane_bits(blk + 128, j, 4));
-                        if (kind == U6) u = _mm256_or_si256(u, plane_bits(blk + 160, j, 5));
-                    } else {
-                        v = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
-                        u = kind == S8 ? _mm256_abs_epi8(v) : v;
-                    }
-#pragma GCC unroll 8
-                    for (int r = 0; r < nr; r++) {
-                        __m256i xb = bcast4(xr[r] + b * 32 + 4 * j);
-                        if (kind == S8) xb = _mm256_sign_epi8(xb, v);
-#if VNNI
-                        isum[r] = DPBUSD(jj == 0 ? _mm256_setzero_si256() : isum[r], u, xb);
-#else
-                        __m256i p = _mm256_maddubs_epi16(u, xb);
-                        part[r] = jj % span == 0 ? p : _mm256_add_epi16(part[r], p);
-                        IN_ORDER(part[r]);
-                        if (jj % span == span - 1) {
-                            __m256i m = _mm256_madd_epi16(part[r], _mm256_set1_epi16(1));
-                            isum[r] = jj == span - 1 ? m : _mm256_add_epi32(isum[r], m);
-                            IN_ORDER(isum[r]);
-                        }
-#endif
-                    }
-                }
-            }
-            const int64_t si = sbase + ((int64_t)b * sub + s) * 8;
-            const __m256 sc = load8_scales(w->scale, f16, si);
-#pragma GCC unroll 8
-            for (int r = 0; r < nr; r++) {
-                if (has_zb) {
-                    int32_t bsum = sub == 1 ? bsr[r][2 * b] + bsr[r][2 * b + 1] : bsr[r][2 * b + s];
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(zb * bsum));
-                }
-                __m256 f = _mm256_mul_ps(sc, _mm256_broadcast_ss(dxr[r] + b));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), f, acc[r]);
-                if (has_off)
-                    acc[r] = _mm256_fmadd_ps(load8_scales(w->offset, f16, si),
-                                             _mm256_broadcast_ss(xsr[r] + 3 * b + (sub == 1 ? 0 : 1 + s)), acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++) res[r] = acc[r];
-}
-
-/* int16 span of a weight (see group_tile): how many vectors of pair sums fit in int16. */
+/* int16 span of a weight (see qtile.h's group_tile): how many vectors of pair sums fit in int16. */
 static inline int span_of(const qweight_t *w) {
     if (w->kind == U4) return 8 / w->sub;
     if (w->kind == S8) return 1;
     return w->cmax < 32 ? 4 : w->cmax < 64 ? 2 : 1;
 }
 
-static void group_simd(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
-    int lanes = (int)(w->V - g * 8 < 8 ? w->V - g * 8 : 8);
-    __m256 res[RT];
-    int tiles = (a->N + RT - 1) / RT;
-    int span = span_of(w);
-    for (int t = 0, r0 = 0; t < tiles; t++) { /* balanced tiles: 5 rows as 3 + 2, not 4 + 1 */
-        int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0);
-        /* constants for the common weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), so that
-         * the tile's sums stay in registers; anything else (U8: a Q8_0 tensor with no negative code)
-         * takes the same code with run-time flags */
-        const int zb = w->zb != 0, off = w->offset != NULL, f16 = w->f16;
-#define GT(NR, K, S, SP, ZB, OFF, F16) group_tile(w, a, g, r0, NR, K, S, SP, ZB, OFF, F16, res)
-#define TILE_KIND(NR)                                                                                   \
-    if (w->kind == U4 && w->sub == 1) {                                                                 \
-        if (!zb && off && f16) GT(NR, U4, 1, 8, 0, 1, 1);                                               \
-        else if (!zb && off && !f16) GT(NR, U4, 1, 8, 0, 1, 0);                                         \
-        else if (zb && !off && f16) GT(NR, U4, 1, 8, 1, 0, 1);                                          \
-        else GT(NR, U4, 1, 8, zb, off, f16);                                                            \
-    } else if (w->kind == U5 && w->sub == 1 && span >= 4) {                                             \
-        if (zb && !off && f16) GT(NR, U5, 1, 4, 1, 0, 1);                                               \
-        else if (!zb && off && f16) GT(NR, U5, 1, 4, 0, 1, 1);                                          \
-        else if (!zb && off && !f16) GT(NR, U5, 1, 4, 0, 1, 0);                                         \
-        else GT(NR, U5, 1, 4, zb, off, f16);                                                            \
-    } else if (w->kind == U6 && w->sub == 2 && span >= 2) {                                             \
-        if (zb && !off && !f16) GT(NR, U6, 2, 2, 1, 0, 0);                                              \
-        else GT(NR, U6, 2, 2, zb, off, f16);                                                            \
-    } else if (w->kind == S8 && w->sub == 1) {                                                          \
-        if (!zb && !off && f16) GT(NR, S8, 1, 1, 0, 0, 1);                                              \
-        else GT(NR, S8, 1, 1, zb, off, f16);                                                            \
-    } else if (w->kind == U4) GT(NR, U4, 2, 4, zb, off, f16);                                           \
-    else if (w->kind == U5 || w->kind == U6) GT(NR, w->kind, w->sub, 1, zb, off, f16);                 \
-    else if (w->kind == U8 && w->sub == 1) GT(NR, U8, 1, 1, zb, off, f16);                              \
-    else if (w->kind == U8) GT(NR, U8, 2, 1, zb, off, f16);                                             \
-    else GT(NR, S8, 2, 1, zb, off, f16);
-        switch (nr) {
-        case 1: TILE_KIND(1) break;
-#if RT >= 2
-        case 2: TILE_KIND(2) break;
+#define QT_W 256
+#include "qtile.h"
+#if VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAIR 2 /* row groups a 512-bit tile takes */
+#ifndef PAIR_ROWS
+#define PAIR_ROWS 2 /* the fewest activation rows it takes (one row: the 256-bit tile streams the weights faster) */
 #endif
-#if RT >= 3
-        case 3: TILE_KIND(3) break;
+#define QT_W 512
+#include "qtile.h"
+#else
+#define PAIR 1
 #endif
-#if RT >= 4
-        case 4: TILE_KIND(4) break;
-#endif
-#if RT >= 8
-        case 5: TILE_KIND(5) break;
-        case 6: TILE_KIND(6) break;
-        case 7: TILE_KIND(7) break;
-        case 8: TILE_KIND(8) break;
-#endif
-        default: break;
-        }
-        for (int r = 0; r < nr; r++) {
-            float *o = out + (int64_t)(r0 + r) * ldo;
-            if (lanes == 8) {
-                _mm256_storeu_ps(o, res[r]);
-            } else {
-                float tmp[8];
-                _mm256_storeu_ps(tmp, res[r]);
-                memcpy(o, tmp, sizeof(float) * (size_t)lanes);
-            }
-        }
-        r0 += nr;
-    }
-}
 #else
 #define HAVE_SIMD 0
+#define PAIR 1
 #endif
 
 static int force_portable = 0;
@@ -370,35 +191,48 @@ void forerun_q_portable(int on) { force_portable = on; }
 /* n floats to float16 bits as the cache stores keys and values (tests: every build against torch). */
 void forerun_q_to_half(const float *x, uint16_t *out, int n) { floats_to_half(out, x, n); }
 
-/* Row group g of w against every row of a, outputs to out[r * ldo + lane]: this build's SIMD tiles,
- * or the plain C reference where it is forced. */
-static inline void run_group(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo) {
+/* Row groups g .. g + n - 1 (n <= PAIR, all of w) against every row of a, outputs to
+ * out[r * ldo + 8 * (group - g) + lane]: this build's SIMD tiles (two groups at once in 512-bit
+ * vectors where the build has them), or the plain C reference where it is forced. */
+static inline void run_groups(const qweight_t *w, const qact_t *a, int64_t g, int n, float *out, int64_t ldo) {
 #if HAVE_SIMD
     if (!force_portable) {
-        group_simd(w, a, g, out, ldo);
+#if PAIR == 2
+        if (n == 2 && a->N >= PAIR_ROWS) {
+            group_simd_512(w, a, g, out, ldo, (int)(w->V - (g + 1) * 8 < 8 ? w->V - (g + 1) * 8 : 8));
+            return;
+        }
+#endif
+        for (int k = 0; k < n; k++) group_simd_256(w, a, g + k, out + 8 * k, ldo, 0);
         return;
     }
 #endif
-    group_portable(w, a, g, out, ldo);
+    for (int k = 0; k < n; k++) group_portable(w, a, g + k, out + 8 * k, ldo);
 }
 
-/* The stacked parts' row groups counted in order: part p's are start[p] .. start[p + 1] - 1. */
+/* The stacked parts' row groups counted in order: part p's are start[p] .. start[p + 1] - 1; and
+ * their units of work, PAIR groups each (the last of a part may hold one): part p's are
+ * ustart[p] .. ustart[p + 1] - 1. */
 static void group_starts(const qweight_t *w, int parts, int64_t start[9]) {
     start[0] = 0;
     for (int p = 0; p < parts; p++) start[p + 1] = start[p] + (w[p].V + 7) / 8;
+}
+static void unit_starts(const qweight_t *w, int parts, int64_t ustart[9]) {
+    ustart[0] = 0;
+    for (int p = 0; p < parts; p++) ustart[p + 1] = ustart[p] + ((w[p].V + 7) / 8 + PAIR - 1) / PAIR;
 }
 
 /* out[r][col + v] (row stride ldo) for all rows of a and the weight rows of every part: the
  * parts of a stacked weight (q, k and v; gate and up) share one loop over their row groups. */
 void q_matmul(const qweight_t *w, int parts, const qact_t *a, float *out, int64_t ldo) {
-    int64_t start[9];
-    group_starts(w, parts, start);
+    int64_t ustart[9];
+    unit_starts(w, parts, ustart);
 #pragma omp parallel for schedule(static)
-    for (int64_t gi = 0; gi < start[parts]; gi++) {
+    for (int64_t ui = 0; ui < ustart[parts]; ui++) {
         int p = 0;
-        while (gi >= start[p + 1]) p++;
-        int64_t g = gi - start[p];
-        run_group(&w[p], a, g, out + w[p].col + g * 8, ldo);
+        while (ui >= ustart[p + 1]) p++;
+        int64_t g = (ui - ustart[p]) * PAIR, G = (w[p].V + 7) / 8;
+        run_groups(&w[p], a, g, G - g < PAIR ? (int)(G - g) : PAIR, out + w[p].col + g * 8, ldo);
     }
 }
 
@@ -474,9 +308,11 @@ int forerun_q_top(const qweight_t *w, int parts, const float *x, int N, int k, i
             for (int64_t c0 = lo; c0 < hi; c0 += CH) {
                 int64_t c1 = c0 + CH < hi ? c0 + CH : hi;
                 int p = 0;
-                for (int64_t gi = c0; gi < c1; gi++) {
+                for (int64_t gi = c0; gi < c1;) {
                     while (gi >= start[p + 1]) p++;
-                    run_group(&w[p], &a, gi - start[p], buf + (gi - c0) * 8, CH * 8);
+                    int n = gi + PAIR <= c1 && gi + PAIR <= start[p + 1] ? PAIR : 1;
+                    run_groups(&w[p], &a, gi - start[p], n, buf + (gi - c0) * 8, CH * 8);
+                    gi += n;
                 }
                 for (int r = 0; r < N; r++) {
                     const float *o = buf + (int64_t)r * CH * 8;

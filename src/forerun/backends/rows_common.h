@@ -166,6 +166,8 @@ static inline void floats_to_half(uint16_t *dst, const float *src, int n) {
 /* Attention over caches of float32 (names ending _f32) and of float16 keys and values (_f16, the
  * integer path's cache: half the bytes a step reads at long contexts; each value widened exactly
  * before the same float operations). */
+static inline int kv_block(int D) { return D <= 64 ? 64 : D <= 128 ? 32 : 16; } /* keys per block: 16 KiB at D = 64 */
+
 #define KV_CAT2(a, b) a##_##b
 #define KV_CAT(a, b) KV_CAT2(a, b)
 #define KVN(x) KV_CAT(x, KV_SUF)
@@ -174,6 +176,7 @@ static inline void floats_to_half(uint16_t *dst, const float *src, int n) {
 #define KV_SUF f32
 #define KV_GET(p) (*(p))
 #define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_WIDENS 0
 #if defined(__AVX2__)
 #define KV_AVX2 1
 #else
@@ -185,6 +188,7 @@ static inline void floats_to_half(uint16_t *dst, const float *src, int n) {
 #define KV_SUF f16
 #define KV_GET(p) half_to_float(*(p))
 #define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_WIDENS 1
 #if defined(__AVX2__) && defined(__F16C__)
 #define KV_AVX2 1
 #else
