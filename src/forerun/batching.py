@@ -87,6 +87,10 @@ class BatchEngine:
 
     HOUSEKEEPING_STEPS = 50
     RESERVE_POSITIONS = 4096  # cache positions each slot allocates at its start
+    # seconds idle before the engine gives its kernel workers back (ckernels.release_threads): a
+    # client's next request mostly comes sooner, and would otherwise pay for ending the team and
+    # building a new one (a few milliseconds a request at one client)
+    RELEASE_IDLE_S = 0.5
 
     def __init__(self, target, eos_token_ids=(), *, drafter=None, max_batch: int = 8, max_waiting: int = 64,
                  k_max: int = K_MAX, speculate: bool = True, prefix_cache_bytes: int = 0):
@@ -165,13 +169,17 @@ class BatchEngine:
         """Step until ``stop`` (or ``until()`` is true); failures are reported to the requests they
         touched (``step`` isolates them per request where it can) and logged. Should the loop itself
         die, ``dead`` says why (the server's /health reports it)."""
-        busy = False
+        busy, idle_since = False, 0.0
         try:
             while not self._stop.is_set() and not (until is not None and until()):
                 if not self.active and not self.waiting:
-                    if busy:  # idle now: another thread may run the model meanwhile (ckernels.release_threads)
+                    now = time.monotonic()
+                    if busy:
+                        busy, idle_since = False, now
+                    elif idle_since and now - idle_since >= self.RELEASE_IDLE_S:
+                        # idle a while: another thread may run the model meanwhile (ckernels.release_threads)
                         release_threads()
-                    busy = False
+                        idle_since = 0.0
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
