@@ -24,22 +24,29 @@ static inline float KVN(dot_kv)(const float *a, const KV_T *b, int D) {
 
 #if KV_AVX2 && defined(__FMA__)
 /* dot_kv of qv with the 8 keys kr[0..7], each times scale, into out[0..7]: every key's lanes and
- * final sums are dot_kv's, 8 keys' reductions done at once. D a multiple of 8. */
+ * final sums are dot_kv's, 8 keys' reductions done at once. D a multiple of 8. With AVX-512 two
+ * keys share a vector (lanes 0-7 one key's, 8-15 the next one's): the same lane operations. */
 static inline void KVN(dot8_scaled)(const float *qv, const KV_T *const *kr, int D, float scale, float *out) {
     __m256 acc[8];
+#if defined(__AVX512F__)
+    __m512 acc2[4];
+    for (int k = 0; k < 4; k++) acc2[k] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m512 qd = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qv + d))));
+        for (int k = 0; k < 4; k++) acc2[k] = _mm512_add_ps(acc2[k], _mm512_mul_ps(qd, KV_LOAD2X8(kr[2 * k] + d, kr[2 * k + 1] + d)));
+    }
+    for (int k = 0; k < 4; k++) {
+        acc[2 * k] = _mm512_castps512_ps256(acc2[k]);
+        acc[2 * k + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc2[k]), 1));
+    }
+#else
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         __m256 qd = _mm256_loadu_ps(qv + d);
         for (int k = 0; k < 8; k++) acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qd, KV_LOAD8(kr[k] + d)));
     }
-    /* per key ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)): halves added, then two pair sums */
-    __m256 h[4];
-    for (int k = 0; k < 4; k++)
-        h[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x20),
-                             _mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x31));
-    __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])); /* keys 0 2 4 6 1 3 5 7 */
-    sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+#endif
+    sums8_scaled(acc, scale, out);
 }
 #endif
 
@@ -99,8 +106,22 @@ static inline void KVN(value_block)(int n, const KV_T *vb, int base, int D, cons
         int a = j0 > lo[r] ? j0 : lo[r], b = j1 < hi[r] ? j1 : hi[r];
         const float *wr = w + (int64_t)r * smax - lo[r];
         float *ar = acc + (int64_t)r * D;
-#if KV_AVX2
+#if KV_AVX2 && defined(__AVX512F__)
         if (D % 64 == 0) { /* register sums, 64 columns at a time, carried from block to block through ar */
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                __m512 s[4];
+                for (int u = 0; u < 4; u++) s[u] = _mm512_loadu_ps(ar + d0 + 16 * u);
+                for (int j = a; j < b; j++) {
+                    const KV_T *vr = vb + (int64_t)(j - base) * D + d0;
+                    __m512 p = _mm512_set1_ps(wr[j]);
+                    for (int u = 0; u < 4; u++) s[u] = _mm512_add_ps(s[u], _mm512_mul_ps(p, KV_LOAD16(vr + 16 * u)));
+                }
+                for (int u = 0; u < 4; u++) _mm512_storeu_ps(ar + d0 + 16 * u, s[u]);
+            }
+            continue;
+        }
+#elif KV_AVX2
+        if (D % 64 == 0) { /* the same in 8-lane vectors */
             for (int d0 = 0; d0 < D; d0 += 64) {
                 __m256 s[8];
                 for (int u = 0; u < 8; u++) s[u] = _mm256_loadu_ps(ar + d0 + 8 * u);
@@ -170,12 +191,9 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
         float *wr = w + (int64_t)r * smax;
         int nr = hi[r] > lo[r] ? hi[r] - lo[r] : 0, S = nr + n_extra[r];
         for (int e = 0; e < n_extra[r]; e++) wr[nr + e] = KVN(dot_kv)(q[r], kh + (int64_t)extra[r][e] * D, D) * scale;
-        float m = -INFINITY;
-        for (int j = 0; j < S; j++) {
-            float s = capped(wr[j], softcap, tanh_fn);
-            wr[j] = s;
-            m = s > m ? s : m;
-        }
+        if (softcap > 0.0f)
+            for (int j = 0; j < S; j++) wr[j] = capped(wr[j], softcap, tanh_fn);
+        float m = max_score(wr, S);
         inv[r] = 1.0f / softmax_weights(wr, S, m);
         for (int d = 0; d < D; d++) acc[(int64_t)r * D + d] = 0.0f;
     }
@@ -269,5 +287,7 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
 #undef KV_SUF
 #undef KV_GET
 #undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_LOAD2X8
 #undef KV_AVX2
 #undef KV_WIDENS

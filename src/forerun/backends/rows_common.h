@@ -104,6 +104,25 @@ static inline float capped(float s, float softcap, float (*tanh_fn)(float)) {
     return softcap > 0.0f ? tanh_fn(s / softcap) * softcap : s;
 }
 
+/* The largest of w[0..S-1] as the loop m = -inf; m = w[j] > m ? w[j] : m gives it (a NaN never
+ * taken), in 8 lanes where the build has them: the same value, bar the sign of a zero maximum,
+ * which softmax_weights' exp(w - m) cannot tell apart. */
+static inline float max_score(const float *w, int S) {
+    float m = -INFINITY;
+    int j = 0;
+#if defined(__AVX2__)
+    if (S >= 8) {
+        __m256 v = _mm256_set1_ps(-INFINITY);
+        for (; j + 8 <= S; j += 8) v = _mm256_max_ps(_mm256_loadu_ps(w + j), v); /* w > v ? w : v, as below */
+        float l[8];
+        _mm256_storeu_ps(l, v);
+        for (int k = 0; k < 8; k++) m = l[k] > m ? l[k] : m;
+    }
+#endif
+    for (; j < S; j++) m = w[j] > m ? w[j] : m;
+    return m;
+}
+
 /* Softmax weights in place: w[j] = exp(w[j] - m) for j < S; returns their sum, added in 8 lanes by
  * j's position in w and then in a fixed order (so it depends on the row's own scores only). */
 static inline float softmax_weights(float *w, int S, float m) {
@@ -172,10 +191,28 @@ static inline int kv_block(int D) { return D <= 64 ? 64 : D <= 128 ? 32 : 16; } 
 #define KV_CAT(a, b) KV_CAT2(a, b)
 #define KVN(x) KV_CAT(x, KV_SUF)
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The 8 sums acc[k] (8 lanes each) as dot_kv reduces them, times scale, into out[0..7]: per key
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)): halves added, then two pair sums. */
+static inline void sums8_scaled(const __m256 *acc, float scale, float *out) {
+    __m256 h[4];
+    for (int k = 0; k < 4; k++)
+        h[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x31));
+    __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])); /* keys 0 2 4 6 1 3 5 7 */
+    sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+}
+#endif
+
 #define KV_T float
 #define KV_SUF f32
 #define KV_GET(p) (*(p))
 #define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#define KV_LOAD2X8(a, b) \
+    _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))), \
+                                        _mm256_castps_pd(_mm256_loadu_ps(b)), 1))
 #define KV_WIDENS 0
 #if defined(__AVX2__)
 #define KV_AVX2 1
@@ -188,6 +225,10 @@ static inline int kv_block(int D) { return D <= 64 ? 64 : D <= 128 ? 32 : 16; } 
 #define KV_SUF f16
 #define KV_GET(p) half_to_float(*(p))
 #define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define KV_LOAD2X8(a, b) \
+    _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a))), \
+                                            _mm_loadu_si128((const __m128i *)(b)), 1))
 #define KV_WIDENS 1
 #if defined(__AVX2__) && defined(__F16C__)
 #define KV_AVX2 1
