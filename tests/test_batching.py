@@ -425,6 +425,15 @@ def test_calibration_is_kept_for_the_next_start(gemma, tmp_path, monkeypatch):
     assert second.calibrate(reps=1, keep_as=key) == costs
     other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1, k_max=8)
     assert list(other.calibrate(reps=1, keep_as=key)) == list(range(1, 10))  # another engine shape: timed
+    # changed kernels (their sources' digest) are timed again
+    from forerun import kept
+
+    monkeypatch.setattr(kept, "sources_id", lambda: "other kernels")
+    again = []
+    third = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2, k_max=8)
+    monkeypatch.setattr(third, "_pass", lambda *a, **k: again.append(1))
+    third.calibrate(reps=1, keep_as=key)
+    assert again
 
 
 def test_slots_reserve_a_bounded_cache(gemma, monkeypatch):

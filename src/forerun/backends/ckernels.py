@@ -131,6 +131,14 @@ def kernel_path(name: str, cc: str, build: str) -> Path:
     return cache_dir() / "kernels" / f"{name}-{build}-{key}.so"
 
 
+@functools.lru_cache(maxsize=1)
+def sources_id() -> str:
+    """A digest of every kernel source and header: what a timing of our kernels depends on besides
+    the machine (``kept`` keys its measurements by it, so changed kernels are timed again)."""
+    here = Path(__file__).parent
+    return hashlib.sha1(b"\0".join(p.read_bytes() for p in sorted([*here.glob("*.c"), *here.glob("*.h")]))).hexdigest()[:12]
+
+
 def _sources(name: str) -> list[Path]:
     here = Path(__file__).parent
     return [here / f"{name}.c", *(here / f for f in KERNELS[name].more_sources)]
