@@ -426,9 +426,9 @@ def test_calibration_is_kept_for_the_next_start(gemma, tmp_path, monkeypatch):
     other = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=1, k_max=8)
     assert list(other.calibrate(reps=1, keep_as=key)) == list(range(1, 10))  # another engine shape: timed
     # changed kernels (their sources' digest) are timed again
-    from forerun import kept
+    import forerun.batching
 
-    monkeypatch.setattr(kept, "sources_id", lambda: "other kernels")
+    monkeypatch.setattr(forerun.batching, "sources_id", lambda: "other kernels")
     again = []
     third = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=NgramDrafter(), max_batch=2, k_max=8)
     monkeypatch.setattr(third, "_pass", lambda *a, **k: again.append(1))

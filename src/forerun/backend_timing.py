@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from forerun import kept
-from forerun.backends.ckernels import chosen_isa
+from forerun.backends.ckernels import chosen_isa, sources_id
 from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
 from forerun.timing import median_forward_s
 
@@ -57,7 +57,7 @@ def measure(path: Path, threads: int, load_torch) -> dict:
 def _key(path: Path, threads: int) -> list:
     import llama_cpp  # optional (the llamacpp extra): only a llama.cpp timing asks
 
-    return [kept.file_key(path), chosen_isa(), threads, getattr(llama_cpp, "__version__", "?")]
+    return [kept.file_key(path), chosen_isa(), sources_id(), threads, getattr(llama_cpp, "__version__", "?")]
 
 
 def timing(path: str | Path, load_torch, threads: int | None = None) -> dict:

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from forerun import kept
-from forerun.backends.ckernels import release_threads
+from forerun.backends.ckernels import release_threads, sources_id
 from forerun.decode import Decoder, Sequence
 from forerun.draft_length import K_MAX, DraftLength
 from forerun.errors import ForerunError
@@ -223,7 +223,7 @@ class BatchEngine:
             return {}
         if keep_as is not None:
             key = [*keep_as, self.max_batch, self.policy.k_max, rows, reps, torch.get_num_threads(),
-                   type(self.target).__name__, getattr(self.target, "body_kernel", None)]
+                   type(self.target).__name__, getattr(self.target, "body_kernel", None), sources_id()]
             costs = kept.measured("batch-costs", key, lambda: {str(r): t for r, t in self.calibrate(
                 rows, reps, budget_s, progress).items()}, "timing batched passes once for this model and machine")
             self.policy.costs["pass"].update({int(r): t for r, t in costs.items()})

@@ -4,10 +4,11 @@ Some choices are made by timing on the machine at hand (which backend decodes a 
 faster, whether llama.cpp's greedy head pays, what a batched pass costs). Timing them in every
 process made every start slow, and most under load, when it is slowest. A measurement here is
 kept in the cache folder under a key of what it depends on (the caller's: a model file, a thread
-count) and of the machine (CPU model and flags, library versions, our kernels' sources), with the
-load average it was taken under. One taken on a busy machine (a 1-minute load average above half a process per core
-before it started) is used but taken again by the first process that finds the machine quiet; a
-busy retake never replaces a quiet measurement.
+count; a digest of our kernels' sources, ``ckernels.sources_id``, where it times them) and of the
+machine (CPU model and flags, library versions), with the load average it was taken under. One
+taken on a busy machine (a 1-minute load average above half a process per core before it started)
+is used but taken again by the first process that finds the machine quiet; a busy retake never
+replaces a quiet measurement.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Callable
 import torch
 
 from forerun import __version__
-from forerun.backends.ckernels import sources_id
 from forerun.machine import cpu_flags, cpu_name
 from forerun.paths import cache_dir
 
@@ -47,7 +47,7 @@ def file_key(path) -> str:
 
 
 def _machine() -> list[str]:
-    return [cpu_name(), " ".join(sorted(cpu_flags())), str(os.cpu_count()), torch.__version__, __version__, sources_id()]
+    return [cpu_name(), " ".join(sorted(cpu_flags())), str(os.cpu_count()), torch.__version__, __version__]
 
 
 def path_of(name: str, key: list) -> Path:
