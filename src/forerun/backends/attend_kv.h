@@ -148,9 +148,9 @@ static inline void KVN(value_block)(int n, const KV_T *vb, int base, int D, cons
  * of about 16 KiB that every row uses while they are in the L1 cache, so a pass of n rows reads a
  * head's keys and values once, not n times (at a context of 1,000 the keys and values are most of
  * what a pass reads). A float16 cache's block is widened once into ``wide`` ([KB][D] floats) where
- * several rows share it, and the rows then read floats: the widening is exact, so every product is
- * the one a row alone computes, without the conversion repeated per row (most of a long prompt's
- * attention otherwise). n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a
+ * WIDEN_ROWS or more rows share it, and the rows then read floats: the widening is exact, so every
+ * product is the one a row alone computes, without the conversion repeated per row (8% of a long
+ * prompt's attention). n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a
  * row sees), wide. */
 #ifndef ROW_GROUP
 #define ROW_GROUP 16
