@@ -198,10 +198,9 @@ static inline void run_groups(const qweight_t *w, const qact_t *a, int64_t g, in
 #if HAVE_SIMD
     if (!force_portable) {
 #if PAIR == 2
-        if (n == 2 && a->N >= PAIR_ROWS) {
-            group_simd_512(w, a, g, out, ldo, (int)(w->V - (g + 1) * 8 < 8 ? w->V - (g + 1) * 8 : 8));
+        if (n == 2 && a->N >= PAIR_ROWS &&
+            group_simd_512(w, a, g, out, ldo, (int)(w->V - (g + 1) * 8 < 8 ? w->V - (g + 1) * 8 : 8)))
             return;
-        }
 #endif
         for (int k = 0; k < n; k++) group_simd_256(w, a, g + k, out + 8 * k, ldo, 0);
         return;

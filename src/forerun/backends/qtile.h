@@ -197,64 +197,75 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
 
 /* One tile of nr rows, constants chosen for the common weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
  * Q6_K, Q8_0) so that the tile's sums stay in registers; anything else (U8: a Q8_0 tensor with no
- * negative code) takes the same code with run-time flags. */
-static inline __attribute__((always_inline)) void QT(tile)(const qweight_t *w, const qact_t *a, int64_t g, int r0,
-                                                           const int nr, int span, QT_VF *res) {
+ * negative code) takes the same code with run-time flags at 256 bits, and is refused (0) at 512
+ * bits, where the caller runs it as two 256-bit groups: the 512-bit copies of those rare cases
+ * would double the build's compile time for nothing. 1: done. */
+#if QT_W == 256
+#define QT_GENERIC(x) x
+#else
+#define QT_GENERIC(x) return 0
+#endif
+static inline __attribute__((always_inline)) int QT(tile)(const qweight_t *w, const qact_t *a, int64_t g, int r0,
+                                                          const int nr, int span, QT_VF *res) {
     const int zb = w->zb != 0, off = w->offset != NULL, f16 = w->f16;
 #define GT(K, S, SP, ZB, OFF, F16) QT(group_tile)(w, a, g, r0, nr, K, S, SP, ZB, OFF, F16, res)
     if (w->kind == U4 && w->sub == 1) {
         if (!zb && off && f16) GT(U4, 1, 8, 0, 1, 1);
         else if (!zb && off && !f16) GT(U4, 1, 8, 0, 1, 0);
         else if (zb && !off && f16) GT(U4, 1, 8, 1, 0, 1);
-        else GT(U4, 1, 8, zb, off, f16);
+        else QT_GENERIC(GT(U4, 1, 8, zb, off, f16));
     } else if (w->kind == U5 && w->sub == 1 && span >= 4) {
         if (zb && !off && f16) GT(U5, 1, 4, 1, 0, 1);
         else if (!zb && off && f16) GT(U5, 1, 4, 0, 1, 1);
         else if (!zb && off && !f16) GT(U5, 1, 4, 0, 1, 0);
-        else GT(U5, 1, 4, zb, off, f16);
+        else QT_GENERIC(GT(U5, 1, 4, zb, off, f16));
     } else if (w->kind == U6 && w->sub == 2 && span >= 2) {
         if (zb && !off && !f16) GT(U6, 2, 2, 1, 0, 0);
-        else GT(U6, 2, 2, zb, off, f16);
+        else QT_GENERIC(GT(U6, 2, 2, zb, off, f16));
     } else if (w->kind == S8 && w->sub == 1) {
         if (!zb && !off && f16) GT(S8, 1, 1, 0, 0, 1);
-        else GT(S8, 1, 1, zb, off, f16);
-    } else if (w->kind == U4) GT(U4, 2, 4, zb, off, f16);
-    else if (w->kind == U5 || w->kind == U6) GT(w->kind, w->sub, 1, zb, off, f16);
-    else if (w->kind == U8 && w->sub == 1) GT(U8, 1, 1, zb, off, f16);
-    else if (w->kind == U8) GT(U8, 2, 1, zb, off, f16);
-    else GT(S8, 2, 1, zb, off, f16);
+        else QT_GENERIC(GT(S8, 1, 1, zb, off, f16));
+    } else if (w->kind == U4) QT_GENERIC(GT(U4, 2, 4, zb, off, f16));
+    else if (w->kind == U5 || w->kind == U6) QT_GENERIC(GT(w->kind, w->sub, 1, zb, off, f16));
+    else if (w->kind == U8 && w->sub == 1) QT_GENERIC(GT(U8, 1, 1, zb, off, f16));
+    else if (w->kind == U8) QT_GENERIC(GT(U8, 2, 1, zb, off, f16));
+    else QT_GENERIC(GT(S8, 2, 1, zb, off, f16));
+    return 1;
 #undef GT
 }
+#undef QT_GENERIC
 
 /* Group g (and g + 1 at 512 bits, lanes2 of its rows: 1..8) against every row of a: outputs for
- * activation row r to out[r * ldo + lane], lanes of group g + 1 at out[r * ldo + 8 + lane]. */
-static void QT(group_simd)(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo, int lanes2) {
+ * activation row r to out[r * ldo + lane], lanes of group g + 1 at out[r * ldo + 8 + lane].
+ * 1: done; 0: a weight the tile does not take at this width (nothing written). */
+static int QT(group_simd)(const qweight_t *w, const qact_t *a, int64_t g, float *out, int64_t ldo, int lanes2) {
     int lanes = (int)(w->V - g * 8 < 8 ? w->V - g * 8 : 8);
     QT_VF res[RT];
     int tiles = (a->N + RT - 1) / RT;
     int span = span_of(w);
     (void)lanes2;
     for (int t = 0, r0 = 0; t < tiles; t++) { /* balanced tiles: 5 rows as 3 + 2, not 4 + 1 */
-        int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0);
+        int nr = (a->N - r0) / (tiles - t) + ((a->N - r0) % (tiles - t) != 0), done = 0;
         switch (nr) { /* the row count a constant in each copy */
-        case 1: QT(tile)(w, a, g, r0, 1, span, res); break;
+        case 1: done = QT(tile)(w, a, g, r0, 1, span, res); break;
 #if RT >= 2
-        case 2: QT(tile)(w, a, g, r0, 2, span, res); break;
+        case 2: done = QT(tile)(w, a, g, r0, 2, span, res); break;
 #endif
 #if RT >= 3
-        case 3: QT(tile)(w, a, g, r0, 3, span, res); break;
+        case 3: done = QT(tile)(w, a, g, r0, 3, span, res); break;
 #endif
 #if RT >= 4
-        case 4: QT(tile)(w, a, g, r0, 4, span, res); break;
+        case 4: done = QT(tile)(w, a, g, r0, 4, span, res); break;
 #endif
 #if RT >= 8
-        case 5: QT(tile)(w, a, g, r0, 5, span, res); break;
-        case 6: QT(tile)(w, a, g, r0, 6, span, res); break;
-        case 7: QT(tile)(w, a, g, r0, 7, span, res); break;
-        case 8: QT(tile)(w, a, g, r0, 8, span, res); break;
+        case 5: done = QT(tile)(w, a, g, r0, 5, span, res); break;
+        case 6: done = QT(tile)(w, a, g, r0, 6, span, res); break;
+        case 7: done = QT(tile)(w, a, g, r0, 7, span, res); break;
+        case 8: done = QT(tile)(w, a, g, r0, 8, span, res); break;
 #endif
         default: break;
         }
+        if (!done) return 0; /* the same weight for every tile: refused at the first */
         for (int r = 0; r < nr; r++) {
             float *o = out + (int64_t)(r0 + r) * ldo;
 #if QT_W == 512
@@ -278,6 +289,7 @@ static void QT(group_simd)(const qweight_t *w, const qact_t *a, int64_t g, float
         r0 += nr;
     }
     (void)lanes;
+    return 1;
 }
 
 #undef QT
