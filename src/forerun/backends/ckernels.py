@@ -134,7 +134,8 @@ def kernel_path(name: str, cc: str, build: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def sources_id() -> str:
     """A digest of every kernel source and header: what a timing of our kernels depends on besides
-    the machine (``kept`` keys its measurements by it, so changed kernels are timed again)."""
+    the machine (the kept batch costs and backend timings are keyed by it, so changed kernels are
+    timed again)."""
     here = Path(__file__).parent
     return hashlib.sha1(b"\0".join(p.read_bytes() for p in sorted([*here.glob("*.c"), *here.glob("*.h")]))).hexdigest()[:12]
 
