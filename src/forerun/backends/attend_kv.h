@@ -151,7 +151,7 @@ static inline void KVN(value_block)(int n, const KV_T *vb, int base, int D, cons
  * WIDEN_ROWS or more rows share it, and the rows then read floats: the widening is exact, so every
  * product is the one a row alone computes, without the conversion repeated per row (8% of a long
  * prompt's attention). n <= ROW_GROUP. Scratch: w [n][smax], acc [n][D] (smax: the most slots a
- * row sees), wide. */
+ * row sees), wide (NULL: nothing widened). */
 #ifndef ROW_GROUP
 #define ROW_GROUP 16
 #endif
@@ -170,7 +170,7 @@ static inline void KVN(attend_rows)(int n, const float *const *q, const KV_T *kh
         R = hi[r] > R ? hi[r] : R;
     }
     const int KB = kv_block(D);
-    const int widen = KV_WIDENS && n >= WIDEN_ROWS;
+    const int widen = wide != NULL && n >= WIDEN_ROWS;
     /* The cache is out of the CPU's caches by the time a layer comes round again (a step streams
      * every weight in between), and a head's keys are too short a run for the hardware's prefetch
      * to ramp up: so each block of keys (values) is fetched while the one before is worked on, and
@@ -243,8 +243,10 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
     {
         float *w = (float *)malloc(sizeof(float) * (size_t)smax * ROW_GROUP);
         float *acc = (float *)malloc(sizeof(float) * (size_t)D * ROW_GROUP);
-        float *wide = KV_WIDENS ? (float *)malloc(sizeof(float) * (size_t)kv_block(D) * D) : NULL;
-        if (!w || !acc || (KV_WIDENS && !wide)) {
+        /* a block to widen only where a row group can reach WIDEN_ROWS (not in a one-token step) */
+        const int widens = KV_WIDENS && N >= WIDEN_ROWS;
+        float *wide = widens ? (float *)malloc(sizeof(float) * (size_t)kv_block(D) * D) : NULL;
+        if (!w || !acc || (widens && !wide)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -258,7 +260,7 @@ static inline int KVN(attend_pass)(const float *q, const int64_t *kbase, const i
 #endif
         int J = ng * H, j0 = ng == 1 ? (int)((int64_t)J * tid / nt) : tid, j1 = ng == 1 ? (int)((int64_t)J * (tid + 1) / nt) : J;
         for (int job = j0; job < j1; job += ng == 1 ? 1 : nt) {
-            if (!w || !acc || (KV_WIDENS && !wide)) continue;
+            if (!w || !acc || (widens && !wide)) continue;
             int g = job / H, h = job % H, t0 = start[g], n = start[g + 1] - t0;
             int64_t off = (layer * KVH + h / group) * cap[t0] * D;
             const KV_T *kh = (const KV_T *)(intptr_t)kbase[t0] + off, *vh = (const KV_T *)(intptr_t)vbase[t0] + off;
