@@ -116,6 +116,15 @@ MUTANTS = [
      "kk, vk = self._gathered(seq, kc, vc, rows[tree_row], span)", "kk, vk = kc[:, :span], vc[:, :span]",
      "fixed-shape passes: a tree row reads the cache in slot order, not laid out as its path",
      ["tests/test_fixed_rows.py"]),
+    ("fixed-tree-exact-head", "backends/greedy_targets.py", "return self._fixed is not None", "return False",
+     "fixed-shape passes: greedy tree rows decided by the exact head (the lazy walk), steps by the chunk logits",
+     ["tests/test_fixed_rows.py"]),
+    ("fixed-big-tree-library", "backends/fixed_rows.py", "return tree is not None or rows <= MAX_ROWS",
+     "return rows <= MAX_ROWS", "fixed-shape passes: a tree over 64 rows leaves the fixed chunks for the library's kernels",
+     ["tests/test_fixed_rows.py"]),
+    ("fixed-f16-stale-inf", "backends/fixed_rows.py", "sanitize = be.dtype == torch.float16", "sanitize = False",
+     "fixed-shape passes: a float16 value that overflowed stays Inf in the cache (0 x Inf = NaN when masked)",
+     ["tests/test_fixed_rows.py"]),
 ]
 
 

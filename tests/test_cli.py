@@ -278,6 +278,7 @@ def test_train_draft_distill_seeds_add_prompt_draws(capsys, tiny_folder, tmp_pat
         (["train-draft", "--kind", "eagle", "--out", "x", "--keep-vocab"], "give --init"),
         (["generate", "hi", "--method", "ngram", "--tree-nodes", "8", "--model", "MODEL"], "token trees"),
         (["generate", "hi", "--method", "eagle", "--tree-lookup", "--model", "MODEL"], "give --tree-nodes"),
+        (["generate", "hi", "--method", "suffix", "--tree-nodes", "65", "--model", "MODEL"], "--tree-nodes must be in 0..64"),
         (["generate", "hi", "--method", "eagle", "--tree-nodes", "4", "--lookup-from", "suffix", "--model", "MODEL"],
          "give --tree-lookup"),
         (["bench", "--methods", "none,eagle-tree+auto", "--lookup-from", "suffix", "--prompts", "PROMPTS",

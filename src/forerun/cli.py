@@ -71,8 +71,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=0,
-                   help="eagle/medusa/suffix: verify a token tree of this many draft nodes per step (0 = a chain, the "
-                        "default)")
+                   help="eagle/medusa/suffix: verify a token tree of this many draft nodes per step, at most 64 (0 = a "
+                        "chain, the default)")
     p.add_argument("--tree-depth", type=int, default=None, help="tree depth (default: 6 for eagle, the head count for medusa)")
     p.add_argument("--tree-lookup", nargs="?", const="always", choices=("always", "auto"), default=None,
                    help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "

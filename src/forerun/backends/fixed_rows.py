@@ -3,9 +3,9 @@ lossless by construction in any dtype.
 
 A GPU's matrix and attention kernels sum in an order that depends on the shapes they are given, so
 a row computed in a pass of 5 rows can differ in its last bits from the same row computed alone,
-and in bfloat16 that flips near-tied greedy tokens. Here every pass of up to ``MAX_ROWS`` rows (a
-one-token step, a verify chain or token tree, a batched pass over several sequences) runs in the
-same shapes whatever its size:
+and in bfloat16 that flips near-tied greedy tokens. Here every pass that is not a prompt (a
+one-token step, a verify chain of up to ``MAX_ROWS`` rows, a token tree of any size, a batched pass
+over several sequences: see ``fixed_takes``) runs in the same shapes whatever its size:
 
 - rows go through the layers in chunks of exactly ``ROW_BUCKET`` rows (a short chunk is padded;
   padding rows write their keys and values to a slot no position reads), so every product has the
@@ -20,8 +20,12 @@ same shapes whatever its size:
 
 Chunks run one after another (the rows of a pass are in causal order: parents before children), so
 a row sees exactly what it would see as a one-token step. A batched pass puts its sequences' rows
-one after another into shared chunks, each row writing and reading its own sequence's cache. On CUDA, a chunk of chain rows is a
-captured graph, replayed (``CUDA_GRAPHS``): one launch instead of a few hundred per pass.
+one after another into shared chunks, each row writing and reading its own sequence's cache. A
+greedy token is the argmax of the chunk's logits, for a tree row as for a one-token step.
+
+On CUDA, a chunk of one sequence's chain rows is a captured graph, replayed (``CUDA_GRAPHS``): one
+launch instead of a few hundred per pass. A sequence's graphs are held by its backend, beside the
+cache they read, and go with it; every capture runs on one stream into one memory pool.
 """
 
 from __future__ import annotations
@@ -39,10 +43,18 @@ from forerun.tree import tree_layout
 log = logging.getLogger("forerun")
 
 ROW_BUCKET = 16  # rows of every product
-MAX_ROWS = 64  # longer passes (prompts) take the library kernels, for every method alike
+MAX_ROWS = 64  # longer chains are prompts: they take the library kernels, for every method alike
 MIN_KEYS = 256
 FIXED_DEFAULT_CONTEXT = 16384  # positions cached when the caller names no context (the cache is allocated whole)
 CUDA_GRAPHS = True  # replay captured graphs of chain chunks on CUDA
+
+
+def fixed_takes(rows: int, tree) -> bool:
+    """Whether a pass of ``rows`` rows (``tree``: a token tree's parents, or None) runs in fixed
+    shapes: every token tree, whatever its size, and every chain of up to ``MAX_ROWS`` rows (a
+    verify chain is at most ``draft_length.MAX_K`` + 1 rows). A longer chain is a prompt, read once
+    and the same way by every method."""
+    return tree is not None or rows <= MAX_ROWS
 
 
 def key_span(position: int, limit: int) -> int:
@@ -55,13 +67,48 @@ def _linear(lin, x: torch.Tensor, bias) -> torch.Tensor:
     return add_bias(F.linear(x, lin.weight), bias)  # the library product at this chunk's fixed shape
 
 
+def _norm(be, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMS norm over the last dimension, as ``arch.rms_norm`` (its weight before or after the cast
+    back), through torch's own norm (one kernel where the device has a fused one)."""
+    xf = F.rms_norm(x.float(), (x.shape[-1],), eps=be.eps)
+    return (xf * weight).type_as(x) if be.arch.gemma_norms else weight * xf.type_as(x)
+
+
+def _rotary(be, ropes: dict) -> dict:
+    """Per attention type, (cos, signed sin) [B, 1, head_dim] for ``_rotate``: the sin's first half
+    negated, so that x * cos + roll(x) * signed sin is ``x * cos + rotate_half(x) * sin``."""
+    out = {}
+    for kind, (cos, sin) in ropes.items():
+        half = sin.shape[-1] // 2
+        out[kind] = (cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None, :])
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, D] (queries and keys in one call): three kernels."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), signed_sin)
+
+
 class FixedRows:
-    """The fixed-shape passes of one ``NativeBackend`` and its forks (graphs are per cache)."""
+    """The fixed-shape passes of one ``NativeBackend`` and its forks. The graphs of a sequence live
+    in its backend's ``_graphs`` (keyed by key span, layers and logits), made anew with its cache;
+    what is shared here: the capture stream and memory pool, and the counts."""
 
     def __init__(self, be):
-        self.graphs: dict = {}  # (cache address, key span, layers, logits) -> (graph, inputs, outputs)
         self.graphs_off = not (CUDA_GRAPHS and be.device.type == "cuda")
-        self.captures = 0
+        self.captures = self.replays = 0
+        self.capture_s = 0.0
+        self.failures: list[str] = []  # why each failed capture failed (that shape then runs eagerly)
+        self._pool = self._stream = None
+        # per layer with query/key norms: one weight [heads + kv heads, D] norming both in one call
+        H, KVH = be.n_heads, be.n_kv_heads
+        self.qk_norm = [None if l.q_norm is None else
+                        torch.cat([l.q_norm.expand(H, -1), l.k_norm.expand(KVH, -1)]).contiguous() for l in be.layers]
+
+    def stats(self) -> dict:
+        """Graphs captured and replayed, capture seconds, and failed captures (each an error)."""
+        return {"captured": self.captures, "replayed": self.replays, "capture_s": round(self.capture_s, 3),
+                "failed": list(self.failures)}
 
     # -- passes ------------------------------------------------------------------------------
     @staticmethod
@@ -81,7 +128,7 @@ class FixedRows:
     def forward(self, be, tokens: torch.Tensor, pos: int, tree, layers, want_logits: bool):
         """Final normed hidden states [T, hidden], float32 logits [T, vocab] (or None) and the
         outputs of ``layers`` [T, len(layers) * hidden] (or None) of a pass at ``pos``."""
-        return self._run(be, tokens, self._rows(be, pos, tokens.numel(), tree), tuple(layers), want_logits)
+        return self._run(be, tokens.cpu(), self._rows(be, pos, tokens.numel(), tree), tuple(layers), want_logits)
 
     def forward_batch(self, be, seqs, feeds, positions, trees, layers, want_logits: bool) -> list[tuple]:
         """One pass over several sequences (forks of ``be``): their rows one after another, in
@@ -91,7 +138,7 @@ class FixedRows:
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             rows += self._rows(seq, pos, feed.numel(), trees[i] if i < len(trees) else None)
             sizes.append(feed.numel())
-        tokens = torch.cat([f.to(be.device) for f in feeds])
+        tokens = torch.cat([f.cpu() for f in feeds])
         outs = self._run(be, tokens, rows, tuple(layers), want_logits)
         split = [x.split(sizes) if x is not None else [None] * len(sizes) for x in outs]
         return list(zip(*split))
@@ -103,36 +150,49 @@ class FixedRows:
             hs.append(h)
             logits.append(lg)
             feats.append(ft)
-        cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs) if len(xs) > 1 else xs[0]  # noqa: E731
         return cat(hs), cat(logits), cat(feats)
 
     def _chunk(self, be, tokens, rows, layers, want_logits):
-        n, B, dev = len(rows), ROW_BUCKET, be.device
+        """One chunk of up to ``ROW_BUCKET`` rows (tokens on the CPU): its inputs go to the device in
+        one copy ([3, ROW_BUCKET]: tokens, positions, slots; padding rows at position 0, writing the
+        spare slot), then its graph replays or the layers run eagerly."""
+        n, B = len(rows), ROW_BUCKET
         limit = be.max_context
         spans = {key_span(r[0], limit) for r in rows}
-        tok = torch.zeros(B, dtype=torch.long, device=dev)
-        tok[:n] = tokens
-        p = torch.zeros(B, dtype=torch.long, device="cpu")
-        p[:n] = torch.tensor([r[0] for r in rows], device="cpu")
-        p = p.to(dev)
+        ins = torch.zeros(3, B, dtype=torch.long)
+        ins[0, :n] = tokens
+        ins[1, :n] = torch.tensor([r[0] for r in rows])
+        ins[2] = limit
+        ins[2, :n] = torch.tensor([r[1] for r in rows])
         seq = rows[0][3]
         one_chain = all(r[2] is None and r[3] is seq for r in rows) and len(spans) == 1
         if one_chain and not self.graphs_off:
-            slot = torch.full((B,), limit, dtype=torch.long, device="cpu")  # padding rows: the spare slot
-            slot[:n] = torch.tensor([r[1] for r in rows], device="cpu")
-            h, lg, ft = self._replay(seq, tok, p, slot.to(dev), spans.pop(), layers, want_logits)
-        else:
-            h, lg, ft = self.core(be, tok, p, None, rows, layers, want_logits)
+            return self._replay(seq, ins, spans.pop(), layers, want_logits, n)
+        h, lg, ft = self.core(be, ins.to(be.device), rows, layers, want_logits)
         return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]
 
-    def core(self, be, tok, p, slot, rows, layers, want_logits):
+    def chunk_logits(self, be, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab] of final normed hidden states h [n, hidden], each row through
+        the LM head in a ``ROW_BUCKET``-row product as a pass's chunk forms it (same shape, same bits)."""
+        out = []
+        for c in range(0, h.shape[0], ROW_BUCKET):
+            part = h[c: c + ROW_BUCKET]
+            pad = part.new_zeros(ROW_BUCKET, part.shape[1])
+            pad[: part.shape[0]] = part
+            out.append(be._logits(pad)[: part.shape[0]])
+        return torch.cat(out) if out else h.new_zeros(0, be.vocab_size, dtype=torch.float32)
+
+    def core(self, be, ins, rows, layers, want_logits):
         """The layers over one chunk of ``ROW_BUCKET`` rows (static shapes: what a graph captures).
-        ``rows``: an int, the one key span of a chain chunk of ``be``'s own rows whose cache slots
-        are ``slot``; or per real row (position, slot, key map or None, sequence's backend)."""
+        ``ins`` [3, ROW_BUCKET] on the device: tokens, positions, slots. ``rows``: an int, the one
+        key span of a chain chunk of ``be``'s own rows, whose cache slots are ``ins[2]``; or per
+        real row (position, slot, key map or None, sequence's backend)."""
         B, D, H, KVH = ROW_BUCKET, be.head_dim, be.n_heads, be.n_kv_heads
         limit = be.max_context
+        tok, p = ins[0], ins[1]
         if isinstance(rows, int):
-            writes = [(be, slot)]
+            writes = [(be, ins[2])]
             groups = {(be, rows, None): None}  # every row: one key span, keys in cache order
         else:
             writes = []  # per sequence: where each row's keys and values go (other rows: the spare slot)
@@ -146,22 +206,33 @@ class FixedRows:
             for j, (pos_j, _, path, seq) in enumerate(rows):
                 groups.setdefault((seq, key_span(pos_j, limit), None if path is None else j), []).append(j)
         keys_at = torch.arange(limit, device=be.device)
+        hidden: dict = {}  # (key span, window) -> the slots each row must not see [B, span], once a chunk
+
+        def hide(span, window):
+            if (span, window) not in hidden:
+                keys = keys_at[:span][None, :]
+                m = keys > p[:, None]
+                if window:
+                    m = m | (keys <= p[:, None] - window)
+                hidden[(span, window)] = m
+            return hidden[(span, window)]
+
         h = be._embeddings(tok) * be.embed_scale
-        ropes = be._rope(p)  # elementwise per row, as the float path rotates
+        ropes = _rotary(be, be._rope(p))  # elementwise per row
+        sanitize = be.dtype == torch.float16  # a stale overflow in a masked value slot would give 0 x Inf = NaN
         want = {}
         for i, layer in enumerate(be.layers):
-            x = be._norm(h, layer.norms[0])
+            x = _norm(be, h, layer.norms[0])
             qkv = _linear(layer.qkv, x, layer.qkv_bias)
-            q = qkv[:, : layer.n_q].view(B, H, D)
-            k = qkv[:, layer.n_q: layer.n_q + layer.n_kv].view(B, KVH, D)
+            qk = qkv[:, : layer.n_q + layer.n_kv].view(B, H + KVH, D)  # queries and keys, side by side
             v = qkv[:, layer.n_q + layer.n_kv:].view(B, KVH, D)
-            if layer.q_norm is not None:
-                q, k = be._norm(q, layer.q_norm), be._norm(k, layer.k_norm)
+            if self.qk_norm[i] is not None:
+                qk = _norm(be, qk, self.qk_norm[i])
             kind = "sliding_attention" if layer.sliding else "full_attention"
-            cos, sin = ropes[kind] if kind in ropes else next(iter(ropes.values()))
-            c, s = cos[:, None, :], sin[:, None, :]
-            q = q * c + rotate_half(q) * s
-            k = k * c + rotate_half(k) * s
+            qk = _rotate(qk, *(ropes[kind] if kind in ropes else next(iter(ropes.values()))))
+            q, k = qk[:, :H], qk[:, H:]
+            if sanitize:
+                v = torch.nan_to_num(v)
             for seq, sl in writes:  # [kv_heads, slots, D] per layer
                 seq.k_cache[i].index_copy_(1, sl, k.transpose(0, 1))
                 seq.v_cache[i].index_copy_(1, sl, v.transpose(0, 1))
@@ -170,10 +241,10 @@ class FixedRows:
             for (seq, span, tree_row), members in groups.items():
                 kc, vc = seq.k_cache[i], seq.v_cache[i]
                 if tree_row is None:
-                    out = self._attend(be, q, kc[:, :span], vc[:, :span], p, keys_at[:span], window)
+                    out = self._attend(be, q, kc[:, :span], vc[:, :span], hide(span, window))
                 else:  # the row's keys laid out as a one-token step at its position reads them
                     kk, vk = self._gathered(seq, kc, vc, rows[tree_row], span)
-                    out = self._attend(be, q, kk, vk, p, keys_at[:span], window)
+                    out = self._attend(be, q, kk, vk, hide(span, window))
                 if members is None or len(groups) == 1:
                     att = out
                 else:
@@ -181,36 +252,33 @@ class FixedRows:
                     att[members] = out[members]
             x = _linear(layer.o, att, layer.o_bias)
             if be.arch.sandwich:
-                h = h + be._norm(x, layer.norms[1])
-                x = be._norm(h, layer.norms[2])
+                h = h + _norm(be, x, layer.norms[1])
+                x = _norm(be, h, layer.norms[2])
             else:
                 h = h + x
-                x = be._norm(h, layer.norms[1])
+                x = _norm(be, h, layer.norms[1])
             gu = _linear(layer.gate_up, x, layer.gate_up_bias)
             x = _linear(layer.down, layer.act(gu[:, : layer.inter]) * gu[:, layer.inter:], layer.down_bias)
-            h = h + (be._norm(x, layer.norms[3]) if be.arch.sandwich else x)
+            h = h + (_norm(be, x, layer.norms[3]) if be.arch.sandwich else x)
             if i in layers:
                 want[i] = h
-        hn = be._norm(h, be.final_norm)
+        hn = _norm(be, h, be.final_norm)
         logits = be._logits(hn) if want_logits else None
         return hn, logits, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @staticmethod
-    def _attend(be, q, kk, vv, p, keys, window):
-        """q [B, heads, D] over keys kk, vv [kv_heads, L, D]: slot j visible to row b when j <= p[b]
-        (and j > p[b] - window); [B, heads * D]."""
+    def _attend(be, q, kk, vv, hide):
+        """q [B, heads, D] over keys kk, vv [kv_heads, L, D], slot j hidden from row b where
+        ``hide[b, j]``; [B, heads * D]."""
         B, H, D = q.shape
         KVH = kk.shape[0]
         g = H // KVH
-        qg = q.view(B, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * B, D)
+        qg = q.reshape(B, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * B, D)
         scores = torch.matmul(qg, kk.transpose(1, 2)).float() * be.scale  # [kv_heads, g * B, L]
         if be.arch.attn_softcap:
             cap = be.arch.attn_softcap
             scores = torch.tanh(scores / cap) * cap
-        seen = keys[None, :] <= p[:, None]  # [B, L]
-        if window:
-            seen = seen & (keys[None, :] > p[:, None] - window)
-        scores = scores.view(KVH, g, B, -1).masked_fill(~seen[None, None], float("-inf"))
+        scores = scores.view(KVH, g, B, -1).masked_fill(hide[None, None], float("-inf"))
         w = torch.softmax(scores, -1).to(vv.dtype).view(KVH, g * B, -1)
         out = torch.matmul(w, vv)  # [kv_heads, g * B, D]
         return out.view(KVH, g, B, D).permute(2, 0, 1, 3).reshape(B, H * D)
@@ -235,57 +303,69 @@ class FixedRows:
 
     # -- CUDA graphs ---------------------------------------------------------------------------
     def prepare(self, be, up_to: int, layers=(), progress: bool = True) -> int:
-        """Capture now, with a progress bar, the graphs of chain chunks at every key span a pass
-        up to position ``up_to`` can read (otherwise each is captured on its first use); the
+        """Capture now, with a progress bar, ``be``'s graphs of chain chunks at every key span a
+        pass up to position ``up_to`` can read (otherwise each is captured on its first use); the
         padding rows' spare slot is all they write. Returns how many were captured."""
         if self.graphs_off:
             return 0
         be._ensure_capacity(1)
         last = min(up_to, be.max_context) - 1
         spans = sorted({key_span(q, be.max_context) for q in [0, last] + [1 << i for i in range(last.bit_length())]})
-        before = self.captures
-        dev, B = be.device, ROW_BUCKET
-        tok = torch.zeros(B, dtype=torch.long, device=dev)
-        p = torch.zeros(B, dtype=torch.long, device=dev)
-        slot = torch.full((B,), be.max_context, dtype=torch.long, device=dev)
+        before, t0 = self.captures, self.capture_s
+        ins = torch.zeros(3, ROW_BUCKET, dtype=torch.long)
+        ins[2] = be.max_context
         with torch.inference_mode():
             for span in tqdm(spans, desc="capturing CUDA graphs", unit="graph", disable=not progress, leave=False):
                 for want_logits in (True, False):
-                    self._replay(be, tok, p, slot, span, tuple(layers), want_logits)
+                    self._replay(be, ins, span, tuple(layers), want_logits, ROW_BUCKET)
+        log.info("%d CUDA graphs captured in %.1f s (key spans %s; a sequence's others on first use)",
+                 self.captures - before, self.capture_s - t0, spans)
         return self.captures - before
 
-    def _replay(self, be, tok, p, slot, span, layers, want_logits):
-        key = (be.k_cache.data_ptr(), span, layers, want_logits)
-        entry = self.graphs.get(key)
+    def _replay(self, be, ins, span, layers, want_logits, n):
+        """The chain chunk ``ins`` (on the CPU) through ``be``'s graph of this shape, captured on
+        first use; the first ``n`` rows of its outputs (copies: the buffers are the next replay's)."""
+        key = (span, layers, want_logits)
+        entry = be._graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(be, tok, p, slot, span, layers, want_logits)
-        if entry is False:  # capture failed once: eager from now on for this shape
-            return self.core(be, tok, p, slot, span, layers, want_logits)
-        graph, (t_in, p_in, s_in), outs = entry
-        t_in.copy_(tok)
-        p_in.copy_(p)
-        s_in.copy_(slot)
+            entry = be._graphs[key] = self._capture(be, ins, span, layers, want_logits)
+        if entry is False:  # this shape failed to capture (counted in ``failures``): eager
+            h, lg, ft = self.core(be, ins.to(be.device), span, layers, want_logits)
+            return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]
+        graph, static_in, outs = entry
+        static_in.copy_(ins)  # one host-to-device copy: tokens, positions, slots
         graph.replay()
-        return tuple(None if o is None else o.clone() for o in outs)  # the buffers are the next replay's
+        self.replays += 1
+        return tuple(None if o is None else o[:n].clone() for o in outs)
 
-    def _capture(self, be, tok, p, slot, span, layers, want_logits):
-        """A graph of ``core`` for one chain chunk shape (replayed with new inputs; its outputs are
-        static buffers, read before the next replay). False where capture fails (logged once)."""
-        ins = (tok.clone(), p.clone(), slot.clone())
+    def _capture(self, be, ins, span, layers, want_logits):
+        """A graph of ``core`` for one chain chunk shape on ``be``'s cache (replayed with new inputs;
+        its outputs are static buffers, read before the next replay), captured on the shared
+        stream into the shared pool. False where capture fails: recorded in ``failures``, logged
+        as an error once per reason, and that shape runs eagerly."""
+        static_in = ins.to(be.device)
         t0 = time.perf_counter()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
-                self.core(be, *ins, span, layers, want_logits)
-            torch.cuda.current_stream().wait_stream(side)
+            if self._stream is None:
+                self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):  # warm-up: lazy initialisations happen outside the capture
+                self.core(be, static_in, span, layers, want_logits)
+            torch.cuda.current_stream().wait_stream(self._stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = self.core(be, *ins, span, layers, want_logits)
-        except Exception as e:  # noqa: BLE001 - a graph is an optimisation: fall back to eager
-            log.warning("CUDA graph capture failed (%s: %s): this pass shape runs eagerly", type(e).__name__, e)
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                outs = self.core(be, static_in, span, layers, want_logits)
+        except Exception as e:  # noqa: BLE001 - recorded and reported; the pass still runs, eagerly
+            why = f"{type(e).__name__}: {e}"
+            if why not in self.failures:
+                log.error("CUDA graph capture failed (%s): passes of this shape run eagerly", why)
+            self.failures.append(why)
             return False
+        torch.cuda.current_stream().wait_stream(self._stream)
+        took = time.perf_counter() - t0
+        if self.captures == 0:
+            log.info("first CUDA graph (%d rows over %d keys) captured in %.0f ms; each sequence captures "
+                     "its shapes once", ROW_BUCKET, span, took * 1e3)
         self.captures += 1
-        log.info("CUDA graph of a %d-row pass over %d keys captured in %.0f ms (once per cache and shape)",
-                 ROW_BUCKET, span, (time.perf_counter() - t0) * 1e3)
-        return graph, ins, outs
+        self.capture_s += took
+        return graph, static_in, outs

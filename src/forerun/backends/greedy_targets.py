@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from forerun.backends.base import ArgmaxOutput
-from forerun.backends.fixed_rows import MAX_ROWS
+from forerun.backends.fixed_rows import fixed_takes
 from forerun.backends.greedy_head import ExactFloatArgmax
 from forerun.backends.linear import PackedLinear
 from forerun.timing import median_s
@@ -27,8 +27,9 @@ class GreedyTargets:
         default) the first call times both on one row of ``h`` (final normed hidden states; a
         random row when None) and keeps the faster for the model's lifetime, so every pass size,
         method and forked twin decides greedy tokens the same way."""
-        if self._exact is None and self.quant is not None:
-            self._exact = False  # integer logits: each row's own, so their argmax is batch-invariant already
+        if self._exact is None and (self.quant is not None or self._greedy_from_chunks):
+            # integer logits, or a fixed-shape chunk's: each row's own, so their argmax is batch-invariant already
+            self._exact = False
         if self._exact is None:
             head = None
             if self.exact_greedy and self.device.type == "cpu" and self.hidden_size % 32 == 0:
@@ -97,7 +98,11 @@ class GreedyTargets:
         """Greedy tokens [n] of final normed hidden states h [n, hidden], each decided from its
         own row: the screened exact head where it is in use, on the integer path the argmax of its
         logits found inside the kernel (no logits formed; tanh soft-capped heads, where capping can
-        make near logits equal, take the logits), else the argmax of float32 logits."""
+        make near logits equal, take the logits), on fixed-shape passes the argmax of the logits
+        of a ``ROW_BUCKET``-row chunk (the product a pass's chunk runs, so the same bits and the
+        same rule as a one-token step), else the argmax of float32 logits."""
+        if self._greedy_from_chunks:
+            return self._fixed.chunk_logits(self, h).argmax(-1)
         fn = self._argmax_without_logits(h)
         return self._logits(h).argmax(-1) if fn is None else fn(h)
 
@@ -112,8 +117,18 @@ class GreedyTargets:
     def lazy_tree_head(self) -> bool:
         """Greedy token trees run the LM head only on the rows the acceptance walk reaches
         (``forerun.tree.greedy_tree_walk``): on the CPU each head row costs a pass over the
-        262,144-row head, while a GPU does all rows of a pass in about the time of one."""
-        return self.device.type == "cpu"
+        262,144-row head, while a GPU does all rows of a pass in about the time of one. Never on
+        fixed-shape passes (a GPU, or half-precision weights on the CPU): there a tree row's token
+        is its chunk logits' argmax, as a one-token step's is, whatever the device."""
+        return self.device.type == "cpu" and not self._greedy_from_chunks
+
+    @property
+    def _greedy_from_chunks(self) -> bool:
+        """Whether greedy tokens are the argmax of fixed-shape chunk logits: on fixed-shape passes,
+        for every row (a one-token step, a chain's, a tree's, a batched pass's), never the exact
+        head nor a head product of another shape, so a tree row's token follows the rule and the
+        bits of a one-token step's."""
+        return self._fixed is not None
 
     @torch.inference_mode()
     def argmax_forward(self, tokens: torch.Tensor, pos: int, layers: Sequence[int] = (),
@@ -121,7 +136,7 @@ class GreedyTargets:
         """Greedy targets of a verify pass: the argmax [T] at every row (of a chain or a ``tree``),
         decided from each row's own hidden state alone, and the outputs of ``layers``."""
         tree_kw = {} if tree is None else {"tree": tree}
-        if self._fixed is not None and tokens.numel() <= MAX_ROWS:  # each row's logits from its own fixed-shape pass
+        if self._fixed is not None and fixed_takes(tokens.numel(), tree):  # each row's logits from its fixed-shape chunk
             passed = self.forward(tokens, pos, layers=layers, **tree_kw)
             return ArgmaxOutput(passed.logits.argmax(-1), passed.layers if layers else None)
         passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)

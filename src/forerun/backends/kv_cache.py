@@ -39,6 +39,7 @@ class KVCache:
             k[:, :, : self._cap] = self.k_cache
             v[:, :, : self._cap] = self.v_cache
         self.k_cache, self.v_cache, self._cap = k, v, cap
+        self._graphs = {}  # graphs captured on the old cache read the old cache
 
     def reserve(self, n: int) -> None:
         """Allocate the cache for ``n`` positions now (a server slot: memory stays flat afterwards)."""

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from forerun.backends.arch import Arch, Layer, add_bias, norm_weight, rms_norm, rotate_half
 from forerun.backends.attention import CacheAttention, SequenceRows, attn_rows_kernel
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
-from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, MAX_ROWS, FixedRows
+from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows, fixed_takes
 from forerun.backends.gguf_weights import GGUFWeights
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
@@ -126,6 +126,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         self.k_cache = self.v_cache = None
         self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
+        self._graphs = {}  # this sequence's CUDA graphs (``fixed_rows``): they read its cache, and go with it
 
     @property
     def embed(self) -> torch.Tensor:
@@ -154,7 +155,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
     def _twin(self) -> "NativeBackend":
         twin = object.__new__(NativeBackend)
         twin.__dict__.update(self.__dict__)
-        twin._cap, twin._len, twin.k_cache, twin.v_cache = 0, 0, None, None
+        twin._cap, twin._len, twin.k_cache, twin.v_cache, twin._graphs = 0, 0, None, None, {}
         return twin
 
     @property
@@ -204,13 +205,13 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         T = tokens.numel()
         end = pos + T
         self._ensure_capacity(end)
-        tokens = tokens.to(self.device)
-        if self._fixed is not None and T <= MAX_ROWS and not skip_layers and head is None:
-            h, lg, feats = self._fixed.forward(self, tokens, pos, tree, layers, logits)
+        if self._fixed is not None and fixed_takes(T, tree) and not skip_layers and head is None:
+            h, lg, feats = self._fixed.forward(self, tokens, pos, tree, layers, logits)  # tokens go in with positions
             self._len = end
             if last_only:
                 h, lg = h[-1:], None if lg is None else lg[-1:]
             return ForwardOutput(logits=lg, hidden=h if return_hidden else None, layers=feats)
+        tokens = tokens.to(self.device)
         if tree is None:
             positions = torch.arange(pos, end, device=self.device)
             masks = self._masks(pos, T)
@@ -328,6 +329,30 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             raise MemoryError("qrows: out of memory in a layer")
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
+    def _fixed_batch(self, seqs, feeds, positions, layers, trees) -> list:
+        """``forward_batch`` on fixed-shape passes: every verify pass (a chain, a token tree of any
+        size) in shared fixed-shape chunks, so a row's result cannot depend on the batch; a feed
+        as long as a prompt runs on its own sequence alone, as ``forward`` runs it alone."""
+        trees = [trees[i] if i < len(trees) else None for i in range(len(feeds))]
+        for seq, feed, pos, tree in zip(seqs, feeds, positions, trees):
+            seq._check_forward(feed, pos)
+            seq._ensure_capacity(pos + feed.numel())
+            if tree is not None and tree.numel() != feed.numel() - 1:
+                raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
+        chunked = [i for i, (f, t) in enumerate(zip(feeds, trees)) if fixed_takes(f.numel(), t)]
+        outs: list = [None] * len(feeds)
+        if chunked:
+            got = self._fixed.forward_batch(self, [seqs[i] for i in chunked], [feeds[i] for i in chunked],
+                                            [positions[i] for i in chunked], [trees[i] for i in chunked], layers, True)
+            for i, (_, lg, ft) in zip(chunked, got):
+                seqs[i]._len = positions[i] + feeds[i].numel()
+                outs[i] = ForwardOutput(logits=lg, layers=ft)
+        for i in range(len(feeds)):
+            if outs[i] is None:
+                passed = seqs[i].forward(feeds[i], positions[i], layers=layers)
+                outs[i] = ForwardOutput(logits=passed.logits, layers=passed.layers)
+        return outs
+
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence["NativeBackend"], feeds: Sequence[torch.Tensor],
                       positions: Sequence[int], layers: Sequence[int] = (),
@@ -338,18 +363,8 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         (float32) and, with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets
         the exact argmax of every row instead of logits (``ArgmaxOutput``), where it is found without logits
         (``argmax_hidden``: the integer path or the screened exact head)."""
-        if self._fixed is not None and all(f.numel() <= MAX_ROWS for f in feeds):
-            # fixed-shape chunks over every sequence's rows: a row's result cannot depend on the batch
-            for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
-                seq._check_forward(feed, pos)
-                seq._ensure_capacity(pos + feed.numel())
-                tree = trees[i] if i < len(trees) else None
-                if tree is not None and tree.numel() != feed.numel() - 1:
-                    raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
-            outs = self._fixed.forward_batch(self, seqs, feeds, positions, trees, layers, True)
-            for seq, feed, pos in zip(seqs, feeds, positions):
-                seq._len = pos + feed.numel()
-            return [ForwardOutput(logits=lg, layers=ft) for _, lg, ft in outs]
+        if self._fixed is not None:
+            return self._fixed_batch(seqs, feeds, positions, layers, trees)
         parts, ids = [], []
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             seq._check_forward(feed, pos)

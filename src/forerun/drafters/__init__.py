@@ -22,6 +22,7 @@ METHODS = ("none", "ngram", "suffix", "draft", "layerskip", "eagle", "medusa")
 TREE_METHODS = ("eagle", "medusa", "suffix")  # methods that can draft token trees (--tree-nodes)
 LOOKUP_SOURCES = ("ngram", "suffix")  # where a tree's lookup branch comes from (--lookup-from)
 HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
+MAX_TREE_NODES = 64  # the most draft nodes a token tree may have (--tree-nodes)
 
 
 def shipped_head(kind: str, fingerprint: dict):
@@ -136,6 +137,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         raise ForerunError(f"--tree-lookup must be 'always' or 'auto', got {tree_lookup!r}")
     if tree is not None and method not in TREE_METHODS:
         raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(TREE_METHODS)}, not {method}")
+    if tree is not None:
+        tree = tree_shape(*tree)
     if tree_lookup and method == "suffix":
         raise ForerunError("--tree-lookup adds a lookup branch to a head's tree; suffix trees already draft from lookups")
     if lookup_from not in LOOKUP_SOURCES:
@@ -171,13 +174,13 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "TREE_METHODS", "LOOKUP_SOURCES", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "MAX_TREE_NODES", "TREE_METHODS", "LOOKUP_SOURCES", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
 
 
 def tree_shape(nodes: int, depth: int | None):
     """(nodes, depth) for a token tree of ``nodes`` draft nodes, or None for a chain (nodes 0)."""
-    if nodes < 0:
-        raise ForerunError(f"--tree-nodes must be >= 0, got {nodes}")
+    if not 0 <= nodes <= MAX_TREE_NODES:
+        raise ForerunError(f"--tree-nodes must be in 0..{MAX_TREE_NODES} (0: chains), got {nodes}")
     if depth is not None and depth < 1:
         raise ForerunError(f"--tree-depth must be >= 1, got {depth}")
     return (nodes, depth) if nodes else None
