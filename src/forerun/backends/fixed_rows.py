@@ -160,11 +160,11 @@ class FixedRows:
         n, B = len(rows), ROW_BUCKET
         limit = be.max_context
         spans = {key_span(r[0], limit) for r in rows}
-        ins = torch.zeros(3, B, dtype=torch.long)
+        ins = torch.zeros(3, B, dtype=torch.long, device="cpu")
         ins[0, :n] = tokens
-        ins[1, :n] = torch.tensor([r[0] for r in rows])
+        ins[1, :n] = torch.tensor([r[0] for r in rows], device="cpu")
         ins[2] = limit
-        ins[2, :n] = torch.tensor([r[1] for r in rows])
+        ins[2, :n] = torch.tensor([r[1] for r in rows], device="cpu")
         seq = rows[0][3]
         one_chain = all(r[2] is None and r[3] is seq for r in rows) and len(spans) == 1
         if one_chain and not self.graphs_off:
@@ -312,7 +312,7 @@ class FixedRows:
         last = min(up_to, be.max_context) - 1
         spans = sorted({key_span(q, be.max_context) for q in [0, last] + [1 << i for i in range(last.bit_length())]})
         before, t0 = self.captures, self.capture_s
-        ins = torch.zeros(3, ROW_BUCKET, dtype=torch.long)
+        ins = torch.zeros(3, ROW_BUCKET, dtype=torch.long, device="cpu")
         ins[2] = be.max_context
         with torch.inference_mode():
             for span in tqdm(spans, desc="capturing CUDA graphs", unit="graph", disable=not progress, leave=False):

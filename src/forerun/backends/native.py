@@ -176,6 +176,10 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
                "batch_invariant": self.batch_invariant}
         if self.quant is not None:
             out["weights"] = "gguf blocks (integer kernels)"
+        if self._fixed is not None:
+            out["fixed_rows"] = True
+            if not self._fixed.graphs_off:  # captured, replayed, and every failed capture (an error)
+                out["cuda_graphs"] = self._fixed.stats()
         return out
 
     def sub_head(self, rows: torch.Tensor) -> PackedLinear:
