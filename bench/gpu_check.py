@@ -288,7 +288,7 @@ def check_model(shape, dtype, dev, args, bandwidth, log, path: Path, full: bool)
     if full:
         row.stage("profile", profile, log)
     if be._fixed is not None:
-        d["graphs"] = be._fixed.stats()
+        d["graphs"] = {**be._fixed.stats(), "off": be._fixed.graphs_off}
         if d["graphs"]["failed"]:
             d["errors"].append(f"CUDA graph capture failed {len(d['graphs']['failed'])} times: {d['graphs']['failed'][0]}")
     for k in [k for k in d if k.startswith("tok_s_")]:
@@ -354,7 +354,8 @@ def table(info: dict, rows: list[dict], peers: dict, tests: dict | None, times: 
                  r.get("tok_s_ngram", "-"), r.get("tok_s_suffix", "-"), r.get("tok_s_suffix-tree", "-"),
                  p.get("tok_s_hf_dynamic", "-"), p.get("tok_s_hf_static", "-"),
                  ", ".join(eq.get(m, "-") for m in METHODS), r.get("batch16_equal", "-"),
-                 f"{g['captured']}/{g['replayed']}" if g else "-", "; ".join(r.get("errors", [])) or "-"]
+                 "off" if not g or g.get("off") else f"{g['captured']}/{g['replayed']}",
+                 "; ".join(r.get("errors", [])) or "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "Verify cost (pass of K + 1 rows / one-token step), K = 1..15:"]
     for r in rows:
