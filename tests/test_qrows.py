@@ -264,3 +264,44 @@ def test_largest_products_do_not_overflow(name):
                     assert np.all(np.abs(out - want) <= _bound(lin.parts[0], x[:n])), (name, isa, portable, n)
             finally:
                 lib.forerun_q_portable(0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(TYPES))
+def test_the_tile_width_threshold_changes_no_bit(name):
+    """``QLinear.set_wide``: the 512-bit tile from 2 rows, from 5, or never; every build the CPU runs
+    (where a build has no 512-bit tile the setting is inert) gives the same outputs, and the
+    argmax the head takes."""
+    from forerun.backends.qweights import NEVER_WIDE
+
+    typ = TYPES[name]
+    lin = QLinear([(unpack(random_blocks(typ, 61, 256, seed=9), typ), typ)])
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    for build, lib in builds():
+        outs = []
+        for wide in (0, 2, 5, NEVER_WIDE):
+            lin.set_wide(wide)
+            assert all(s.wide == wide for s in lin.structs)
+            outs.append([lin(x[:n], lib=lib) for n in (1, 2, 4, 5, 9)] + [lin.argmax(x, lib=lib)[0]])
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (build, name)
+
+
+def test_the_width_choice_is_the_smallest_row_count_from_which_the_wide_tile_keeps_winning():
+    from forerun.backends.qweights import NEVER_WIDE, PAIR_ROWS, tune_wide
+
+    def chosen(wide_wins_at):
+        state = {}
+
+        def run(n):  # a stand-in cost: the wide tile fast where it wins, slow elsewhere
+            import time as _t
+            _t.sleep(0.002 if (state["w"] == PAIR_ROWS) == (n in wide_wins_at) else 0.006)
+
+        got = tune_wide(lambda w: state.__setitem__("w", w), run, rows=(2, 4, 8), reps=1)
+        assert state["w"] == got  # left set to the choice
+        return got
+
+    assert chosen({2, 4, 8}) == 2
+    assert chosen({4, 8}) == 4
+    assert chosen({2, 8}) == 8  # a loss at 4 rows: only from 8 on
+    assert chosen({2, 4}) == NEVER_WIDE

@@ -10,7 +10,9 @@ import torch
 
 from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_codes
 from forerun.backends.linear import f32_rows_kernel
-from forerun.backends.qweights import ACT_CODES, QLayer, QLayerC, QLinear, qrows_lib
+from forerun import kept
+from forerun.backends.ckernels import chosen_isa, sources_id
+from forerun.backends.qweights import ACT_CODES, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_wide
 from forerun.gguf_file import GGUFFile
 
 log = logging.getLogger("forerun")
@@ -83,6 +85,41 @@ class GGUFWeights:
         log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
                  (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
         return True
+
+    def _tune_wide_tiles(self) -> None:
+        """In the AVX-512 build, from how many rows of a pass the 512-bit tile takes the layers'
+        weights, and the LM head's: measured once per model shape and machine (``tune_wide``,
+        kept): the layers by whole passes (their weights stream from memory as in decoding), the
+        head by its own products. The bits are the same either way."""
+        if chosen_isa() != "vnni":
+            return
+        layers = [lin for q in self.quant for lin in q.linears.values()]
+        head = self.lm_head.qlin
+        key = ["wide-1", sources_id(), head.signature, *sorted({lin.signature for lin in layers})]
+
+        def set_layers(rows):
+            for lin in layers:
+                lin.set_wide(rows)
+            for i, q in enumerate(self.quant):
+                q.refresh()
+                self._qlayers[i] = q.c  # in place: forks share this array
+
+        def measure():
+            scratch = self._twin()
+            ids = torch.arange(max(WIDE_ROWS)) % min(self.vocab_size, 1000) + 3
+            g = torch.Generator().manual_seed(0)
+
+            def body(n):
+                scratch.reset()
+                scratch.forward(ids[:n], 0, logits=False)
+
+            return {"layers": tune_wide(set_layers, body, reps=2),
+                    "head": tune_wide(head.set_wide, lambda n: head(torch.randn(n, head.shape[1], generator=g)))}
+
+        chosen = kept.measured("qrows-wide", key, measure,
+                               "timing the integer kernels' tile widths once for this model's shapes and this machine")
+        set_layers(int(chosen["layers"]))
+        head.set_wide(int(chosen["head"]))
 
     def _attach_blocks(self, path: str) -> None:
         """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""

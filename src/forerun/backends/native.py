@@ -127,6 +127,8 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
         self._graphs = {}  # this sequence's CUDA graphs (``fixed_rows``): they read its cache, and go with it
+        if self.quant is not None:
+            self._tune_wide_tiles()  # measured once per model shape and machine, then kept
 
     @property
     def embed(self) -> torch.Tensor:

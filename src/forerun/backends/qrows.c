@@ -193,12 +193,13 @@ void forerun_q_to_half(const float *x, uint16_t *out, int n) { floats_to_half(ou
 
 /* Row groups g .. g + n - 1 (n <= PAIR, all of w) against every row of a, outputs to
  * out[r * ldo + 8 * (group - g) + lane]: this build's SIMD tiles (two groups at once in 512-bit
- * vectors where the build has them), or the plain C reference where it is forced. */
+ * vectors where the build has them, from w->wide rows on: measured per weight, see
+ * qweights.tune_wide), or the plain C reference where it is forced. Same bits either way. */
 static inline void run_groups(const qweight_t *w, const qact_t *a, int64_t g, int n, float *out, int64_t ldo) {
 #if HAVE_SIMD
     if (!force_portable) {
 #if PAIR == 2
-        if (n == 2 && a->N >= PAIR_ROWS &&
+        if (n == 2 && a->N >= (w->wide > 0 ? w->wide : PAIR_ROWS) &&
             group_simd_512(w, a, g, out, ldo, (int)(w->V - (g + 1) * 8 < 8 ? w->V - (g + 1) * 8 : 8)))
             return;
 #endif

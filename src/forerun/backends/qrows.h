@@ -20,7 +20,7 @@ typedef struct {
     int32_t zb;         /* integer code bias */
     int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
     int32_t cmax;       /* largest stored code (unsigned kinds): how many vpmaddubsw results int16 holds */
-    int32_t pad_;
+    int32_t wide;       /* the fewest activation rows at which the 512-bit tile takes it (0: PAIR_ROWS) */
 } qweight_t;
 
 /* One pass's activations, quantized: xq [N][D] int8; per row and 32-block: dx, and the sums of

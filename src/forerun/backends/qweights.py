@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ class QWeightC(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("V", ctypes.c_int64), ("D", ctypes.c_int32), ("kind", ctypes.c_int32), ("sub", ctypes.c_int32),
                 ("f16", ctypes.c_int32), ("zb", ctypes.c_int32), ("col", ctypes.c_int32),
-                ("cmax", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+                ("cmax", ctypes.c_int32), ("wide", ctypes.c_int32)]
 
 
 class QPart:
@@ -90,10 +91,12 @@ class QPart:
         self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col = rows, D, kind, sub, int(f16), zb, col
         self.cmax = int(stored.max()) if kind != S8 else 127  # how many u8 x s8 pair sums int16 holds
 
+    wide = 0  # the fewest rows at which the 512-bit tile takes it (0: the build's default; see tune_wide)
+
     def struct(self) -> QWeightC:
         return QWeightC(self.codes.data_ptr(), self.scale.data_ptr(),
                         self.offset.data_ptr() if self.offset is not None else None,
-                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.cmax, 0)
+                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.cmax, self.wide)
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +147,20 @@ class QLinear:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    @property
+    def signature(self) -> str:
+        """What the kernels' speed depends on: each part's code kind, scale groups, shape, bias,
+        offset and scale storage (weights of one signature share a tile-width choice)."""
+        return ";".join(f"{p.kind},{p.sub},{p.V},{p.D},{p.zb},{p.f16},{p.cmax},{int(p.offset is not None)}"
+                        for p in self.parts)
+
+    def set_wide(self, rows: int) -> None:
+        """The fewest activation rows from which the AVX-512 build's 512-bit tile takes this weight
+        (0: the build's default; ``NEVER_WIDE``: the 256-bit tile always). The bits are the same."""
+        for i, p in enumerate(self.parts):
+            p.wide = rows
+            self.structs[i].wide = rows
+
     def __call__(self, x: torch.Tensor, lib=None, f16_scales: bool = False) -> torch.Tensor:
         """x [n, D] -> outputs [n, V]. ``f16_scales``: activation scales rounded to float16, as
         ggml's Q8_0 activations store them (``qrows.c``, half_scales)."""
@@ -186,6 +203,43 @@ class QLinear:
             raise MemoryError("qrows: out of memory")
         if rc != 0:
             raise ValueError(f"qrows: bad sizes {len(x)} x {x.shape[1]} against {self.shape}")
+
+
+PAIR_ROWS = 2  # qrows.c's default threshold for the 512-bit tile (a weight's ``wide`` of 0)
+NEVER_WIDE = 1 << 30  # a tile-width threshold no pass reaches: the 256-bit tile at every row count
+WIDE_ROWS = (2, 3, 4, 6, 8, 16, 64)  # the row counts the tile width is measured at
+
+
+def tune_wide(set_wide, run, rows=WIDE_ROWS, reps: int = 3) -> int:
+    """The row count from which the 512-bit tile should take some weights on this machine, by
+    measurement: ``run(n)`` (a product or a pass of n rows) timed at each of ``rows`` with
+    ``set_wide(PAIR_ROWS)`` (the 512-bit tile) and ``set_wide(NEVER_WIDE)`` (the 256-bit one); the
+    smallest count from which the 512-bit tile was at least as fast at every measured count, or
+    ``NEVER_WIDE`` where it lost at the largest. Leaves the weights set to it.
+
+    Measured because no rule of thumb held: on a Zen 5 core the 512-bit tile took a 1.5B model's
+    6-bit LM head (151,936 x 1536) at 5 rows in 2.2x the 256-bit tile's time, while its layers ran a
+    5-row pass faster with it and a 2-row pass slower (docs/kernels.md)."""
+    wins = {}
+    for n in rows:
+        best = {}
+        for w in (PAIR_ROWS, NEVER_WIDE):  # untimed first calls
+            set_wide(w)
+            run(n)
+        for _ in range(reps):
+            for w in (PAIR_ROWS, NEVER_WIDE):
+                set_wide(w)
+                t = time.perf_counter()
+                run(n)
+                best[w] = min(best.get(w, float("inf")), time.perf_counter() - t)
+        wins[n] = best[PAIR_ROWS] <= best[NEVER_WIDE]
+    chosen = NEVER_WIDE
+    for n in reversed(rows):
+        if not wins[n]:
+            break
+        chosen = n
+    set_wide(chosen)
+    return chosen
 
 
 def qrows_lib():
@@ -239,6 +293,7 @@ class QLayer:
         parts = [p for name in ("qkv", "o", "gate_up", "down") for p in linears[name].parts]
         if len(parts) > 8:
             raise ValueError("qrows: more than 8 weight parts in a layer")
+        self.parts = parts
         c = QLayerC()
         for i, p in enumerate(parts):
             c.w[i] = p.struct()
@@ -251,6 +306,11 @@ class QLayer:
         c.n_q, c.n_kv, c.inter = layer.n_q, layer.n_kv, layer.inter
         c.sandwich, c.act, c.sliding = int(sandwich), ACT_CODES[act], int(layer.sliding)
         self.c = c
+
+    def refresh(self) -> None:
+        """Copy the weights' settings (``QLinear.set_wide``) into the layer's C struct again."""
+        for i, p in enumerate(self.parts):
+            self.c.w[i] = p.struct()
 
     @property
     def nbytes(self) -> int:
