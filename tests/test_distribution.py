@@ -99,3 +99,25 @@ def test_batch_engine_samples_the_target_distribution(spread, copy_model, method
         drafted += sum(r.stats.drafted for r in reqs)
     check(spread, setting, counts, joint)
     assert drafted > N / 4, drafted  # speculation really happened (n-gram drafts stop where no n-gram matches)
+
+
+@pytest.mark.parametrize("setting,seeded", [("t0.7-k4", False), ("t1.4-k6-p0.85", True)])
+def test_a_draft_vocabulary_keeps_the_target_distribution(spread, copy_model, setting, seeded):
+    """The draft model drafting from 48 of the 96 tokens (``draft_tokens``: its head cut to them):
+    each draft is judged against the restricted distribution it was drawn from, so the output
+    still follows the target's, drafts outside the cut never proposed."""
+    drafter = make_drafter("draft", spread, draft_model=copy_model, draft_tokens=48)
+    assert drafter.vocab is not None and len(drafter.vocab) == 48
+    allowed = set(drafter.vocab.tolist())
+    eng = Engine(spread.backend, drafter, eos_token_ids=())
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda tokens, k: (d := propose(tokens, k), proposed.extend(d.tokens.tolist()))[0]
+
+    def run(params):
+        res = eng.generate(PROMPT, max_new_tokens=NEW, params=params, k=K)
+        return res.token_ids, res.stats.drafted
+
+    counts, joint, drafted = sample(run, setting, seeded=seeded)
+    check(spread, setting, counts, joint)
+    assert drafted > N and set(proposed) <= allowed

@@ -126,3 +126,27 @@ def test_layer_skip_calibration_is_bounded_and_kept(gemma, tmp_path, monkeypatch
     monkeypatch.setattr(ls, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **{**k, "new_tokens": 8}))
     first = ls.default_calibration(gemma)
     assert ls.default_calibration(gemma) == first and len(calls) == 1
+
+
+def test_a_draft_vocabulary_is_lossless_greedy_and_chosen_once(tmp_path, monkeypatch):
+    """``draft_tokens``: the draft model proposes only the commonest tokens (specials, then the
+    standard library sample's most frequent, then the lowest ids), its head cut to them; greedy
+    output equals plain decoding; the choice is kept per tokenizer and size."""
+    from conftest import tiny_gemma, wrap
+    from forerun.drafters import make_drafter
+    from forerun.drafters.draft_vocab import auto_draft_tokens, draft_vocabulary
+    from forerun.errors import ForerunError
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    target, draft = wrap(tiny_gemma(0)), wrap(tiny_gemma(1, layers=2), name="d")
+    v = draft_vocabulary(draft.tokenizer, 40)
+    assert len(v) == 40 and torch.equal(v, v.sort().values) and {0, 1, 2, 3} <= set(v.tolist())
+    assert torch.equal(draft_vocabulary(draft.tokenizer, 40), v) and list((tmp_path / "draft-vocab").iterdir())
+    assert auto_draft_tokens(96, None) == 0 and auto_draft_tokens(151936, None) == 32768 and auto_draft_tokens(96, 200) == 0
+    drafter = make_drafter("draft", target, draft_model=draft, draft_tokens=40)
+    eng = Engine(target.backend, drafter, target.eos_token_ids)
+    for p in PROMPTS:
+        assert eng.generate(p, max_new_tokens=20, k=4).token_ids == \
+            Engine(target.backend, None, target.eos_token_ids).generate(p, max_new_tokens=20).token_ids
+    with pytest.raises(ForerunError, match="--draft-tokens"):
+        make_drafter("ngram", target, draft_tokens=40)

@@ -95,6 +95,7 @@ class Options:
     adapt: bool = False
     adapt_save: str | None = None
     serving: bool = False  # for the server: a backend that batches sequences
+    draft_tokens: int | None = None  # method draft: the draft vocabulary's size (None: auto, 0: all)
 
     def __post_init__(self):
         if self.method == "draft" and not self.draft:  # a named model's own draft model (the Qwen2.5-Coder pair)
@@ -118,6 +119,8 @@ class Options:
             raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {self.lookup_from!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.draft_tokens is not None and self.draft_tokens < 0:
+            raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
         return self
 
     @property
@@ -162,7 +165,8 @@ def drafter_for(options: Options, target, draft_model=None):
     """The drafter the options ask for, over ``target`` (None for plain decoding)."""
     return make_drafter(options.method, target, draft_model=draft_model, skip_layers=options.skip,
                         head_path=options.head_path, tree=options.tree, tree_lookup=options.tree_lookup,
-                        lookup_from=options.lookup_from, adapt=options.adapt)
+                        lookup_from=options.lookup_from, adapt=options.adapt,
+                        draft_tokens=options.draft_tokens if options.method == "draft" else None)
 
 
 @dataclass

@@ -61,6 +61,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "qwen2.5-coder-1.5b: qwen2.5-coder-0.5b); "
                    "eagle/medusa: a trained head folder (default: the head shipped for this model, found by its "
                    "fingerprint)")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="--method draft: the draft model proposes only its N commonest tokens, its LM head cut to "
+                        "them (lossless: the target verifies; 0: all; default 32768 where its vocabulary is over "
+                        "65,536 tokens)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],

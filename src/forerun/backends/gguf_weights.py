@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_codes
-from forerun.backends.linear import f32_rows_kernel
 from forerun import kept
+from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_codes, unpack
 from forerun.backends.ckernels import chosen_isa, sources_id
+from forerun.backends.linear import PackedLinear, f32_rows_kernel
 from forerun.backends.qweights import ACT_CODES, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_wide
 from forerun.gguf_file import GGUFFile
 
@@ -39,6 +39,7 @@ class GGUFWeights:
             head = files.head_name or files.embed_name
         else:
             head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        self._head_file = (path, head)
         return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w,
                                                                files.row_orders if files is not None else None))
 
@@ -85,6 +86,20 @@ class GGUFWeights:
         log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
                  (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
         return True
+
+    def integer_sub_head(self, rows: torch.Tensor):
+        """An LM head over the vocabulary rows ``rows`` only (logits in that order), on the integer
+        kernels from the file's own blocks of those rows: a draft model's head restricted to a
+        draft vocabulary reads only its share of the head. None off the integer path."""
+        if self.quant is None or self._head_file is None:
+            return None
+        path, name = self._head_file
+        g = GGUFFile.open(path)
+        typ = g.tensors[name].type
+        head = PackedLinear(torch.empty(len(rows), self.hidden_size, device="meta"), False)
+        head.qlin = QLinear([(unpack(g.raw_rows(name)[rows.cpu().numpy()], typ), typ)])
+        head.qlin.set_wide(self.lm_head.qlin.parts[0].wide)
+        return head
 
     def _tune_wide_tiles(self) -> None:
         """In the AVX-512 build, from how many rows of a pass the 512-bit tile takes the layers'

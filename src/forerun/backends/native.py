@@ -98,6 +98,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         self.softcap = arch.final_softcap
         self.layers = [Layer(layer, arch.layer_types[i], pack_linear, arch) for i, layer in enumerate(inner.layers)]
         self.quant = None  # QLayer per layer: the integer path (``_qbody``)
+        self._head_file = None  # the GGUF file and tensor the integer path's LM head came from
         lean = file_tensors is not None
         if gguf and pack_linear and self.device.type == "cpu" and self.dtype == torch.float32:
             if not (integer and self._attach_integer(gguf)):

@@ -10,6 +10,7 @@ from forerun.backends.arch import SUPPORTED_ARCHITECTURES
 from forerun.drafters.adapt import OnlineAdapter
 from forerun.drafters.base import Draft, Drafter
 from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.draft_vocab import auto_draft_tokens, draft_vocabulary
 from forerun.drafters.eagle import EagleDrafter, MedusaDrafter
 from forerun.drafters.heads import fingerprint_mismatch, load_head, target_fingerprint
 from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
@@ -121,7 +122,7 @@ def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
                  head_path=None, tree=None, tree_lookup: bool | str | None = None, lookup_from: str = "ngram",
-                 adapt=None):
+                 adapt=None, draft_tokens: int | None = None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
     to verify token trees instead of chains (eagle, medusa, suffix); ``tree_lookup``: every tree also
@@ -130,7 +131,12 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     prompt-lookup continuation, n-grams of ngram_max down to ngram_min tokens) or "suffix" (suffix
     drafting over the context and the drafter's earlier outputs, ``drafters.lookup``); ``adapt``: the
     head keeps learning from the verified tokens while it drafts (True, or ``OnlineAdapter`` options;
-    eagle/medusa only)."""
+    eagle/medusa only); ``draft_tokens``: method draft drafts from that many tokens, its head cut
+    to them (0: all; None: 32,768 where the draft model's vocabulary is over 65,536, see
+    ``draft_vocab``)."""
+    if draft_tokens is not None and (method != "draft" or draft_tokens < 0):
+        raise ForerunError(f"--draft-tokens cuts a draft model's vocabulary: method draft and a count >= 0, "
+                           f"not {method} with {draft_tokens}")
     if adapt and method not in HEAD_METHODS:
         raise ForerunError(f"online adaptation (--adapt) trains eagle and medusa heads, not {method}")
     if tree_lookup not in (None, False, True, "always", "auto"):
@@ -164,7 +170,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
                                  adaptive=tree_lookup == "auto", adapt=adapt)
     if method == "draft":
         check_vocab(target, draft_model)
-        return DraftModelDrafter(draft_model.backend)
+        n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens)
+        return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None)
     if not target.backend.capabilities.layer_skip:
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
                            "llama.cpp has no per-call layer selection")

@@ -11,15 +11,20 @@ from forerun.sampling import SeededNoise, logits_to_probs, sample
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, backend):
+    def __init__(self, backend, vocab: torch.Tensor | None = None, head=None):
+        """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them."""
         self.backend = backend  # its own KV cache, kept in step with the committed tokens
+        self.vocab = None if vocab is None else vocab.to(backend.device)
+        self.head = head
+        if vocab is not None and head is None:  # the integer kernels' rows where the model runs on them
+            self.head = getattr(backend, "integer_sub_head", lambda r: None)(vocab) or backend.sub_head(vocab)
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
         self.backend.reset()
 
     def fork(self) -> "DraftModelDrafter":
-        return DraftModelDrafter(self.backend.fork())
+        return DraftModelDrafter(self.backend.fork(), self.vocab, self.head)
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         be = self.backend
@@ -29,8 +34,9 @@ class DraftModelDrafter(Drafter):
         return autoregressive_draft(be, feed, start, k, self.params, self.generator, **self.forward_kwargs(tokens))
 
     def forward_kwargs(self, tokens: list[int]) -> dict:
-        """Extra arguments for the draft backend's forward (subclasses: skipped layers, reduced head)."""
-        return {}
+        """Extra arguments for the draft backend's forward (a draft vocabulary's head; subclasses:
+        skipped layers)."""
+        return {} if self.vocab is None else {"head": self.head, "vocab_map": self.vocab}
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.
