@@ -170,7 +170,10 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
                                  adaptive=tree_lookup == "auto", adapt=adapt)
     if method == "draft":
         check_vocab(target, draft_model)
-        n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens)
+        cuttable = hasattr(draft_model.backend, "sub_head")  # the llama.cpp backend runs its whole head
+        if draft_tokens and not cuttable:
+            raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
+        n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens) if cuttable else 0
         return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None)
     if not target.backend.capabilities.layer_skip:
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
