@@ -112,7 +112,7 @@ def _assemble(m: SplitModel, parts, progress: bool = True) -> Path:
     digest, written = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as out, tqdm(total=m.size, unit="B", unit_scale=True, desc=f"assembling {m.name}",
-                                          disable=not progress, leave=False) as bar:
+                                          disable=None if progress else True, leave=False) as bar:  # None: off where no terminal
             for _, opener in parts:
                 with opener() as f:
                     while chunk := f.read(1 << 22):
