@@ -345,10 +345,12 @@ def table(info: dict, rows: list[dict], peers: dict, tests: dict | None, times: 
     lines = [f"{info['device']}, torch {info['torch']}, device copy {info['copy_GBps']} GB/s, {info['date']}", "",
              "Decode-only tokens/s (prefill left out); transformers' generate(): tokens/s with its prefill.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    shown = set()  # the peers go on each model's first row
     for r in rows:
         g = r.get("graphs")
         eq = r.get("equal", {})
-        p = peers.get(r["model"], {}) if r is rows[[x["model"] for x in rows].index(r["model"])] else {}
+        p = {} if r["model"] in shown else peers.get(r["model"], {})
+        shown.add(r["model"])
         cells = [r["model"], r["dtype"], r.get("step_ms", "-"), r.get("floor_ms", "-"), r.get("step_vs_floor", "-"),
                  r.get("verify_cost", {}).get("15", r.get("verify_cost", {}).get(15, "-")), r.get("tok_s_none", "-"),
                  r.get("tok_s_ngram", "-"), r.get("tok_s_suffix", "-"), r.get("tok_s_suffix-tree", "-"),
@@ -423,7 +425,7 @@ def main(argv=None) -> int:
     log(f"{info['device']}, torch {info['torch']}, device copy {info['copy_GBps']} GB/s")
     rows, peers, tests, times = [], {}, None, []
     parts = Path(tempfile.mkdtemp(prefix="forerun-gpu-check-"))  # per-part files (``--out`` keeps few files)
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passthrough = list(argv if argv is not None else sys.argv[1:])
 
     def write():
         (out / "gpu_check.json").write_text(json.dumps({"machine": info, "rows": rows, "peers": peers, "tests": tests,

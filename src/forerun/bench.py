@@ -29,7 +29,6 @@ from forerun.bench_peers import (
 )
 from forerun.bench_report import predicted_speedup, summarise, tree_pricing, write_markdown
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
-from forerun.split_models import default_draft
 from forerun.chat import prompt_ids, uses_chat
 from forerun.draft_length import K_MAX
 from forerun.drafters import HEAD_METHODS
@@ -38,6 +37,7 @@ from forerun.machine import cpu_name
 from forerun.models import resolve_source
 from forerun.plots import bench_charts
 from forerun.sampling import SamplingParams
+from forerun.split_models import default_draft
 
 
 def load_prompts(path: str, categories=None, limit_per_category=None) -> list[dict]:
