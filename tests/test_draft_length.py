@@ -262,3 +262,22 @@ def test_verify_cost_ratios_are_timed_on_the_given_text(gemma, monkeypatch):
     assert fed and all(toks == text[pos: pos + len(toks)] for pos, toks in fed)
     res = verify_cost_ratios(backend, context=20, ks=[1], reps=1, texts=[[7] * 10])
     assert res["texts"] == 0
+
+
+def test_a_costly_drafter_drafts_while_the_next_token_pays():
+    """``draft_more``: with passes of 10 ms + 1 ms a row and drafting at 2.7 ms a token, a draft
+    whose tokens the target takes 9 times in 10 goes on, one taken twice in 10 stops; ``cut``
+    verifies none of a chain the target would hardly take and all of a sure one; and a costly
+    drafter whose first token stopped paying still gets a probe (its confidences are learnt only
+    from its drafts)."""
+    pol = DraftLength()
+    assert pol.draft_more([0.1])  # nothing measured yet: it drafts on
+    _measured(pol, per_row=0.001)
+    pol.observe_draft(4, 0.0108)
+    pol.observe_draft(4, 0.0108)
+    assert pol.draft_more([0.9]) and pol.draft_more([0.9, 0.9, 0.9])
+    assert not pol.draft_more([0.2]) and not pol.draft_more([0.9, 0.2])
+    assert pol.cut([0.02, 0.02]) == 0 and pol.cut([0.95] * 5) == 5 and pol.cut([0.95, 0.9, 0.01]) == 2
+    ks = [_one(pol, 1, conf=[0.05], charge=True) for _ in range(pol.probe_every)]
+    assert ks[:-1] == [0] * (pol.probe_every - 1) and ks[-1] == 1
+    assert DraftLength(3).draft_more([0.0]) and DraftLength(3).cut([0.0, 0.0]) == 2  # a fixed k drafts it all

@@ -150,3 +150,56 @@ def test_a_draft_vocabulary_is_lossless_greedy_and_chosen_once(tmp_path, monkeyp
             Engine(target.backend, None, target.eos_token_ids).generate(p, max_new_tokens=20).token_ids
     with pytest.raises(ForerunError, match="--draft-tokens"):
         make_drafter("ngram", target, draft_tokens=40)
+
+
+def test_a_windowed_draft_model_reads_little_and_stays_lossless(gemma, gemma_draft):
+    """``window``: the draft reads a long prompt (or a long stretch it did not draft for) from its
+    last ``window`` tokens, in one pass before drafting (``catch_up``), and drafts on from there;
+    ``p_min`` stops drafting before a token the draft is unsure of. Greedy output equals plain
+    decoding, and the draft cache never holds more than the window and what came after it."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    long_prompt = [2] + [5 + (i * 7) % 40 for i in range(40)]
+    plain = Engine(gemma.backend, None, gemma.eos_token_ids)
+    for window, p_min in ((6, 0.0), (6, 0.3), (None, 0.3)):
+        drafter = DraftModelDrafter(gemma_draft.backend.fork(), window=window, p_min=p_min)
+        eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
+        for p in PROMPTS + [long_prompt]:
+            out = eng.generate(p, max_new_tokens=24, k=4)
+            assert out.token_ids == plain.generate(p, max_new_tokens=24).token_ids, (window, p_min)
+            assert out.stats.drafted > 0
+            if window is not None:  # what it read: the window, then the drafted and committed tokens
+                assert drafter.backend.length <= window + 24 + 4
+                assert drafter.offset == max(0, len(p) - window)
+    d = DraftModelDrafter(gemma_draft.backend.fork(), window=6)
+    d.begin(long_prompt, SamplingParams(), None)
+    d.catch_up(long_prompt)
+    assert (d.offset, d.backend.length) == (len(long_prompt) - 6, 5)  # all but the last token of the window
+    assert len(d.propose(long_prompt, 3)) == 3 and d.backend.length == 8
+    with pytest.raises(ForerunError, match="window"):
+        DraftModelDrafter(gemma_draft.backend, window=0)
+    with pytest.raises(ForerunError, match="probability"):
+        DraftModelDrafter(gemma_draft.backend, p_min=1.0)
+
+
+def test_p_min_stops_the_draft_where_it_is_unsure(gemma, gemma_draft):
+    """A draft cut by ``p_min`` is the prefix of the uncut one up to its first token under p_min,
+    and it counts the step that found that token (what the policy charges for drafting)."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    full = DraftModelDrafter(gemma_draft.backend.fork())
+    full.begin(PROMPTS[0], SamplingParams(), None)
+    probs = []
+    be, pos, feed = gemma_draft.backend.fork(), 0, torch.tensor(PROMPTS[0])
+    for _ in range(6):
+        lg = be.forward(feed, pos, last_only=True).logits[-1]
+        pos += feed.numel()
+        probs.append(float(torch.softmax(lg.float(), -1).max()))
+        feed = lg.argmax().view(1)
+    want = full.propose(PROMPTS[0], 6).tokens.tolist()
+    cut = sorted(probs)[2]  # a threshold some of the six fall under
+    n = next((j for j, p in enumerate(probs) if p < cut), 6)
+    d = DraftModelDrafter(gemma_draft.backend.fork(), p_min=cut)
+    d.begin(PROMPTS[0], SamplingParams(), None)
+    got = d.propose(PROMPTS[0], 6)
+    assert got.tokens.tolist() == want[:n] and n < 6 and got.steps == min(n + 1, 6)

@@ -112,3 +112,33 @@ def test_server_seeded_requests_repeat_for_every_method(spread, copy_model, meth
         assert texts[7] == want, method
     finally:
         srv.close()
+
+
+def test_a_windowed_draft_draws_with_each_positions_noise(spread, copy_model):
+    """A draft model that read only its window still draws the token at sequence position i with
+    position i's noise (the one the target draws its token there with), so that a draft close to
+    the target is accepted; and the seeded text is plain decoding's, alone and in a batch."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    seen = []
+
+    class Spy(SeededNoise):
+        def sample(self, q, position):
+            seen.append(position)
+            return super().sample(q, position)
+
+    d = DraftModelDrafter(copy_model.backend.fork(), window=4)
+    d.begin(PROMPT, PARAMS, Spy(PARAMS.seed))
+    d.catch_up(PROMPT)
+    assert d.offset == len(PROMPT) - 4
+    d.propose(PROMPT, 3)
+    assert seen == [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]
+    ref = Engine(spread.backend, None, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS).token_ids
+    drafter = DraftModelDrafter(copy_model.backend.fork(), window=4, p_min=0.05)
+    out = Engine(spread.backend, drafter, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS, k=3)
+    assert out.token_ids == ref and out.stats.drafted > 0
+    batch = BatchEngine(spread.backend, (), drafter=drafter, max_batch=16)
+    reqs = [BatchRequest(prompt=[2, 7 + i % 5, 9, 8], max_new_tokens=8 + i, params=SamplingParams(temperature=0.7, seed=i))
+            for i in range(15)]
+    reqs.insert(7, BatchRequest(prompt=PROMPT, max_new_tokens=16, params=PARAMS))
+    assert run_batch(batch, reqs)[7] == ref

@@ -96,6 +96,8 @@ class Options:
     adapt_save: str | None = None
     serving: bool = False  # for the server: a backend that batches sequences
     draft_tokens: int | None = None  # method draft: the draft vocabulary's size (None: auto, 0: all)
+    draft_window: int | None = None  # method draft: the most prompt tokens the draft model reads (None: default, 0: all)
+    draft_p_min: float | None = None  # method draft: stop drafting under this draft probability (None: default)
 
     def __post_init__(self):
         if self.method == "draft" and not self.draft:  # a named model's own draft model (the Qwen2.5-Coder pair)
@@ -121,6 +123,10 @@ class Options:
             raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
         if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
+        if self.draft_window is not None and self.draft_window < 0:
+            raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {self.draft_window}")
+        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
+            raise ForerunError(f"--draft-p-min must be in [0, 1), got {self.draft_p_min}")
         return self
 
     @property
@@ -166,7 +172,9 @@ def drafter_for(options: Options, target, draft_model=None):
     return make_drafter(options.method, target, draft_model=draft_model, skip_layers=options.skip,
                         head_path=options.head_path, tree=options.tree, tree_lookup=options.tree_lookup,
                         lookup_from=options.lookup_from, adapt=options.adapt,
-                        draft_tokens=options.draft_tokens if options.method == "draft" else None)
+                        draft_tokens=options.draft_tokens if options.method == "draft" else None,
+                        draft_window=options.draft_window if options.method == "draft" else None,
+                        draft_p_min=options.draft_p_min if options.method == "draft" else None)
 
 
 @dataclass

@@ -65,6 +65,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="--method draft: the draft model proposes only its N commonest tokens, its LM head cut to "
                         "them (lossless: the target verifies; 0: all; default 32768 where its vocabulary is over "
                         "65,536 tokens)")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="--method draft: the draft model reads a long prompt, or a long stretch it did not draft "
+                        "for, from its last N tokens only (lossless: the target verifies; default 0: all)")
+    p.add_argument("--draft-p-min", type=float, default=None,
+                   help="--method draft: stop drafting before a token the draft model gives less than this "
+                        "probability (lossless; default 0: the draft-length policy alone decides)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],

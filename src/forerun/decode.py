@@ -180,10 +180,28 @@ class Decoder:
                 if drafts[i].parents is None:  # a tree's size is its drafter's
                     drafts[i] = clip_draft(drafts[i], k)
         else:  # lengths planned first: drafting costs per token
-            ks = pol.choose([caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
-            for i, k in zip(list(alive), ks):
-                drafts[i] = clip_draft(propose(i, k), k)
-            pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
+            # a drafter that stops early: whether to draft at all, from what its first token was worth;
+            # then it drafts while the next token pays (``draft_more``)
+            early = getattr(proto, "stops_early", False)
+            confs = [seqs[i].drafter.plan_conf(min(caps[i], 1)) for i in alive] if early else None
+            ks = pol.choose([min(caps[i], 1) if early else caps[i] for i in alive], [None] * len(alive), confs,
+                            charge_drafting=True)
+            if early:
+                ks = [min(caps[i], pol.k_max) if k else 0 for i, k in zip(alive, ks)]
+            planned = list(zip(alive, ks))
+            for i, k in planned:
+                if k > 0:  # what it has not read (a prompt, a stretch without drafts): timed apart
+                    timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
+            reading = list(secs)
+            for i, k in planned:
+                if i in alive and early:
+                    d = timed(i, lambda: seqs[i].drafter.propose(seqs[i].tokens, k, pol.draft_more) if k > 0
+                              else empty_draft())
+                    drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else k)
+                elif i in alive:
+                    drafts[i] = clip_draft(propose(i, k), k)
+            steps = sum(len(drafts[i]) if drafts[i].steps is None else drafts[i].steps for i in alive)
+            pol.observe_draft(steps, sum(secs[i] - reading[i] for i in alive))
         for i in alive:  # a tree's pass needs a cache position per node
             d, room = drafts[i], limit - len(seqs[i].tokens)
             if d.parents is not None and len(d) > room:
@@ -276,7 +294,7 @@ def clip_draft(draft: Draft, k: int) -> Draft:
     if len(draft) <= k:
         return draft
     return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket,
-                 conf=None if draft.conf is None else draft.conf[:k])
+                 conf=None if draft.conf is None else draft.conf[:k], steps=draft.steps)
 
 
 def first_nodes(draft: Draft, n: int) -> Draft:

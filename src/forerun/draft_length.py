@@ -253,6 +253,34 @@ class DraftLength:
             ks[i] += 1
         return self._probe(available, buckets, confs, ks, backoff=charge_drafting)
 
+    def draft_more(self, conf: list[float], lookahead: int = 4) -> bool:
+        """While a costly drafter drafts (``stops_early``): after tokens of confidences ``conf``,
+        whether drafting on is predicted to raise the round's tokens per second, the next tokens
+        taken as likely as the last one (up to ``lookahead`` of them: a pass's cost need not rise
+        evenly with its rows). Drafting goes on until costs are measured."""
+        if self.fixed is not None or self.cost(1) is None or self.draft_cost is None:
+            return True
+        j = len(conf)
+        if j >= self.k_max:
+            return False
+        gain, c = chain_yield(conf), conf[-1] if conf else 0.5
+        rate = gain[j] / (j * self.draft_cost + self.cost(j + 1))
+        tokens, reach = gain[j], gain[j] - gain[j - 1] if j else 1.0
+        for h in range(1, min(lookahead, self.k_max - j) + 1):
+            reach *= c
+            tokens += reach
+            if tokens / ((j + h) * self.draft_cost + self.cost(j + h + 1)) > rate:
+                return True
+        return False
+
+    def cut(self, conf: list[float]) -> int:
+        """How many tokens of a costly drafter's chain (confidences ``conf``) to verify, its
+        drafting already paid for: the prefix with the most tokens per second of verifying."""
+        if self.fixed is not None or self.cost(1) is None:
+            return len(conf)
+        gain = chain_yield(conf)
+        return max(range(len(gain)), key=lambda m: (gain[m] / self.cost(m + 1), -m))
+
     def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int], backoff: bool = False
                ) -> list[int]:
         """One draft token for a bucket idle for its probe interval. ``backoff`` (drafters that cost
@@ -261,7 +289,8 @@ class DraftLength:
         first: dict[object, int] = {}  # bucket -> its first sequence with drafts on offer
         kept: set = set()
         for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
-            if avail > 0 and conf is None:  # a drafter with confidences learns from every committed token
+            # a cheap drafter with confidences learns from every committed token; a costly one only from its drafts
+            if avail > 0 and (conf is None or backoff):
                 first.setdefault(bucket, i)
                 if ks[i] > 0:
                     kept.add(bucket)

@@ -24,6 +24,11 @@ TREE_METHODS = ("eagle", "medusa", "suffix")  # methods that can draft token tre
 LOOKUP_SOURCES = ("ngram", "suffix")  # where a tree's lookup branch comes from (--lookup-from)
 HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
 MAX_TREE_NODES = 64  # the most draft nodes a token tree may have (--tree-nodes)
+# method draft's defaults (docs/drafters.md, "What a draft model reads"): the draft model reads the
+# whole context (None; a window of its last N tokens lost half the accepted tokens on summaries), and
+# the draft-length policy alone stops the draft (no minimum probability)
+DRAFT_WINDOW = None
+DRAFT_P_MIN = 0.0
 
 
 def shipped_head(kind: str, fingerprint: dict):
@@ -122,7 +127,8 @@ def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
                  head_path=None, tree=None, tree_lookup: bool | str | None = None, lookup_from: str = "ngram",
-                 adapt=None, draft_tokens: int | None = None):
+                 adapt=None, draft_tokens: int | None = None, draft_window: int | None = None,
+                 draft_p_min: float | None = None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
     to verify token trees instead of chains (eagle, medusa, suffix); ``tree_lookup``: every tree also
@@ -133,7 +139,16 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     head keeps learning from the verified tokens while it drafts (True, or ``OnlineAdapter`` options;
     eagle/medusa only); ``draft_tokens``: method draft drafts from that many tokens, its head cut
     to them (0: all; None: 32,768 where the draft model's vocabulary is over 65,536, see
-    ``draft_vocab``)."""
+    ``draft_vocab``); ``draft_window``: method draft reads a long prompt (or a long stretch it did
+    not draft for) from its last that many tokens (0 or None: all);
+    ``draft_p_min``: method draft stops drafting before a token it gives less than this
+    probability (None: ``DRAFT_P_MIN``)."""
+    if (draft_window is not None or draft_p_min is not None) and method != "draft":
+        raise ForerunError(f"--draft-window and --draft-p-min set method draft's draft model, not {method}")
+    if draft_window is not None and draft_window < 0:
+        raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {draft_window}")
+    if draft_p_min is not None and not 0.0 <= draft_p_min < 1.0:
+        raise ForerunError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_tokens is not None and (method != "draft" or draft_tokens < 0):
         raise ForerunError(f"--draft-tokens cuts a draft model's vocabulary: method draft and a count >= 0, "
                            f"not {method} with {draft_tokens}")
@@ -174,7 +189,9 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
         if draft_tokens and not cuttable:
             raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
         n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens) if cuttable else 0
-        return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None)
+        window = draft_window or DRAFT_WINDOW
+        return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None,
+                                 window=window, p_min=DRAFT_P_MIN if draft_p_min is None else draft_p_min)
     if not target.backend.capabilities.layer_skip:
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
                            "llama.cpp has no per-call layer selection")

@@ -22,6 +22,9 @@ class Draft:
     # cuts the chain where it stops paying (``DraftLength.choose``). Acceptance itself
     # never reads it.
     conf: list[float] | None = None
+    # Drafting steps the drafter ran for it, where that differs from its length (a draft model
+    # that ran one more step and stopped, unsure of the token): what the policy charges per step.
+    steps: int | None = None
 
     @property
     def depth(self) -> int:
@@ -72,6 +75,11 @@ class Drafter:
     def tree_rows(self, chain_len: int) -> int:
         """(``offers_tree_or_chain``) the rows this round's tree would take in the verify pass."""
         raise NotImplementedError
+
+    def catch_up(self, tokens: list[int]) -> None:
+        """Before a ``propose`` (drafters that cost per token): read what the drafter has not read
+        of ``tokens`` yet, all but the last token, where that is more than a round's usual share (a
+        prompt, a stretch without drafts). The decode step times it apart from drafting."""
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         """Called after a verify pass; ``tokens`` now holds the accepted drafts and the new token."""

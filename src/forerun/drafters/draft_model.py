@@ -4,34 +4,97 @@ from __future__ import annotations
 
 import torch
 
+from forerun.draft_length import AcceptanceTable
 from forerun.drafters.base import Draft, Drafter
+from forerun.errors import ForerunError
 from forerun.sampling import SeededNoise, logits_to_probs, sample
 
 
-class DraftModelDrafter(Drafter):
-    name = "draft"
+PROB_BINS = 20  # a drafted token's confidence is learnt per twentieth of its draft probability
 
-    def __init__(self, backend, vocab: torch.Tensor | None = None, head=None):
-        """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them."""
+
+class DraftModelDrafter(Drafter):
+    """Drafts token by token with its own model. Every token carries a confidence (``Draft.conf``):
+    how often the target took a token drafted with about that probability, learnt from every
+    round (``calibration``: an ``AcceptanceTable`` shared by forks, kept across requests, for it
+    describes the pair of models); and every position one, how often a draft reached past it
+    (``plan_conf``), from which the policy plans how far to draft before it starts. While drafting,
+    ``more`` (the policy's ``draft_more``) decides after each token whether the next one pays."""
+
+    name = "draft"
+    stops_early = True  # propose takes ``more``; the policy plans with ``plan_conf``
+
+    def __init__(self, backend, vocab: torch.Tensor | None = None, head=None, window: int | None = None,
+                 p_min: float = 0.0, calibration: AcceptanceTable | None = None):
+        """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them.
+        ``window``: the most committed tokens the draft reads when it (re)starts: a long prompt, or
+        a long stretch it did not draft for, is read from its last ``window`` tokens only (None: all).
+        The target verifies every draft, so what the draft reads changes its speed, never the output.
+        ``p_min``: drafting stops before a token the draft gives less than this probability (its
+        own, over its vocabulary): the draft's length depends on the draft alone, so it stays lossless."""
+        if window is not None and window < 1:
+            raise ForerunError(f"the draft model's context window must be at least 1 token, got {window}")
+        if not 0.0 <= p_min < 1.0:
+            raise ForerunError(f"the draft's minimum probability must be in [0, 1), got {p_min}")
+        self.p_min = p_min
         self.backend = backend  # its own KV cache, kept in step with the committed tokens
         self.vocab = None if vocab is None else vocab.to(backend.device)
         self.head = head
+        self.window = window
+        self.offset = 0  # the committed token at the draft cache's position 0
+        self.calibration = calibration or AcceptanceTable()
+        self._last = None  # the last proposal: (its first token's index, its tokens, its probability bins)
         if vocab is not None and head is None:  # the integer kernels' rows where the model runs on them
             self.head = getattr(backend, "integer_sub_head", lambda r: None)(vocab) or backend.sub_head(vocab)
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
         self.backend.reset()
+        self.offset = 0
+        self._last = None
 
     def fork(self) -> "DraftModelDrafter":
-        return DraftModelDrafter(self.backend.fork(), self.vocab, self.head)
+        return DraftModelDrafter(self.backend.fork(), self.vocab, self.head, self.window, self.p_min, self.calibration)
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def plan_conf(self, k: int) -> list[float]:
+        """Per position j < k: how often a draft that reached j had its token j taken."""
+        return [self.calibration.rate(("at", j)) for j in range(k)]
+
+    def _unread(self, tokens: list[int]) -> int:
+        """The draft cache position from which ``tokens`` are unread (restarting a windowed draft
+        whose unread stretch is longer than its window)."""
+        start = min(self.backend.length, len(tokens) - 1 - self.offset)
+        if self.window is not None and len(tokens) - self.offset - start > self.window:
+            self.backend.reset()  # more to read than the window: read its last ``window`` tokens afresh
+            self.offset, start = len(tokens) - self.window, 0
+        return start
+
+    def catch_up(self, tokens: list[int]) -> None:
+        """Read every committed token but the last where more than a round's usual two are unread
+        (the prompt, a stretch without drafting), so that drafting starts from a one-token step."""
+        start = self._unread(tokens)
+        end = len(tokens) - 1 - self.offset
+        if end - start > 1:
+            feed = torch.tensor(tokens[self.offset + start: self.offset + end], dtype=torch.long, device=self.backend.device)
+            self.backend.forward(feed, start, logits=False)
+
+    def propose(self, tokens: list[int], k: int, more=None) -> Draft:
+        """Up to ``k`` tokens; ``more(conf)``: whether to draft one more after tokens of those
+        confidences (None: all ``k``, unless ``p_min`` stops it)."""
         be = self.backend
         # Catch up on tokens the draft has not seen (the last one, plus any correction/bonus).
-        start = min(be.length, len(tokens) - 1)
-        feed = torch.tensor(tokens[start:], dtype=torch.long, device=be.device)
-        return autoregressive_draft(be, feed, start, k, self.params, self.generator, **self.forward_kwargs(tokens))
+        start = self._unread(tokens)
+        feed = torch.tensor(tokens[self.offset + start:], dtype=torch.long, device=be.device)
+        bins: list[int] = []
+
+        def confidence(p: float) -> float:
+            bins.append(min(int(p * PROB_BINS), PROB_BINS - 1))
+            return self.calibration.rate(("p", bins[-1]))
+
+        d = autoregressive_draft(be, feed, start, k, self.params, self.generator, offset=self.offset,
+                                 p_min=self.p_min, confidence=confidence, more=more, **self.forward_kwargs(tokens))
+        self._last = (len(tokens), d.tokens.tolist(), bins[: len(d)])
+        return d
 
     def forward_kwargs(self, tokens: list[int]) -> dict:
         """Extra arguments for the draft backend's forward (a draft vocabulary's head; subclasses:
@@ -40,7 +103,12 @@ class DraftModelDrafter(Drafter):
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.
-        self.backend.truncate(min(self.backend.length, len(tokens) - 1))
+        self.backend.truncate(max(0, min(self.backend.length, len(tokens) - 1 - self.offset)))
+        if self._last is not None:  # every drafted token the committed ones decide (the verified ones, and
+            at, proposed, bins = self._last  # the one the target put after them)
+            self._last = None
+            self.calibration.observe_run([("p", b) for b in bins], proposed, tokens[at:])
+            self.calibration.observe_run([("at", j) for j in range(len(proposed))], proposed, tokens[at:])
 
 
 def pick_token(logits, params, generator, vocab_map=None, vocab_size=None, position: int = 0):
@@ -61,19 +129,42 @@ def pick_token(logits, params, generator, vocab_map=None, vocab_size=None, posit
     return sample(q, generator), q
 
 
-def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=None, **fwd) -> Draft:
+def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=None, offset: int = 0,
+                         p_min: float = 0.0, confidence=None, more=None, **fwd) -> Draft:
     """Run ``feed`` at ``pos``, then draft k tokens one at a time. Shared by model-based drafters.
 
     ``vocab_map`` [n] (optional): the forward returns logits over these token ids only.
+    ``offset``: the sequence position of the draft cache's position 0 (a windowed draft), so that
+    a seeded token is drawn with its position's noise. ``p_min``: stop before a token drawn with
+    less than this probability. ``confidence(p)``: each token's confidence (``Draft.conf``) from
+    its draft probability p; ``more(conf)``: after each token, whether to draft another. The
+    draft's ``steps`` count every forward run, the last one too where ``p_min`` stopped it.
     """
-    out, qs = [], []
+    out, qs, conf, steps = [], [], [], 0
     for _ in range(k):
         logits = backend.forward(feed, pos, last_only=True, **fwd).logits[-1]
+        steps += 1
         pos += feed.numel()  # the drafted token's index
-        tok, q = pick_token(logits, params, generator, vocab_map, backend.vocab_size, position=pos)
+        tok, q = pick_token(logits, params, generator, vocab_map, backend.vocab_size, position=pos + offset)
+        p = _probability(logits, tok, q) if p_min > 0.0 or confidence is not None else 1.0
+        if p < p_min:
+            break
         if q is not None:
             qs.append(q)
         out.append(tok)
+        if confidence is not None:
+            conf.append(confidence(p))
+        if more is not None and len(out) < k and not more(conf):
+            break
         feed = tok.view(1)
     tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long, device="cpu")
-    return Draft(tokens=tokens.cpu(), q=torch.stack(qs) if qs else None)
+    return Draft(tokens=tokens.cpu(), q=torch.stack(qs) if qs else None, steps=steps,
+                 conf=conf if confidence is not None else None)
+
+
+def _probability(logits, tok, q) -> float:
+    """The draft's probability of the token it picked: q's where it sampled, else its softmax's
+    largest value (greedy picks the argmax)."""
+    if q is not None:
+        return float(q[tok])
+    return float(torch.softmax(logits.float(), -1).max())
