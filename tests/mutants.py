@@ -125,6 +125,10 @@ MUTANTS = [
     ("fixed-f16-stale-inf", "backends/fixed_rows.py", "sanitize = be.dtype == torch.float16", "sanitize = False",
      "fixed-shape passes: a float16 value that overflowed stays Inf in the cache (0 x Inf = NaN when masked)",
      ["tests/test_fixed_rows.py"]),
+    ("draft-window-noise-position", "drafters/draft_model.py", "backend.vocab_size, position=pos + offset)",
+     "backend.vocab_size, position=pos)",
+     "a windowed draft model draws its seeded tokens with its cache position's noise, not the sequence's",
+     ["tests/test_seeded.py"]),
 ]
 
 

@@ -213,19 +213,28 @@ def test_load_aware_k_probes_a_bucket_it_stopped_drafting_for():
     assert all(pol.choose([4], [7], [[0.01] * 4]) == [0] for _ in range(12))
 
 
-def test_draft_model_batches_equal_plain(gemma, gemma_draft):
-    """A draft model per slot (not cheap: the policy plans K before drafting) stays token-identical."""
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_draft_model_batches_equal_plain(gemma, gemma_draft, vocab, monkeypatch):
+    """A draft model per slot (not cheap: the policy plans K before drafting) stays token-identical,
+    with its whole head and with a cut one; the slots draft together, every draft model step one
+    batched pass over those still drafting (``DraftModelDrafter.propose_batch``)."""
     from forerun.drafters.draft_model import DraftModelDrafter
 
-    prompts = _prompts(4, seed=2)
+    prompts = _prompts(6, seed=2)
     plain = [Engine(gemma.backend, None, gemma.eos_token_ids).generate(p, max_new_tokens=15).token_ids for p in prompts]
-    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=DraftModelDrafter(gemma_draft.backend),
-                      max_batch=2)
+    be = gemma_draft.backend.fork()
+    rows = []
+    real = type(be).forward_batch
+    monkeypatch.setattr(type(be), "forward_batch", lambda self, seqs, *a, **kw: (
+        rows.append(len(seqs)) if kw.get("last_only") else None) or real(self, seqs, *a, **kw))
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=4,
+                      drafter=DraftModelDrafter(be, None if vocab is None else torch.arange(vocab)))
     eng.policy.margin = -1.0  # always draft, so the draft path is exercised
     eng.calibrate(reps=1)
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
     assert run_batch(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0
+    assert rows and max(rows) > 1  # drafted together
 
 
 def test_layerskip_batches_equal_plain(gemma):
@@ -471,3 +480,20 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_shared_pass():
              for p, s in zip(prompts, params)]
     assert runs[0] == runs[1] == alone
     assert len({t for out in alone for t in out}) > 10  # the texts are really drawn
+
+
+def test_a_batched_draft_is_each_sequences_own(gemma_draft):
+    """``propose_batch``: each sequence's draft equals what it drafts alone (greedy, with a cut
+    head; sequences of different lengths, one asked for no tokens), its cache as long."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    proto = DraftModelDrafter(gemma_draft.backend.fork(), torch.arange(50))
+    prompts, ks = _prompts(4, seed=7), [5, 3, 0, 4]
+    alone, together = [proto.fork() for _ in prompts], [proto.fork() for _ in prompts]
+    for d in alone + together:
+        d.begin([], SamplingParams(), None)
+    want = [d.propose(p, k) for d, p, k in zip(alone, prompts, ks)]
+    got = DraftModelDrafter.propose_batch(together, prompts, ks)
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+    assert [len(g) for g in got] == ks and [g.steps for g in got] == [w.steps for w in want]
+    assert [d.backend.length for d in together] == [d.backend.length for d in alone]

@@ -83,6 +83,10 @@ class Decoder:
         # trained heads read the target's hidden states at some layers, sent after the prefill and every pass
         self.layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.batched = target.capabilities.batched
+        # a drafter whose forks draft together on a draft model that batches (method draft)
+        self._draft_batch = bool(getattr(drafter, "batchable", False)) and \
+            getattr(getattr(drafter, "backend", None), "capabilities", None) is not None and \
+            drafter.backend.capabilities.draft_batch
         self.cuda = getattr(target, "device", torch.device("cpu")).type == "cuda"
 
     def start(self, seq: Sequence, prefix_cache=None) -> None:
@@ -193,6 +197,12 @@ class Decoder:
                 if k > 0:  # what it has not read (a prompt, a stretch without drafts): timed apart
                     timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
             reading = list(secs)
+            together = [(i, k) for i, k in planned if k > 0 and i in alive]
+            if early and len(together) > 1 and self._draft_batch:  # one batched draft pass a step
+                got = self._propose_batch(seqs, together, secs)
+                for i, _ in together:
+                    drafts[i] = clip_draft(got[i], pol.cut(got[i].conf)) if got else drafts[i]
+                planned = [] if got else planned
             for i, k in planned:
                 if i in alive and early:
                     d = timed(i, lambda: seqs[i].drafter.propose(seqs[i].tokens, k, pol.draft_more) if k > 0
@@ -207,6 +217,23 @@ class Decoder:
             if d.parents is not None and len(d) > room:
                 drafts[i] = first_nodes(d, room)
         return drafts, rounds, secs
+
+    def _propose_batch(self, seqs, together, secs) -> dict[int, Draft] | None:
+        """The drafts of ``together`` [(sequence, k)], every draft model step one batched pass;
+        its time shared out evenly. None where the batched drafting failed (each drafts alone then)."""
+        t = time.perf_counter()
+        try:
+            drafters = [seqs[i].drafter for i, _ in together]
+            got = type(drafters[0]).propose_batch(drafters, [seqs[i].tokens for i, _ in together],
+                                                 [k for _, k in together], self.policy.draft_more)
+        except Exception as e:  # noqa: BLE001 - each sequence drafts on its own, where its failure stays its own
+            log.warning("a batched draft of %d sequences failed (%s: %s): each one again on its own", len(together),
+                        type(e).__name__, e)
+            return None
+        spent = (time.perf_counter() - t) / len(together)
+        for i, _ in together:
+            secs[i] += spent
+        return {i: d for (i, _), d in zip(together, got)}
 
     # -- 2. verify ---------------------------------------------------------------------------
     def _verify(self, seqs, drafts, alive, fail) -> tuple[dict[int, Verdict], float]:

@@ -42,6 +42,7 @@ class Capabilities:
     lazy_tree_head: bool = False  # argmax_hidden(rows): greedy trees run the LM head on reached rows only
     token_trees: bool = False  # forward(tree=) and keep_rows(): token-tree verification
     batched: bool = False  # forward_batch(): several sequences in one pass
+    draft_batch: bool = False  # forward_batch(head=, last_only=): a draft model's step for several sequences
     layer_skip: bool = False  # forward(skip_layers=): self-speculation
     kv_segments: bool = False  # kv_segment(start, end) / load_kv_segment(pos, seg): prompt prefixes reused exactly
     hidden_states: bool = False  # embed and layers=: the token embeddings and layer outputs trained heads read
@@ -103,7 +104,8 @@ class Backend(Protocol):
                       layers: Sequence[int] = (), greedy: Sequence[bool] = (),
                       trees: Sequence[torch.Tensor | None] = ()) -> list:
         """``batched``: one pass over several sequences (forks of this backend); with ``trees``
-        (``token_trees``), sequence i's rows 1.. form the token tree of parents ``trees[i]``."""
+        (``token_trees``), sequence i's rows 1.. form the token tree of parents ``trees[i]``;
+        ``draft_batch``: also ``head=`` (a cut LM head, as ``forward``'s) and ``last_only=``."""
 
     def kv_segment(self, start: int, end: int):
         """``kv_segments``: the cache rows ``start:end``, to be loaded back by ``load_kv_segment``."""

@@ -44,7 +44,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         layer skipping; greedy trees run the LM head lazily on the CPU only (see ``lazy_tree_head``)."""
         return Capabilities(exact_argmax=True, argmax_features=True, argmax_tree=True,
                             lazy_tree_head=self.lazy_tree_head, token_trees=True, batched=True, layer_skip=True,
-                            kv_segments=True, hidden_states=True)
+                            kv_segments=True, hidden_states=True, draft_batch=self._fixed is None)
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None,
@@ -363,14 +363,19 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence["NativeBackend"], feeds: Sequence[torch.Tensor],
                       positions: Sequence[int], layers: Sequence[int] = (),
-                      greedy: Sequence[bool] = (), trees: Sequence[torch.Tensor | None] = ()) -> list:
+                      greedy: Sequence[bool] = (), trees: Sequence[torch.Tensor | None] = (),
+                      head: "PackedLinear | None" = None, last_only: bool = False) -> list:
         """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
         cache (forks of this backend); where ``trees[i]`` is given, its rows 1.. are a token tree
         with those parents (as ``forward(tree=)``). Returns each sequence's logits [T_i, vocab]
         (float32) and, with ``layers``, those layers' outputs; a sequence marked in ``greedy`` gets
         the exact argmax of every row instead of logits (``ArgmaxOutput``), where it is found without logits
-        (``argmax_hidden``: the integer path or the screened exact head)."""
+        (``argmax_hidden``: the integer path or the screened exact head). ``head`` replaces the LM
+        head and ``last_only`` keeps each sequence's last row only (a draft model's step; not on
+        fixed-shape passes)."""
         if self._fixed is not None:
+            if head is not None or last_only:
+                raise ValueError("fixed-shape passes run the whole LM head on every row")
             return self._fixed_batch(seqs, feeds, positions, layers, trees)
         parts, ids = [], []
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
@@ -393,6 +398,8 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             seq._len = pos + T
         sizes = [p[2] for p in parts]
         hn = self._norm(h, self.final_norm).split(sizes)
+        if last_only:
+            hn = [x[-1:] for x in hn]
         per_seq = feats.split(sizes) if feats is not None else [None] * len(parts)
         argmax = self._argmax_without_logits() if any(greedy) else None
         flags = [argmax is not None and i < len(greedy) and bool(greedy[i]) for i in range(len(parts))]
@@ -401,6 +408,6 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             rows = [x for x, f in zip(hn, flags) if f == chosen]
             return iter(fn(torch.cat(rows)).split([len(x) for x in rows]) if rows else [])
 
-        lg, am = run(self._logits, False), run(argmax, True)
+        lg, am = run(lambda x: self._logits(x, head), False), run(argmax, True)
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]

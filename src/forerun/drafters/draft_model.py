@@ -23,6 +23,7 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
     stops_early = True  # propose takes ``more``; the policy plans with ``plan_conf``
+    batchable = True  # propose_batch: forks draft together, a step one batched pass of the draft model
 
     def __init__(self, backend, vocab: torch.Tensor | None = None, head=None, window: int | None = None,
                  p_min: float = 0.0, calibration: AcceptanceTable | None = None):
@@ -81,19 +82,38 @@ class DraftModelDrafter(Drafter):
     def propose(self, tokens: list[int], k: int, more=None) -> Draft:
         """Up to ``k`` tokens; ``more(conf)``: whether to draft one more after tokens of those
         confidences (None: all ``k``, unless ``p_min`` stops it)."""
+        chain, fwd = self._chain(tokens, k, more)
         be = self.backend
-        # Catch up on tokens the draft has not seen (the last one, plus any correction/bonus).
+        while k > 0 and chain.take(be.forward(chain.feed, chain.pos, last_only=True, **fwd).logits[-1]):
+            pass
+        return self._drafted(tokens, chain)
+
+    @staticmethod
+    def propose_batch(drafters: list["DraftModelDrafter"], tokens: list[list[int]], ks: list[int], more=None
+                      ) -> list[Draft]:
+        """``propose`` for several sequences (forks of one drafter, ``batchable``), each step of
+        the draft model one batched pass over the sequences still drafting."""
+        chains, fwd = zip(*(d._chain(t, k, more) for d, t, k in zip(drafters, tokens, ks)))
+        be, kw = drafters[0].backend, fwd[0]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        while live:
+            outs = be.forward_batch([drafters[i].backend for i in live], [chains[i].feed for i in live],
+                                    [chains[i].pos for i in live], head=kw.get("head"), last_only=True)
+            live = [i for i, o in zip(live, outs) if chains[i].take(o.logits[-1])]
+        return [d._drafted(t, c) for d, t, c in zip(drafters, tokens, chains)]
+
+    def _chain(self, tokens: list[int], k: int, more) -> tuple[Chain, dict]:
+        """This round's draft, ready to draw (what was not read yet fed first), and the forward's options."""
         start = self._unread(tokens)
-        feed = torch.tensor(tokens[self.offset + start:], dtype=torch.long, device=be.device)
-        bins: list[int] = []
+        feed = torch.tensor(tokens[self.offset + start:], dtype=torch.long, device=self.backend.device)
+        fwd = self.forward_kwargs(tokens)
+        chain = Chain(feed, start, k, self.params, self.generator, self.backend.vocab_size, fwd.pop("vocab_map", None),
+                      self.offset, self.p_min, lambda p: self.calibration.rate(("p", _bin(p))), more)
+        return chain, fwd
 
-        def confidence(p: float) -> float:
-            bins.append(min(int(p * PROB_BINS), PROB_BINS - 1))
-            return self.calibration.rate(("p", bins[-1]))
-
-        d = autoregressive_draft(be, feed, start, k, self.params, self.generator, offset=self.offset,
-                                 p_min=self.p_min, confidence=confidence, more=more, **self.forward_kwargs(tokens))
-        self._last = (len(tokens), d.tokens.tolist(), bins[: len(d)])
+    def _drafted(self, tokens: list[int], chain: Chain) -> Draft:
+        d = chain.draft()
+        self._last = (len(tokens), d.tokens.tolist(), [_bin(p) for p in chain.probs])
         return d
 
     def forward_kwargs(self, tokens: list[int]) -> dict:
@@ -129,37 +149,54 @@ def pick_token(logits, params, generator, vocab_map=None, vocab_size=None, posit
     return sample(q, generator), q
 
 
-def autoregressive_draft(backend, feed, pos, k, params, generator, vocab_map=None, offset: int = 0,
-                         p_min: float = 0.0, confidence=None, more=None, **fwd) -> Draft:
-    """Run ``feed`` at ``pos``, then draft k tokens one at a time. Shared by model-based drafters.
+class Chain:
+    """One draft drawn token by token from a model's logits (``DraftModelDrafter.propose``, and
+    ``propose_batch`` for several sequences at once).
 
-    ``vocab_map`` [n] (optional): the forward returns logits over these token ids only.
-    ``offset``: the sequence position of the draft cache's position 0 (a windowed draft), so that
-    a seeded token is drawn with its position's noise. ``p_min``: stop before a token drawn with
-    less than this probability. ``confidence(p)``: each token's confidence (``Draft.conf``) from
-    its draft probability p; ``more(conf)``: after each token, whether to draft another. The
-    draft's ``steps`` count every forward run, the last one too where ``p_min`` stopped it.
-    """
-    out, qs, conf, steps = [], [], [], 0
-    for _ in range(k):
-        logits = backend.forward(feed, pos, last_only=True, **fwd).logits[-1]
-        steps += 1
-        pos += feed.numel()  # the drafted token's index
-        tok, q = pick_token(logits, params, generator, vocab_map, backend.vocab_size, position=pos + offset)
-        p = _probability(logits, tok, q) if p_min > 0.0 or confidence is not None else 1.0
-        if p < p_min:
-            break
+    ``feed`` runs at ``pos`` first; ``vocab_map`` [n] (optional): the logits cover these token ids
+    only. ``offset``: the sequence position of the draft cache's position 0 (a windowed draft), so
+    that a seeded token is drawn with its position's noise. ``p_min``: stop before a token drawn with
+    less than this probability. ``confidence(p)``: each token's confidence (``Draft.conf``) from its
+    draft probability p (``probs``: those of the tokens kept); ``more(conf)``: after each token,
+    whether to draft another. ``steps`` counts every forward run, the last one too where ``p_min``
+    stopped it."""
+
+    def __init__(self, feed, pos, k, params, generator, vocab_size, vocab_map=None, offset: int = 0,
+                 p_min: float = 0.0, confidence=None, more=None):
+        self.feed, self.pos, self.k = feed, pos, k
+        self.params, self.generator, self.vocab_size, self.vocab_map = params, generator, vocab_size, vocab_map
+        self.offset, self.p_min, self.confidence, self.more = offset, p_min, confidence, more
+        self.out, self.qs, self.conf, self.probs, self.steps = [], [], [], [], 0
+
+    def take(self, logits) -> bool:
+        """The model's logits [n] after ``feed``: draw the next token; whether to draft on (then
+        ``feed`` and ``pos`` are the next step's)."""
+        self.steps += 1
+        self.pos += self.feed.numel()  # the drafted token's index
+        tok, q = pick_token(logits, self.params, self.generator, self.vocab_map, self.vocab_size,
+                            position=self.pos + self.offset)
+        p = _probability(logits, tok, q) if self.p_min > 0.0 or self.confidence is not None else 1.0
+        if p < self.p_min:
+            return False
         if q is not None:
-            qs.append(q)
-        out.append(tok)
-        if confidence is not None:
-            conf.append(confidence(p))
-        if more is not None and len(out) < k and not more(conf):
-            break
-        feed = tok.view(1)
-    tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long, device="cpu")
-    return Draft(tokens=tokens.cpu(), q=torch.stack(qs) if qs else None, steps=steps,
-                 conf=conf if confidence is not None else None)
+            self.qs.append(q)
+        self.out.append(tok)
+        self.probs.append(p)
+        if self.confidence is not None:
+            self.conf.append(self.confidence(p))
+        if len(self.out) >= self.k or (self.more is not None and not self.more(self.conf)):
+            return False
+        self.feed = tok.view(1)
+        return True
+
+    def draft(self) -> Draft:
+        tokens = torch.stack(self.out) if self.out else torch.zeros(0, dtype=torch.long, device="cpu")
+        return Draft(tokens=tokens.cpu(), q=torch.stack(self.qs) if self.qs else None, steps=self.steps,
+                     conf=self.conf if self.confidence is not None else None)
+
+
+def _bin(p: float) -> int:
+    return min(int(p * PROB_BINS), PROB_BINS - 1)
 
 
 def _probability(logits, tok, q) -> float:

@@ -34,6 +34,7 @@ from forerun.timing import median_forward_s
 
 class LayerSkipDrafter(DraftModelDrafter):
     name = "layerskip"
+    batchable = False  # skipped layers and a per-sequence vocabulary: one sequence a pass
 
     def __init__(self, backend, skip_layers, context_vocab: bool = True, extra_vocab=()):
         if not backend.capabilities.layer_skip:
