@@ -49,6 +49,9 @@ def assert_clean_error(rc, err, *needles):
         (["generate", "hi", "--method", "eagle", "--adapt-save", "out"], "give --adapt too"),
         (["bench", "--prompts", "none.jsonl", "--methods", "ngram:auto+adapt"], "+adapt trains eagle and medusa"),
         (["bench", "--prompts", "none.jsonl", "--methods", "ngram-tree"], "unknown method"),
+        (["bench", "--prompts", "none.jsonl", "--methods", "ngram+suffix"], "draft+suffix"),
+        (["generate", "hi", "--method", "draft", "--draft", "x", "--draft-window", "-1"], "--draft-window"),
+        (["generate", "hi", "--method", "draft", "--draft", "x", "--draft-p-min", "1.5"], "--draft-p-min"),
     ],
 )
 def test_bad_inputs_before_loading(capsys, argv, needle):

@@ -281,3 +281,18 @@ def test_a_costly_drafter_drafts_while_the_next_token_pays():
     ks = [_one(pol, 1, conf=[0.05], charge=True) for _ in range(pol.probe_every)]
     assert ks[:-1] == [0] * (pol.probe_every - 1) and ks[-1] == 1
     assert DraftLength(3).draft_more([0.0]) and DraftLength(3).cut([0.0, 0.0]) == 2  # a fixed k drafts it all
+
+
+def test_a_lookup_chain_or_the_draft_model_whichever_pays():
+    """``lookup_or_model``: a sure lookup chain is verified alone (the model drafts nothing), a
+    doubtful one loses to a draft model the target takes 9 times in 10; no chain, the model."""
+    pol = DraftLength()
+    assert pol.lookup_or_model([0.3, 0.3], [0.9] * 4) == 2  # nothing measured: the chain where there is one
+    _measured(pol, per_row=0.001)
+    pol.observe_draft(4, 0.0108)
+    pol.observe_draft(4, 0.0108)
+    assert pol.lookup_or_model([0.95] * 6, [0.9] * 8) == 6
+    assert pol.lookup_or_model([0.3, 0.2], [0.9] * 8) is None
+    assert pol.lookup_or_model([], [0.9] * 8) is None
+    assert pol.lookup_or_model([0.5, 0.5], [0.1] * 8) == pol.cut([0.5, 0.5]) > 0
+    assert DraftLength(3).lookup_or_model([0.1] * 5, [0.9]) == 3

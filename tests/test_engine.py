@@ -203,3 +203,42 @@ def test_p_min_stops_the_draft_where_it_is_unsure(gemma, gemma_draft):
     d.begin(PROMPTS[0], SamplingParams(), None)
     got = d.propose(PROMPTS[0], 6)
     assert got.tokens.tolist() == want[:n] and n < 6 and got.steps == min(n + 1, 6)
+
+
+@pytest.mark.parametrize("source", ["ngram", "suffix"])
+def test_a_draft_model_with_a_lookup_chain_is_lossless_and_uses_both(gemma, gemma_draft, source):
+    """``draft_lookup``: every round the drafter offers a model-free chain beside its model; the
+    policy verifies the chain alone where it promises more (the model then drafts nothing and
+    reads those tokens later) and the model's draft elsewhere. Greedy output equals plain
+    decoding, alone and in a batch, and both kinds of round happen on a repetitive prompt."""
+    from forerun.batching import BatchEngine, BatchRequest
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    from conftest import run_batch
+
+    rounds = []
+
+    class Counted(DraftModelDrafter):
+        def lookup_chain(self, tokens, k):
+            chain = super().lookup_chain(tokens, k)
+            rounds.append("chain" if len(chain) else "none")
+            return chain
+
+        def propose(self, tokens, k, more=None):
+            rounds[-1] = "model"
+            return super().propose(tokens, k, more)
+
+    drafter = make_drafter("draft", gemma, draft_model=gemma_draft, draft_lookup=source)
+    drafter = Counted(drafter.backend, lookup=drafter.lookup)
+    prompts = PROMPTS + [[2] + [5, 9, 11, 13, 17] * 6]
+    plain = Engine(gemma.backend, None, gemma.eos_token_ids)
+    want = [plain.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    eng = Engine(gemma.backend, drafter, gemma.eos_token_ids)
+    assert [eng.generate(p, max_new_tokens=24, k="auto").token_ids for p in prompts] == want
+    assert "chain" in rounds and "model" in rounds
+    batch = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=drafter, max_batch=4)
+    assert run_batch(batch, [BatchRequest(prompt=p, max_new_tokens=24) for p in prompts]) == want
+    with pytest.raises(ForerunError, match="--draft-lookup"):
+        make_drafter("draft", gemma, draft_model=gemma_draft, draft_lookup="tree")
+    with pytest.raises(ForerunError, match="--draft-lookup"):
+        make_drafter("ngram", gemma, draft_lookup="suffix")

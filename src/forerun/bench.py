@@ -277,7 +277,9 @@ def run_bench(args) -> dict:
                        tree_nodes=tree_m[0] if tree_m else 0, tree_depth=tree_m[1] if tree_m else None,
                        tree_lookup=parsed[m].lookup if m in parsed else None,
                        lookup_from=parsed[m].lookup_from if m in parsed else "ngram", adapt=m in parsed and parsed[m].adapt,
-                       skip_layers=skip)
+                       skip_layers=skip,
+                       draft_lookup=((parsed[m].draft_lookup if m in parsed else None) or options.draft_lookup)
+                       if kinds[m] == "draft" else None)
         return build(opts, target=targets[backend_of[m]], draft_model=draft if kinds[m] == "draft" else None)
 
     setups = {m: setup_of(m) for m in methods}

@@ -35,6 +35,7 @@ from forerun.split_models import default_draft
 
 # bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
 # where its chain comes from (prompt lookup, or suffix drafting over the context and earlier outputs)
+DRAFT_LOOKUPS = {"draft+ngram": "ngram", "draft+suffix": "suffix"}  # bench names: --method draft --draft-lookup X
 TREE_SUFFIXES = {"-tree": (None, None), "-tree+lookup": ("always", "ngram"), "-tree+auto": ("auto", "ngram"),
                  "-tree+suffix": ("always", "suffix"), "-tree+suffix-auto": ("auto", "suffix")}
 
@@ -48,6 +49,7 @@ class Method:
     tree: str | None  # a key of TREE_SUFFIXES ("-tree", "-tree+lookup", ...) or None (a chain)
     k: int | str | None  # its own draft length, if it names one
     adapt: bool  # the head keeps learning over the run
+    draft_lookup: str | None = None  # draft+ngram / draft+suffix: the draft model with a model-free chain
 
     @property
     def lookup(self) -> str | None:
@@ -61,12 +63,14 @@ class Method:
 def parse_method(name: str) -> Method:
     """A bench method name, checked (an unknown name is a clear error)."""
     base, _, k = name.removesuffix("+adapt").partition(":")
+    if base in DRAFT_LOOKUPS:
+        return Method(name, "draft", None, check_k(k) if k else None, False, DRAFT_LOOKUPS[base])
     tree = next((s for s in TREE_SUFFIXES if base.endswith(s)), None)
     kind = base.removesuffix(tree) if tree else base
     if kind not in METHODS or (tree and kind not in TREE_METHODS):
         raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
                            "eagle-tree, eagle-tree+lookup, eagle-tree+auto, eagle-tree+suffix or eagle-tree+suffix-auto; "
-                           "suffix as suffix-tree)")
+                           "suffix as suffix-tree; draft as draft+ngram or draft+suffix)")
     if tree and tree != "-tree" and kind not in HEAD_METHODS:
         raise ForerunError(f"{name}: the lookup branch is grafted onto a head's tree (eagle or medusa)")
     adapt = name.endswith("+adapt")
@@ -98,6 +102,7 @@ class Options:
     draft_tokens: int | None = None  # method draft: the draft vocabulary's size (None: auto, 0: all)
     draft_window: int | None = None  # method draft: the most prompt tokens the draft model reads (None: default, 0: all)
     draft_p_min: float | None = None  # method draft: stop drafting under this draft probability (None: default)
+    draft_lookup: str | None = None  # method draft: also a model-free chain each round, "ngram" or "suffix"
 
     def __post_init__(self):
         if self.method == "draft" and not self.draft:  # a named model's own draft model (the Qwen2.5-Coder pair)
@@ -127,6 +132,8 @@ class Options:
             raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {self.draft_window}")
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
             raise ForerunError(f"--draft-p-min must be in [0, 1), got {self.draft_p_min}")
+        if self.draft_lookup is not None and self.draft_lookup not in LOOKUP_SOURCES:
+            raise ForerunError(f"--draft-lookup must be one of {', '.join(LOOKUP_SOURCES)}, got {self.draft_lookup!r}")
         return self
 
     @property
@@ -174,7 +181,8 @@ def drafter_for(options: Options, target, draft_model=None):
                         lookup_from=options.lookup_from, adapt=options.adapt,
                         draft_tokens=options.draft_tokens if options.method == "draft" else None,
                         draft_window=options.draft_window if options.method == "draft" else None,
-                        draft_p_min=options.draft_p_min if options.method == "draft" else None)
+                        draft_p_min=options.draft_p_min if options.method == "draft" else None,
+                        draft_lookup=options.draft_lookup if options.method == "draft" else None)
 
 
 @dataclass

@@ -71,6 +71,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-p-min", type=float, default=None,
                    help="--method draft: stop drafting before a token the draft model gives less than this "
                         "probability (lossless; default 0: the draft-length policy alone decides)")
+    p.add_argument("--draft-lookup", default=None, choices=["ngram", "suffix"],
+                   help="--method draft: also offer a model-free chain every round (ngram: prompt lookup; suffix: the "
+                        "suffix drafter's), verified alone where it promises more than the draft model's "
+                        "(bench: methods draft+ngram, draft+suffix)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],

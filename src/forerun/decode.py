@@ -183,40 +183,49 @@ class Decoder:
             for i, k in zip(alive, ks):
                 if drafts[i].parents is None:  # a tree's size is its drafter's
                     drafts[i] = clip_draft(drafts[i], k)
+        elif getattr(proto, "stops_early", False):  # a draft model: drafts while the next token pays
+            self._draft_model(seqs, alive, caps, drafts, secs, timed)
         else:  # lengths planned first: drafting costs per token
-            # a drafter that stops early: whether to draft at all, from what its first token was worth;
-            # then it drafts while the next token pays (``draft_more``)
-            early = getattr(proto, "stops_early", False)
-            confs = [seqs[i].drafter.plan_conf(min(caps[i], 1)) for i in alive] if early else None
-            ks = pol.choose([min(caps[i], 1) if early else caps[i] for i in alive], [None] * len(alive), confs,
-                            charge_drafting=True)
-            if early:
-                ks = [min(caps[i], pol.k_max) if k else 0 for i, k in zip(alive, ks)]
-            planned = list(zip(alive, ks))
-            for i, k in planned:
-                if k > 0:  # what it has not read (a prompt, a stretch without drafts): timed apart
-                    timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
-            reading = list(secs)
-            together = [(i, k) for i, k in planned if k > 0 and i in alive]
-            if early and len(together) > 1 and self._draft_batch:  # one batched draft pass a step
-                got = self._propose_batch(seqs, together, secs)
-                for i, _ in together:
-                    drafts[i] = clip_draft(got[i], pol.cut(got[i].conf)) if got else drafts[i]
-                planned = [] if got else planned
-            for i, k in planned:
-                if i in alive and early:
-                    d = timed(i, lambda: seqs[i].drafter.propose(seqs[i].tokens, k, pol.draft_more) if k > 0
-                              else empty_draft())
-                    drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else k)
-                elif i in alive:
-                    drafts[i] = clip_draft(propose(i, k), k)
-            steps = sum(len(drafts[i]) if drafts[i].steps is None else drafts[i].steps for i in alive)
-            pol.observe_draft(steps, sum(secs[i] - reading[i] for i in alive))
+            ks = pol.choose([caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
+            for i, k in zip(list(alive), ks):
+                drafts[i] = clip_draft(propose(i, k), k)
+            pol.observe_draft(sum(len(drafts[i]) for i in alive), sum(secs[i] for i in alive))
         for i in alive:  # a tree's pass needs a cache position per node
             d, room = drafts[i], limit - len(seqs[i].tokens)
             if d.parents is not None and len(d) > room:
                 drafts[i] = first_nodes(d, room)
         return drafts, rounds, secs
+
+    def _draft_model(self, seqs, alive, caps, drafts, secs, timed) -> None:
+        """The drafts of a drafter that stops early (``stops_early``: a draft model). Where it offers
+        a model-free chain (``lookup_chain``) and that chain promises more, the chain alone; else
+        whether to draft at all is planned from what its first token was worth, it reads what it
+        has not read (timed apart: not a draft token's cost), and drafts while the next token pays
+        (``DraftLength.draft_more``), every sequence's step in one batched pass where it can."""
+        pol = self.policy
+        model = []  # sequences the model may draft for
+        for i in list(alive):
+            s, k = seqs[i], min(caps[i], pol.k_max)
+            chain = timed(i, lambda: s.drafter.lookup_chain(s.tokens, k) or empty_draft()) if k > 0 else empty_draft()
+            m = pol.lookup_or_model(chain.conf or [], s.drafter.plan_conf(k)) if len(chain) else None
+            if m:
+                drafts[i] = Draft(tokens=chain.tokens[:m], bucket=chain.bucket, conf=chain.conf[:m])
+            elif i in alive:
+                model.append(i)
+        ks = pol.choose([min(caps[i], 1) for i in model], [None] * len(model),
+                        [seqs[i].drafter.plan_conf(min(caps[i], 1)) for i in model], charge_drafting=True)
+        planned = [(i, min(caps[i], pol.k_max)) for i, k in zip(model, ks) if k]
+        for i, _ in planned:  # what it has not read (a prompt, a stretch without drafts)
+            timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
+        reading = list(secs)
+        planned = [(i, k) for i, k in planned if i in alive]
+        got = self._propose_batch(seqs, planned, secs) if len(planned) > 1 and self._draft_batch else None
+        for i, k in planned:
+            d = got[i] if got else timed(i, lambda: seqs[i].drafter.propose(seqs[i].tokens, k, pol.draft_more))
+            if i in alive:
+                drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else len(d))
+        drafted = [i for i, _ in planned if i in alive]
+        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(secs[i] - reading[i] for i in drafted))
 
     def _propose_batch(self, seqs, together, secs) -> dict[int, Draft] | None:
         """The drafts of ``together`` [(sequence, k)], every draft model step one batched pass;

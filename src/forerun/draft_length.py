@@ -273,6 +273,24 @@ class DraftLength:
                 return True
         return False
 
+    def lookup_or_model(self, chain_conf: list[float], model_conf: list[float]) -> int | None:
+        """A costly drafter's round that also offers a model-free chain (confidences ``chain_conf``):
+        how many of its tokens to verify alone, or None to draft with the model (whose positions were
+        taken at the rates ``model_conf``), whichever promises more tokens per second. Until costs
+        are measured, the chain where it has a token."""
+        if not chain_conf:
+            return None
+        if self.fixed is not None:
+            return min(len(chain_conf), self.fixed)
+        if self.cost(1) is None or self.draft_cost is None:
+            return len(chain_conf[: self.k_max])
+        m = self.cut(chain_conf[: self.k_max])
+        chain_rate = chain_yield(chain_conf[:m])[m] / self.cost(m + 1)
+        gain = chain_yield(model_conf[: self.k_max])
+        model_rate = max(gain[j] / (j * self.draft_cost + self.cost(j + 1)) for j in range(1, len(gain))) \
+            if len(gain) > 1 else 0.0
+        return m if m and chain_rate >= model_rate else None
+
     def cut(self, conf: list[float]) -> int:
         """How many tokens of a costly drafter's chain (confidences ``conf``) to verify, its
         drafting already paid for: the prefix with the most tokens per second of verifying."""

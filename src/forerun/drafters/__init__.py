@@ -128,7 +128,7 @@ def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
                  head_path=None, tree=None, tree_lookup: bool | str | None = None, lookup_from: str = "ngram",
                  adapt=None, draft_tokens: int | None = None, draft_window: int | None = None,
-                 draft_p_min: float | None = None):
+                 draft_p_min: float | None = None, draft_lookup: str | None = None):
     """Build the drafter for ``method`` (None for plain decoding). ``head_path``: a trained head
     folder for eagle/medusa (default: the one shipped for the bundled model); ``tree``: (nodes, depth)
     to verify token trees instead of chains (eagle, medusa, suffix); ``tree_lookup``: every tree also
@@ -142,9 +142,13 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     ``draft_vocab``); ``draft_window``: method draft reads a long prompt (or a long stretch it did
     not draft for) from its last that many tokens (0 or None: all);
     ``draft_p_min``: method draft stops drafting before a token it gives less than this
-    probability (None: ``DRAFT_P_MIN``)."""
-    if (draft_window is not None or draft_p_min is not None) and method != "draft":
-        raise ForerunError(f"--draft-window and --draft-p-min set method draft's draft model, not {method}")
+    probability (None: ``DRAFT_P_MIN``); ``draft_lookup``: method draft also offers a model-free
+    chain every round, "ngram" (prompt lookup) or "suffix" (the suffix drafter's), verified alone
+    where it promises more than the model's draft."""
+    if (draft_window is not None or draft_p_min is not None or draft_lookup) and method != "draft":
+        raise ForerunError(f"--draft-window, --draft-p-min and --draft-lookup set method draft's draft model, not {method}")
+    if draft_lookup and draft_lookup not in LOOKUP_SOURCES:
+        raise ForerunError(f"--draft-lookup must be one of {', '.join(LOOKUP_SOURCES)}, got {draft_lookup!r}")
     if draft_window is not None and draft_window < 0:
         raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {draft_window}")
     if draft_p_min is not None and not 0.0 <= draft_p_min < 1.0:
@@ -190,8 +194,11 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
             raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
         n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens) if cuttable else 0
         window = draft_window or DRAFT_WINDOW
+        lookup = None
+        if draft_lookup:
+            lookup = SuffixLookup() if draft_lookup == "suffix" else NgramLookup(ngram_max, ngram_min)
         return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None,
-                                 window=window, p_min=DRAFT_P_MIN if draft_p_min is None else draft_p_min)
+                                 window=window, p_min=DRAFT_P_MIN if draft_p_min is None else draft_p_min, lookup=lookup)
     if not target.backend.capabilities.layer_skip:
         raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
                            "llama.cpp has no per-call layer selection")

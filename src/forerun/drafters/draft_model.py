@@ -26,13 +26,16 @@ class DraftModelDrafter(Drafter):
     batchable = True  # propose_batch: forks draft together, a step one batched pass of the draft model
 
     def __init__(self, backend, vocab: torch.Tensor | None = None, head=None, window: int | None = None,
-                 p_min: float = 0.0, calibration: AcceptanceTable | None = None):
+                 p_min: float = 0.0, calibration: AcceptanceTable | None = None, lookup=None):
         """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them.
         ``window``: the most committed tokens the draft reads when it (re)starts: a long prompt, or
         a long stretch it did not draft for, is read from its last ``window`` tokens only (None: all).
         The target verifies every draft, so what the draft reads changes its speed, never the output.
         ``p_min``: drafting stops before a token the draft gives less than this probability (its
-        own, over its vocabulary): the draft's length depends on the draft alone, so it stays lossless."""
+        own, over its vocabulary): the draft's length depends on the draft alone, so it stays lossless.
+        ``lookup``: a model-free chain (``drafters.lookup``: ``NgramLookup`` or ``SuffixLookup``)
+        offered every round beside the model (``lookup_chain``); the policy verifies it alone where
+        it promises more tokens per second than the model's draft, and the model then drafts nothing."""
         if window is not None and window < 1:
             raise ForerunError(f"the draft model's context window must be at least 1 token, got {window}")
         if not 0.0 <= p_min < 1.0:
@@ -45,6 +48,7 @@ class DraftModelDrafter(Drafter):
         self.offset = 0  # the committed token at the draft cache's position 0
         self.calibration = calibration or AcceptanceTable()
         self._last = None  # the last proposal: (its first token's index, its tokens, its probability bins)
+        self.lookup = lookup
         if vocab is not None and head is None:  # the integer kernels' rows where the model runs on them
             self.head = getattr(backend, "integer_sub_head", lambda r: None)(vocab) or backend.sub_head(vocab)
 
@@ -53,9 +57,20 @@ class DraftModelDrafter(Drafter):
         self.backend.reset()
         self.offset = 0
         self._last = None
+        if self.lookup is not None:
+            self.lookup.begin(prompt, params, generator)
 
     def fork(self) -> "DraftModelDrafter":
-        return DraftModelDrafter(self.backend.fork(), self.vocab, self.head, self.window, self.p_min, self.calibration)
+        return DraftModelDrafter(self.backend.fork(), self.vocab, self.head, self.window, self.p_min, self.calibration,
+                                 None if self.lookup is None else self.lookup.fork())
+
+    def forget_history(self) -> None:
+        if self.lookup is not None:
+            self.lookup.forget_history()
+
+    def lookup_chain(self, tokens: list[int], k: int) -> Draft | None:
+        """(``lookup``) this round's model-free chain, with its confidences; None without a lookup."""
+        return None if self.lookup is None else self.lookup.chain(tokens, k)
 
     def plan_conf(self, k: int) -> list[float]:
         """Per position j < k: how often a draft that reached j had its token j taken."""
@@ -124,6 +139,8 @@ class DraftModelDrafter(Drafter):
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.
         self.backend.truncate(max(0, min(self.backend.length, len(tokens) - 1 - self.offset)))
+        if self.lookup is not None:  # it learns from every committed token, whoever drafted them
+            self.lookup.accepted(tokens, num_accepted)
         if self._last is not None:  # every drafted token the committed ones decide (the verified ones, and
             at, proposed, bins = self._last  # the one the target put after them)
             self._last = None
