@@ -296,3 +296,23 @@ def test_a_lookup_chain_or_the_draft_model_whichever_pays():
     assert pol.lookup_or_model([], [0.9] * 8) is None
     assert pol.lookup_or_model([0.5, 0.5], [0.1] * 8) == pol.cut([0.5, 0.5]) > 0
     assert DraftLength(3).lookup_or_model([0.1] * 5, [0.9]) == 3
+
+
+def test_in_a_batch_a_drafted_row_costs_what_it_adds_to_the_pass():
+    """``batch``/``seq_cost``: alone, a sequence's rows cost a pass of that many rows; in a step of
+    16 sequences, a drafted row costs what it adds to the shared pass against a sequence's share of
+    it, so a draft that pays alone (and a lookup chain of middling confidence) does not pay there."""
+    pol = DraftLength()
+    for r in range(1, 40):  # 10 ms a pass plus 1 ms a row
+        for _ in range(2):
+            pol.observe_pass(r, 0.010 + 0.001 * r)
+    pol.observe_draft(4, 0.0004)
+    pol.observe_draft(4, 0.0004)
+    assert abs(pol.seq_cost(3) - 0.013) < 1e-9
+    assert pol.draft_more([0.5]) and pol.cut([0.5, 0.5]) == 2 and pol.lookup_or_model([0.5, 0.5], [0.1] * 4) == 2
+    pol.batch(16, 16)
+    assert abs(pol.seq_cost(1) - 0.026 / 16) < 1e-9 and abs(pol.seq_cost(3) - 0.026 / 16 - 0.002) < 1e-9
+    assert not pol.draft_more([0.5]) and pol.cut([0.5, 0.5]) == 0
+    assert pol.lookup_or_model([0.5, 0.5], [0.1] * 4) is None
+    pol.batch(1, 1)
+    assert pol.draft_more([0.5])

@@ -1,6 +1,6 @@
 """The real draft-target pair: Qwen2.5-Coder-0.5B-Instruct drafting for -1.5B-Instruct (Q4_K_M, the
-torch backend's integer path). Greedy and seeded output of every method equal plain decoding's,
-alone and in the batch engine. Runs where the pair is kept (``forerun models pull
+torch backend's integer path). Greedy and seeded output of every method (the draft model alone
+and with a suffix chain beside it, suffix) equal plain decoding's, alone and in the batch engine. Runs where the pair is kept (``forerun models pull
 qwen2.5-coder-1.5b qwen2.5-coder-0.5b``, 1.6 GB); skips, naming that command, where it is not."""
 
 import pytest
@@ -41,10 +41,12 @@ def test_draft_and_suffix_are_lossless_greedy(pair):
     prompts = [_ids(target, p) for p in PROMPTS]
     plain = [Engine(target.backend, None, eos).generate(p, max_new_tokens=40).token_ids for p in prompts]
     accepted = 0
-    for method, k in (("draft", 4), ("draft", "auto"), ("suffix", "auto")):
-        eng = Engine(target.backend, make_drafter(method, target, draft_model=draft if method == "draft" else None), eos)
+    for method, k, lookup in (("draft", 4, None), ("draft", "auto", None), ("draft", "auto", "suffix"),
+                              ("suffix", "auto", None)):
+        eng = Engine(target.backend, make_drafter(method, target, draft_model=draft if method == "draft" else None,
+                                                  draft_lookup=lookup), eos)
         outs = [eng.generate(p, max_new_tokens=40, k=k) for p in prompts]
-        assert [o.token_ids for o in outs] == plain, (method, k)
+        assert [o.token_ids for o in outs] == plain, (method, k, lookup)
         accepted += sum(o.stats.accepted for o in outs) if method == "draft" else 0
     assert accepted > 40  # the 0.5B model agrees with the 1.5B most of the time: equality over long accepted runs
 
@@ -66,6 +68,9 @@ def test_the_batch_engine_with_the_draft_model_equals_plain(pair):
     eos = target.eos_token_ids
     prompts = [_ids(target, p) for p in PROMPTS]
     plain = [Engine(target.backend, None, eos).generate(p, max_new_tokens=24).token_ids for p in prompts]
-    eng = BatchEngine(target.backend, eos, drafter=make_drafter("draft", target, draft_model=draft), max_batch=4)
-    reqs = [BatchRequest(prompt=list(prompts[i % 3]), max_new_tokens=24) for i in range(4)]
-    assert run_batch(eng, reqs) == [plain[i % 3] for i in range(4)]
+    for lookup in (None, "suffix"):  # the draft model's steps batched over the sequences drafting
+        eng = BatchEngine(target.backend, eos, drafter=make_drafter("draft", target, draft_model=draft,
+                                                                    draft_lookup=lookup), max_batch=4)
+        reqs = [BatchRequest(prompt=list(prompts[i % 3]), max_new_tokens=24) for i in range(4)]
+        assert run_batch(eng, reqs) == [plain[i % 3] for i in range(4)], lookup
+        assert sum(r.stats.drafted for r in reqs) > 0

@@ -250,7 +250,35 @@ def write_markdown(results: dict, path: Path) -> None:
         mixed = [n for n, m in methods.items() if "steps_by_choice" in m]
         if mixed:
             lines += ["", f"Not predicted: {', '.join(mixed)} (each step verifies a tree, a chain or nothing, so no one draft shape prices it)."]
+    split = time_split(methods)
+    if split:
+        lines += ["", "Where the time goes: milliseconds per generated token, prompt passes apart (draft: the "
+                  "drafter, a draft model's reading of the prompt included; verify: the target's passes; other: "
+                  "acceptance, rollback, the loop); draft/step: drafting seconds per drafted token over plain "
+                  "decoding's seconds per pass:", "",
+                  "| method | draft | verify | other | prompt | draft/step |", "|---|---|---|---|---|---|"]
+        for n, t in split.items():
+            lines.append(f"| {n} | {t['draft']:.2f} | {t['verify']:.2f} | {t['other']:.2f} | {t['prompt']:.2f} | "
+                         f"{'-' if t['draft_per_step'] is None else format(t['draft_per_step'], '.2f')} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def time_split(methods: dict) -> dict:
+    """Per method of ours (those with a target pass count), milliseconds per generated token spent
+    drafting, verifying, elsewhere in the loop and on the prompt; and drafting seconds per drafted
+    token against plain decoding's seconds per pass (None without drafts or plain decoding)."""
+    none = methods.get("none") or {}
+    step = none["verify_s"] / none["target_passes"] if none.get("target_passes") else None
+    out = {}
+    for n, m in methods.items():
+        if not m.get("target_passes") or not m.get("new_tokens") or "draft_s" not in m:
+            continue
+        per = 1000.0 / m["new_tokens"]
+        decode = m["wall_s"] - m.get("prefill_s", 0.0)
+        out[n] = {"draft": m["draft_s"] * per, "verify": m["verify_s"] * per,
+                  "other": max(0.0, decode - m["draft_s"] - m["verify_s"]) * per, "prompt": m.get("prefill_s", 0.0) * per,
+                  "draft_per_step": m["draft_s"] / m["drafted"] / step if step and m.get("drafted") and m["draft_s"] else None}
+    return out
 
 
 def _is_tree(name: str) -> bool:

@@ -203,6 +203,7 @@ class Decoder:
         has not read (timed apart: not a draft token's cost), and drafts while the next token pays
         (``DraftLength.draft_more``), every sequence's step in one batched pass where it can."""
         pol = self.policy
+        pol.batch(len(alive), len(alive))  # each sequence's rows priced as they cost in this pass
         model = []  # sequences the model may draft for
         for i in list(alive):
             s, k = seqs[i], min(caps[i], pol.k_max)

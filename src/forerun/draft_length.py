@@ -147,6 +147,7 @@ class DraftLength:
         self._clock = 0  # choices made
         self._seen: dict[int, int] = {}  # pass rows -> the choice at which it was last timed
         self._probed = False  # the last choice was a probe
+        self._batch = (1, 1)  # (sequences, rows) of the step a costly drafter drafts for (``batch``)
         # What the machine and model cost (kept across requests by ``renewed``):
         # kind -> rows -> seconds: target passes ("pass"); whole rounds of a tree-or-chain drafter that
         # verified its tree ("tree") or its chain ("chain"), drafting and the step's other work included
@@ -253,6 +254,20 @@ class DraftLength:
             ks[i] += 1
         return self._probe(available, buckets, confs, ks, backoff=charge_drafting)
 
+    def batch(self, sequences: int, rows: int) -> None:
+        """The step a costly drafter's sequences draft for: ``sequences`` in one pass of at least
+        ``rows`` rows (``seq_cost``)."""
+        self._batch = (sequences, max(rows, sequences))
+
+    def seq_cost(self, rows: int) -> float:
+        """What one sequence's ``rows`` rows cost in this step's pass (``batch``): its share of the
+        pass without drafts plus the rows it adds there (alone: a pass of ``rows`` rows). In a
+        batch whose pass costs by the row, a drafted row costs a whole sequence's share."""
+        n, base = self._batch
+        if n <= 1 and base <= 1:
+            return self.cost(rows)
+        return self.cost(base) / n + self.cost(base + rows - 1) - self.cost(base)
+
     def draft_more(self, conf: list[float], lookahead: int = 4) -> bool:
         """While a costly drafter drafts (``stops_early``): after tokens of confidences ``conf``,
         whether drafting on is predicted to raise the round's tokens per second, the next tokens
@@ -264,12 +279,12 @@ class DraftLength:
         if j >= self.k_max:
             return False
         gain, c = chain_yield(conf), conf[-1] if conf else 0.5
-        rate = gain[j] / (j * self.draft_cost + self.cost(j + 1))
+        rate = gain[j] / (j * self.draft_cost + self.seq_cost(j + 1))
         tokens, reach = gain[j], gain[j] - gain[j - 1] if j else 1.0
         for h in range(1, min(lookahead, self.k_max - j) + 1):
             reach *= c
             tokens += reach
-            if tokens / ((j + h) * self.draft_cost + self.cost(j + h + 1)) > rate:
+            if tokens / ((j + h) * self.draft_cost + self.seq_cost(j + h + 1)) > rate:
                 return True
         return False
 
@@ -285,9 +300,9 @@ class DraftLength:
         if self.cost(1) is None or self.draft_cost is None:
             return len(chain_conf[: self.k_max])
         m = self.cut(chain_conf[: self.k_max])
-        chain_rate = chain_yield(chain_conf[:m])[m] / self.cost(m + 1)
+        chain_rate = chain_yield(chain_conf[:m])[m] / self.seq_cost(m + 1)
         gain = chain_yield(model_conf[: self.k_max])
-        model_rate = max(gain[j] / (j * self.draft_cost + self.cost(j + 1)) for j in range(1, len(gain))) \
+        model_rate = max(gain[j] / (j * self.draft_cost + self.seq_cost(j + 1)) for j in range(1, len(gain))) \
             if len(gain) > 1 else 0.0
         return m if m and chain_rate >= model_rate else None
 
@@ -297,7 +312,7 @@ class DraftLength:
         if self.fixed is not None or self.cost(1) is None:
             return len(conf)
         gain = chain_yield(conf)
-        return max(range(len(gain)), key=lambda m: (gain[m] / self.cost(m + 1), -m))
+        return max(range(len(gain)), key=lambda m: (gain[m] / self.seq_cost(m + 1), -m))
 
     def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int], backoff: bool = False
                ) -> list[int]:

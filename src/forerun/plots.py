@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from forerun.bench_report import time_split
+
 log = logging.getLogger("forerun")
 
 
@@ -33,8 +35,9 @@ def _save(plt, fig, path: Path) -> Path:
 
 def bench_charts(results: dict, out_dir: str | Path) -> list[Path]:
     """tokens_per_s.png (every method and peer), acceptance_by_position.png, predicted_speedup.png
-    (measured against predicted speedup over plain decoding) and verify_cost.png (the cost of a
-    K+1-row pass in one-token steps), each where the report has the figures."""
+    (measured against predicted speedup over plain decoding), verify_cost.png (the cost of a
+    K+1-row pass in one-token steps) and time_split.png (drafting, verifying and the rest, per
+    generated token), each where the report has the figures."""
     plt = _pyplot()
     if plt is None:
         return []
@@ -104,6 +107,20 @@ def bench_charts(results: dict, out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.set_title(f"Verify cost against K — {title}", fontsize=9)
         written.append(_save(plt, fig, out_dir / "verify_cost.png"))
+
+    split = time_split(methods)
+    if split:
+        names = list(split)[::-1]
+        fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.4))
+        left = [0.0] * len(names)
+        for part, color in (("draft", "#dd8452"), ("verify", "#2b6cb0"), ("other", "#999999")):
+            vals = [split[n][part] for n in names]
+            ax.barh(names, vals, left=left, color=color, label=part)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.set_xlabel("milliseconds per generated token (prompt passes left out)")
+        ax.legend(fontsize=8)
+        ax.set_title(f"Where a round's time goes — {title}", fontsize=9)
+        written.append(_save(plt, fig, out_dir / "time_split.png"))
     return written
 
 
