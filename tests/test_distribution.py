@@ -112,7 +112,7 @@ def test_a_draft_vocabulary_keeps_the_target_distribution(spread, copy_model, se
     eng = Engine(spread.backend, drafter, eos_token_ids=())
     proposed = []
     propose = drafter.propose
-    drafter.propose = lambda tokens, k: (d := propose(tokens, k), proposed.extend(d.tokens.tolist()))[0]
+    drafter.propose = lambda tokens, k, more=None: (d := propose(tokens, k, more), proposed.extend(d.tokens.tolist()))[0]
 
     def run(params):
         res = eng.generate(PROMPT, max_new_tokens=NEW, params=params, k=K)

@@ -133,9 +133,14 @@ def test_a_windowed_draft_draws_with_each_positions_noise(spread, copy_model):
     assert d.offset == len(PROMPT) - 4
     d.propose(PROMPT, 3)
     assert seen == [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]
+    _seeded_alone_and_batched(spread, DraftModelDrafter(copy_model.backend.fork(), window=4, p_min=0.05), k=3)
+
+
+def _seeded_alone_and_batched(spread, drafter, k) -> None:
+    """``drafter`` gives plain decoding's seeded text alone (drafting) and inside a batch of 16
+    seeded requests."""
     ref = Engine(spread.backend, None, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS).token_ids
-    drafter = DraftModelDrafter(copy_model.backend.fork(), window=4, p_min=0.05)
-    out = Engine(spread.backend, drafter, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS, k=3)
+    out = Engine(spread.backend, drafter, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS, k=k)
     assert out.token_ids == ref and out.stats.drafted > 0
     batch = BatchEngine(spread.backend, (), drafter=drafter, max_batch=16)
     reqs = [BatchRequest(prompt=[2, 7 + i % 5, 9, 8], max_new_tokens=8 + i, params=SamplingParams(temperature=0.7, seed=i))
@@ -148,12 +153,4 @@ def test_a_windowed_draft_draws_with_each_positions_noise(spread, copy_model):
 def test_a_draft_model_with_a_lookup_chain_keeps_the_seeded_text(spread, copy_model, source):
     """Method draft with a model-free chain beside it (``draft_lookup``): plain decoding's seeded
     text, alone and inside a batch of 16 mixed requests."""
-    ref = Engine(spread.backend, None, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS).token_ids
-    drafter = make_drafter("draft", spread, draft_model=copy_model, draft_lookup=source)
-    out = Engine(spread.backend, drafter, ()).generate(PROMPT, max_new_tokens=16, params=PARAMS, k="auto")
-    assert out.token_ids == ref and out.stats.drafted > 0
-    batch = BatchEngine(spread.backend, (), drafter=drafter, max_batch=16)
-    reqs = [BatchRequest(prompt=[2, 7 + i % 5, 9, 8], max_new_tokens=8 + i, params=SamplingParams(temperature=0.7, seed=i))
-            for i in range(15)]
-    reqs.insert(7, BatchRequest(prompt=PROMPT, max_new_tokens=16, params=PARAMS))
-    assert run_batch(batch, reqs)[7] == ref
+    _seeded_alone_and_batched(spread, make_drafter("draft", spread, draft_model=copy_model, draft_lookup=source), "auto")

@@ -266,7 +266,8 @@ class DraftLength:
         n, base = self._batch
         if n <= 1 and base <= 1:
             return self.cost(rows)
-        return self.cost(base) / n + self.cost(base + rows - 1) - self.cost(base)
+        share = self.cost(base) / n
+        return share + max(0.0, self.cost(base + rows - 1) - self.cost(base))  # noisy averages need not rise
 
     def draft_more(self, conf: list[float], lookahead: int = 4) -> bool:
         """While a costly drafter drafts (``stops_early``): after tokens of confidences ``conf``,
@@ -312,7 +313,8 @@ class DraftLength:
         if self.fixed is not None or self.cost(1) is None:
             return len(conf)
         gain = chain_yield(conf)
-        return max(range(len(gain)), key=lambda m: (gain[m] / self.seq_cost(m + 1), -m))
+        # verifying none of it must be beaten by ``margin``, as a plan's drafts must be
+        return max(range(len(gain)), key=lambda m: (gain[m] / self.seq_cost(m + 1) * (1 + self.margin if m == 0 else 1), -m))
 
     def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int], backoff: bool = False
                ) -> list[int]:
