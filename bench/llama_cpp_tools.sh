@@ -7,6 +7,9 @@
 #
 # Usage: bench/llama_cpp_tools.sh    prints the folder holding llama-bench, llama-server and
 #                                   llama-quantize (under forerun's cache folder, $FORERUN_CACHE)
+#        ISA=avx2 bench/llama_cpp_tools.sh   the same tools built for AVX2 only (no AVX-512, no
+#                                   native flags), in a folder of their own: to set beside
+#                                   FORERUN_KERNEL=avx2 on an AVX-512 machine (forerun bench --llama-tools DIR)
 # The cache key is the llama-cpp-python version and this CPU's flags: a build made on another
 # CPU (say, one with AVX-512 on a machine without) is never reused. Beside bin/ it keeps that
 # source's convert_hf_to_gguf.py and gguf-py (export-draft --format llama.cpp uses them).
@@ -15,6 +18,13 @@ py=${PYTHON:-python}
 version=$("$py" -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))")
 # the folder forerun bench looks in (keyed by that version and this CPU's flags)
 dest=$(dirname "$("$py" -c "from forerun.bench_peers import llama_tools_dir; print(llama_tools_dir())")")
+isa_flags=(-DGGML_NATIVE=ON)
+case ${ISA:-native} in
+native) ;;
+avx2) dest="$dest-avx2"; isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
+*) echo "ISA must be native or avx2, got $ISA" >&2; exit 2 ;;
+esac
 if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ]; then
     echo "$dest/bin"; exit 0
 fi
@@ -25,7 +35,7 @@ echo "building llama.cpp's tools from llama-cpp-python $version's sdist in $work
 tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
 src=$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)
 [ -f "$src/CMakeLists.txt" ] || { echo "no vendored llama.cpp in the sdist" >&2; exit 2; }
-cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$work/build" -j "$(nproc)" --target llama-bench llama-server llama-quantize >&2
