@@ -84,9 +84,9 @@ class Decoder:
         self.layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.batched = target.capabilities.batched
         # a drafter whose forks draft together on a draft model that batches (method draft)
-        self._draft_batch = bool(getattr(drafter, "batchable", False)) and \
-            getattr(getattr(drafter, "backend", None), "capabilities", None) is not None and \
-            drafter.backend.capabilities.draft_batch
+        drafts_with = getattr(drafter, "backend", None)
+        self._draft_batch = (getattr(drafter, "batchable", False) and drafts_with is not None
+                             and drafts_with.capabilities.draft_batch)
         self.cuda = getattr(target, "device", torch.device("cpu")).type == "cuda"
 
     def start(self, seq: Sequence, prefix_cache=None) -> None:
