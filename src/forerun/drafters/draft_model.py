@@ -92,7 +92,7 @@ class DraftModelDrafter(Drafter):
         end = len(tokens) - 1 - self.offset
         if end - start > 1:
             feed = torch.tensor(tokens[self.offset + start: self.offset + end], dtype=torch.long, device=self.backend.device)
-            self.backend.forward(feed, start, logits=False)
+            self.backend.forward(feed, start, last_only=True)  # every backend takes it (one row's logits)
 
     def propose(self, tokens: list[int], k: int, more=None) -> Draft:
         """Up to ``k`` tokens; ``more(conf)``: whether to draft one more after tokens of those
