@@ -35,6 +35,7 @@ from forerun.timing import median_forward_s
 class LayerSkipDrafter(DraftModelDrafter):
     name = "layerskip"
     batchable = False  # skipped layers and a per-sequence vocabulary: one sequence a pass
+    stops_early = False  # planned as before (lengths first, charged per token): the token-by-token plan is measured on draft models only
 
     def __init__(self, backend, skip_layers, context_vocab: bool = True, extra_vocab=()):
         if not backend.capabilities.layer_skip:
