@@ -23,6 +23,7 @@ from forerun.drafters import (
     METHODS,
     TREE_METHODS,
     check_adapt_args,
+    check_draft_settings,
     check_method,
     make_drafter,
     parse_skip_layers,
@@ -128,12 +129,7 @@ class Options:
             raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
         if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
-        if self.draft_window is not None and self.draft_window < 0:
-            raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {self.draft_window}")
-        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
-            raise ForerunError(f"--draft-p-min must be in [0, 1), got {self.draft_p_min}")
-        if self.draft_lookup is not None and self.draft_lookup not in LOOKUP_SOURCES:
-            raise ForerunError(f"--draft-lookup must be one of {', '.join(LOOKUP_SOURCES)}, got {self.draft_lookup!r}")
+        check_draft_settings(self.draft_window, self.draft_p_min, self.draft_lookup)
         return self
 
     @property

@@ -104,6 +104,21 @@ def parse_skip_layers(text: str | None) -> list[int] | None:
         raise ForerunError(f"--skip-layers must be comma-separated integers, got {text!r}") from None
 
 
+def check_draft_settings(window: int | None, p_min: float | None, lookup: str | None) -> None:
+    """Method draft's --draft-window, --draft-p-min and --draft-lookup, refused with a reason."""
+    if window is not None and window < 0:
+        raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {window}")
+    if p_min is not None and not 0.0 <= p_min < 1.0:
+        raise ForerunError(f"--draft-p-min must be in [0, 1), got {p_min}")
+    if lookup is not None and lookup not in LOOKUP_SOURCES:
+        raise ForerunError(f"--draft-lookup must be one of {', '.join(LOOKUP_SOURCES)}, got {lookup!r}")
+
+
+def lookup_source(source: str, ngram_max: int, ngram_min: int):
+    """A model-free chain beside a drafter (``drafters.lookup``): "suffix" or "ngram" (prompt lookup)."""
+    return SuffixLookup() if source == "suffix" else NgramLookup(ngram_max, ngram_min)
+
+
 def check_method(method: str, has_draft: bool) -> None:
     """Before any model loads: the method exists, and method draft has its draft model."""
     if method not in METHODS:
@@ -147,12 +162,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     where it promises more than the model's draft."""
     if (draft_window is not None or draft_p_min is not None or draft_lookup) and method != "draft":
         raise ForerunError(f"--draft-window, --draft-p-min and --draft-lookup set method draft's draft model, not {method}")
-    if draft_lookup and draft_lookup not in LOOKUP_SOURCES:
-        raise ForerunError(f"--draft-lookup must be one of {', '.join(LOOKUP_SOURCES)}, got {draft_lookup!r}")
-    if draft_window is not None and draft_window < 0:
-        raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {draft_window}")
-    if draft_p_min is not None and not 0.0 <= draft_p_min < 1.0:
-        raise ForerunError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
+    check_draft_settings(draft_window, draft_p_min, draft_lookup)
     if draft_tokens is not None and (method != "draft" or draft_tokens < 0):
         raise ForerunError(f"--draft-tokens cuts a draft model's vocabulary: method draft and a count >= 0, "
                            f"not {method} with {draft_tokens}")
@@ -184,7 +194,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     if method in HEAD_METHODS:
         lookup = None
         if tree_lookup:
-            lookup = SuffixLookup() if lookup_from == "suffix" else NgramLookup(ngram_max, ngram_min)
+            lookup = lookup_source(lookup_from, ngram_max, ngram_min)
         return load_head_drafter(method, target, head_path, tree, lookup,
                                  adaptive=tree_lookup == "auto", adapt=adapt)
     if method == "draft":
@@ -194,9 +204,7 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
             raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
         n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens) if cuttable else 0
         window = draft_window or DRAFT_WINDOW
-        lookup = None
-        if draft_lookup:
-            lookup = SuffixLookup() if draft_lookup == "suffix" else NgramLookup(ngram_max, ngram_min)
+        lookup = lookup_source(draft_lookup, ngram_max, ngram_min) if draft_lookup else None
         return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None,
                                  window=window, p_min=DRAFT_P_MIN if draft_p_min is None else draft_p_min, lookup=lookup)
     if not target.backend.capabilities.layer_skip:
