@@ -167,3 +167,22 @@ def smollm2_cpp():
     _need_smollm2()
     pytest.importorskip("llama_cpp")
     return load_model("smollm2", backend="llama.cpp", threads=2)
+
+
+def batch_of_16_equals_plain(lm, drafters, prompts, new: int = 16) -> None:
+    """16 requests at once in the batch engine with each of ``drafters`` [(name, drafter, k_max or
+    None)]: each of 8 prompts greedy and with its own seed (temperature 0.8, top-p 0.95); every text
+    equal to what plain decoding gives that request alone."""
+    from forerun.batching import BatchEngine, BatchRequest
+    from forerun.engine import Engine
+    from forerun.sampling import SamplingParams
+
+    plain = Engine(lm.backend, None, lm.eos_token_ids)
+    settings = [SamplingParams(), *(SamplingParams(temperature=0.8, top_p=0.95, seed=s) for s in range(1, 9))]
+    reqs = [(p, settings[0] if i % 2 == 0 else settings[1 + i // 2]) for i, p in enumerate(prompts[:8] * 2)]
+    want = [plain.generate(p, max_new_tokens=new, params=params).token_ids for p, params in reqs]
+    for name, drafter, k_max in drafters:
+        eng = BatchEngine(lm.backend, lm.eos_token_ids, drafter=drafter, max_batch=16,
+                          **({} if k_max is None else {"k_max": k_max}))
+        got = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=new, params=params) for p, params in reqs])
+        assert got == want, (name, [i for i, (a, b) in enumerate(zip(got, want)) if a != b])

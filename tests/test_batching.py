@@ -497,3 +497,25 @@ def test_a_batched_draft_is_each_sequences_own(gemma_draft):
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
     assert [len(g) for g in got] == ks and [g.steps for g in got] == [w.steps for w in want]
     assert [d.backend.length for d in together] == [d.backend.length for d in alone]
+
+
+def test_submit_refuses_what_generate_refuses_with_the_same_message(gemma):
+    """``BatchEngine.submit`` and ``Engine.generate`` check a request in one place (``check_request``):
+    no new tokens, a non-integer count, token ids outside the vocabulary, an empty prompt and a
+    prompt that fills the context are refused alike, and nothing is queued."""
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=2)
+    one = Engine(gemma.backend, None, gemma.eos_token_ids)
+    vocab, limit = gemma.backend.vocab_size, gemma.backend.max_context
+    for prompt, n, match in (([2, 5], 0, "max_new_tokens must be an integer >= 1, got 0"),
+                             ([2, 5], 2.0, "max_new_tokens must be an integer >= 1"),
+                             ([2, 5], True, "max_new_tokens must be an integer >= 1"),
+                             ([2, vocab], 4, f"prompt token ids must be integers in 0..{vocab - 1}"),
+                             ([2, -1], 4, "prompt token ids must be integers"),
+                             ([2, 5.0], 4, "prompt token ids must be integers"),
+                             ([], 4, "empty prompt"),
+                             ([2] * limit, 4, "context limit")):
+        with pytest.raises(ForerunError, match=match):
+            eng.submit(BatchRequest(prompt=prompt, max_new_tokens=n))
+        with pytest.raises(ForerunError, match=match):
+            one.generate(prompt, max_new_tokens=n)
+    assert not eng.waiting and not eng.active

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import spec_bench_prompts
+from conftest import batch_of_16_equals_plain, spec_bench_prompts
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.errors import ForerunError
@@ -85,3 +85,14 @@ def test_seeded_sampling_gives_plain_decodings_text_for_every_drafter(bundled):
                             ("medusa", 4, (12, 4)), ("suffix", 4, (8, None))):
         eng = Engine(bundled.backend, make_drafter(method, bundled, tree=tree), bundled.eos_token_ids)
         assert eng.generate(ids, max_new_tokens=24, params=params, k=k).token_ids == ref.token_ids, (method, tree)
+
+
+def test_every_drafter_is_lossless_in_a_batch_of_16(bundled):
+    """The batch engine (the server's) with 16 requests at once, greedy and seeded alike, on 8
+    Spec-Bench prompts: every kind of drafter's texts (a model-free chain and tree, both heads'
+    chains) are plain decoding's, k chosen up to 16 or up to 4."""
+    prompts = [bundled.tokenizer(t).input_ids[:48] for c in ("writing", "coding", "math_reasoning", "extraction")
+               for t in spec_bench_prompts(c, 2)]  # their first 48 tokens: the prompts' reading is not what is tested
+    batch_of_16_equals_plain(bundled, [(m, make_drafter(m, bundled, tree=tree), k_max) for m, tree, k_max in (
+        ("ngram", None, None), ("suffix", (8, None), 4), ("eagle", None, 4), ("medusa", None, None))],
+        prompts, new=12)

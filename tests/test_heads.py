@@ -730,3 +730,32 @@ def test_seeded_text_through_heads_equals_plain_decoding(gemma, heads, kind):
             assert list(pool.map(ask, mixed[:7] + [body] + mixed[7:]))[7] == want
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_head_draws_each_drafted_position_with_that_positions_noise(heads, kind, gemma, monkeypatch):
+    """Seeded sampling: the head's j-th drafted token is the sequence's token at len(tokens) + j,
+    and it is drawn with that position's noise, the one the target draws its token there with (a
+    draw with another position's noise keeps the text, for the target decides, but loses the
+    coupling that makes a close draft accepted, which no output test can see)."""
+    from forerun.sampling import SeededNoise
+
+    calls, seen = [], []
+    real = SeededNoise.sample
+    monkeypatch.setattr(SeededNoise, "sample", lambda self, q, position: seen.append(position) or real(self, q, position))
+    drafter = make_drafter(kind, gemma, head_path=heads[kind][0])
+    propose = drafter.propose
+
+    def spy(tokens, k):
+        seen.clear()
+        d = propose(tokens, k)
+        calls.append((len(tokens), list(seen), len(d)))
+        return d
+
+    drafter.propose = spy
+    params = SamplingParams(temperature=0.8, seed=11)
+    plain = Engine(gemma.backend, None, gemma.eos_token_ids).generate(PROMPTS[0], max_new_tokens=20, params=params)
+    out = Engine(gemma.backend, drafter, gemma.eos_token_ids).generate(PROMPTS[0], max_new_tokens=20, params=params, k=3)
+    assert out.token_ids == plain.token_ids
+    drafted = [(n, pos) for n, pos, length in calls if length]
+    assert drafted and all(pos == [n + j for j in range(len(pos))] for n, pos in drafted), drafted

@@ -394,3 +394,185 @@ def test_attention_rows_of_a_pass_read_the_cache_once_and_give_each_rows_own_bit
                 w = torch.softmax(torch.einsum("gqd,gsd->gqs", qq, kk) * 0.125, -1)
                 want = torch.einsum("gqs,gsd->gqd", w, vv).reshape(-1)
                 assert (together[t].double() - want).abs().max() < 1e-5, (D, t)
+
+
+def test_lm_head_logits_are_a_rows_own_in_passes_of_every_size():
+    """Batch-invariant (the CPU float32 default): a row's logits, not only its hidden state, are
+    the bits a one-token step gives it, in chain passes of every size from 1 to 64 rows, in a token
+    tree's pass and in batched passes of 1 to 16 sequences (80 rows: past the 64-row limit of a single sequence's
+    pass). Sampled rows read these logits, so a seeded request's text cannot depend on the pass.
+    The head is wide enough (3,000 x 256) that the library's kernels give a row other bits in
+    passes of other sizes."""
+    import pytest
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=3000, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.3)
+    be = wrap(LlamaForCausalLM(cfg).eval()).backend
+    if not be.batch_invariant:
+        pytest.skip("no C compiler for the row kernels")
+    ids = torch.randint(4, 3000, (100,), generator=torch.Generator().manual_seed(5))
+    pos = 20
+    be.reset()
+    be.forward(ids[:pos], 0, logits=False)
+    steps = torch.cat([be.forward(ids[pos + i: pos + i + 1], pos + i).logits for i in range(64)])
+    for n in range(1, 65):
+        be.truncate(pos)
+        assert torch.equal(be.forward(ids[pos: pos + n], pos).logits, steps[:n]), n
+    for m in (1, 2, 5, 16):
+        seqs = [be.fork() for _ in range(m)]
+        for s in seqs:
+            s.forward(ids[:pos], 0, logits=False)
+        outs = be.forward_batch(seqs, [ids[pos: pos + 5]] * m, [pos] * m)
+        assert all(torch.equal(o.logits, steps[:5]) for o in outs), m
+    # a token tree: rows 1.. hang off their parents; each row's logits are a one-token step's on its path
+    parents = torch.tensor([-1, -1, 0, 1, 3])
+    tokens = ids[60:66]
+    be.truncate(pos)
+    tree = be.forward(tokens, pos, tree=parents).logits
+    for r in range(len(tokens)):
+        path, a = [], r
+        while a > 0:
+            path.append(a)
+            a = int(parents[a - 1]) + 1
+        be.truncate(pos)
+        for i, t in enumerate([0] + path[::-1]):
+            step = be.forward(tokens[t: t + 1], pos + i).logits
+        assert torch.equal(step[0], tree[r]), r
+
+
+def test_exact_argmax_narrows_half_precision_heads_with_float32_products():
+    """A bfloat16 or float16 head's flat rows (more candidates than ``RESCORE_F32``, all with
+    logits near 0: rows spread in every direction but h's; every other row far below) are narrowed
+    with float32 products of the exactly widened weights, to which the float32 error bound applies.
+    Products in the weights' own type round h first, which moves each row's logit by its own share
+    of h's rounding, far more than the rows' logits differ: the true maximum would be cut (3 of 4
+    trials at bfloat16 when the gathered rows were multiplied so)."""
+    import pytest
+
+    from forerun.backends.greedy_head import ExactFloatArgmax
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float16):
+        for flat in (30, 2000):  # gathered rows; the whole head in slices
+            wrong = 0
+            for trial in range(4):
+                h = torch.randn(64, generator=g) * 3
+                w = -h / h.norm() + 0.01 * torch.randn(3000, 64, generator=g)  # logits about -24
+                spread = torch.randn(flat, 64, generator=g) * 0.5
+                w[:flat] = spread - (spread @ h)[:, None] * h / (h @ h)  # no component along h: logits near 0
+                w = w.to(dtype)
+                head = ExactFloatArgmax(w)
+                if not head.available:
+                    pytest.skip("no C compiler for the Q8_0 kernel")
+                head.RESCORE_F32 = 8
+                ref = int((w.double() @ h.double()).argmax())
+                wrong += int(head.argmax(h[None])[0]) != ref
+            assert wrong == 0, (dtype, flat, wrong)
+
+
+def test_the_q8_certificate_bounds_llama_cpps_lane_sums_where_blocks_cancel():
+    """``Q8Head.exact_logits``'s error bound holds for llama.cpp's Q8_0 dot as it sums: 8 float
+    lanes per block (4 products each), a fused multiply-add of the two scales' product into each
+    lane over the blocks, then the lanes' pairwise sum. On rows whose every block sums to zero with
+    lanes that do not (+3L against -L three times), the exact logit is 0 and a bound from the
+    blocks' totals would be 0 too; the lanes' rounding is not, and the bound must cover it."""
+    import numpy as np
+    import pytest
+
+    from forerun.backends.greedy_head import Q8Head
+
+    rng = np.random.default_rng(0)
+    V, nb = 4, 24
+    D = nb * 32
+    codes = np.full((V, nb, 32), 127, np.int8)
+    w_d = rng.uniform(0.001, 0.05, (V, nb)).astype(np.float16)
+    raw = np.concatenate([w_d.view(np.uint8).reshape(V, nb, 2), codes.view(np.uint8)], -1).reshape(V, -1)
+    head = Q8Head(raw, D)
+    if not head.available:
+        pytest.skip("no C compiler for the Q8_0 kernel")
+    f32 = np.float32
+    worst, nonzero = 0.0, 0
+    for _ in range(300):
+        lanes = np.zeros((nb, 8), np.int64)
+        for b in range(nb):
+            a = rng.integers(1, 40, 2)
+            lanes[b] = rng.permutation([3 * a[0], -a[0], -a[0], -a[0], 3 * a[1], -a[1], -a[1], -a[1]])
+        xq = np.repeat(lanes, 4, axis=1)  # [nb, 32]: each lane's 4 codes alike
+        x_d = rng.uniform(0.001, 0.05, nb).astype(np.float16)
+        q, d = torch.from_numpy(xq.astype(np.float32)), torch.from_numpy(x_d.astype(np.float32))
+        logit, bound = head.exact_logits(q, d, torch.arange(V))
+        for v in range(V):  # llama.cpp's sums, in float32
+            acc = np.zeros(8, f32)
+            for b in range(nb):
+                scale = f32(f32(w_d[v, b]) * f32(x_d[b]))
+                lane = (codes[v, b].astype(np.int64) * xq[b]).reshape(8, 4).sum(-1).astype(f32)
+                acc = (acc.astype(np.float64) + np.float64(scale) * lane.astype(np.float64)).astype(f32)  # fma
+            s4 = acc[4:] + acc[:4]
+            s2 = s4[:2] + s4[2:]
+            got = float(f32(s2[0] + s2[1]))
+            err = abs(got - float(logit[v]))
+            assert float(logit[v]) == 0.0 and err <= float(bound[v]), (err, float(bound[v]))
+            worst, nonzero = max(worst, err / float(bound[v])), nonzero + (err > 0)
+    assert nonzero > 0  # the lanes did round: a bound of 0 would not hold
+
+
+def test_the_q8_certificate_never_certifies_an_exact_tie():
+    """``Q8Head.argmax`` certifies a row only where its winner leads by more than both float32
+    sums' error: on rows whose logits tie exactly (every vocabulary row a permutation of one row's
+    blocks, against activations whose blocks are all alike) the float32 sums still differ in their
+    last bits, and a certificate without that margin would pick one of the tied tokens as llama.cpp's."""
+    import numpy as np
+    import pytest
+
+    from forerun.backends.greedy_head import Q8Head
+
+    rng = np.random.default_rng(1)
+    V, nb = 64, 16
+    codes = rng.integers(-127, 128, (nb, 32)).astype(np.int8)
+    scales = rng.uniform(0.001, 0.05, nb).astype(np.float16)
+    rows = []
+    for _ in range(V):
+        order = rng.permutation(nb)
+        rows.append(np.concatenate([scales[order].view(np.uint8).reshape(nb, 2), codes[order].view(np.uint8)], -1))
+    head = Q8Head(np.stack(rows).reshape(V, -1), nb * 32)
+    if not head.available:
+        pytest.skip("no C compiler for the Q8_0 kernel")
+    h = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).repeat(1, nb)  # every block alike
+    top, _ = head.top2(h)
+    assert bool((top[:, 0] > top[:, 1]).any())  # the float32 sums do differ: a margin is needed
+    _, ok = head.argmax(h)
+    assert not ok.any()
+
+
+def test_exact_float_argmax_on_true_near_ties_of_a_q8_exact_head():
+    """Rows of a head that Q8_0 holds exactly (so the weights' own rounding term is 0) against hidden
+    states built so that two vocabulary rows tie to within 1e-4 while every other row is far below:
+    quantizing h to 8 bits moves the two logits apart by far more than that, in either order, so
+    only the bound's activation-rounding term keeps both as candidates. All 60 answers are the
+    float64 argmax."""
+    import pytest
+
+    from forerun.backends.greedy_head import ExactFloatArgmax, quantize_q8_0
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(500, 64, generator=g)
+    w[2:] *= 0.05  # rows 0 and 1 lead
+    q, d = quantize_q8_0(w)
+    w = (q * d[..., None]).reshape(w.shape)  # Q8_0-exact
+    head = ExactFloatArgmax(w)
+    if not head.available:
+        pytest.skip("no C compiler for the Q8_0 kernel")
+    diff = w[0] - w[1]
+    hs = []
+    for i in range(60):
+        h = torch.randn(64, generator=g) * 2 + w[0] + w[1]
+        h -= (h @ diff) / (diff @ diff) * diff  # rows 0 and 1 tie exactly
+        h += (1e-4 if i % 2 else -1e-4) * diff / (diff @ diff)  # then one leads by 1e-4
+        hs.append(h)
+    h = torch.stack(hs)
+    ref = (w.double() @ h.double().T).T.argmax(-1)
+    assert set(ref.tolist()) == {0, 1}
+    assert torch.equal(head.argmax(h), ref)

@@ -11,7 +11,7 @@ import torch
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
-from forerun.sampling import SamplingParams, SeededNoise
+from forerun.sampling import SamplingParams, SeededNoise, _mix
 
 from conftest import run_batch
 from spread import bound, tv
@@ -46,6 +46,42 @@ def test_seeded_noise_draws_the_distribution():
     a, b = SeededNoise(7), SeededNoise(7)
     assert torch.equal(a.noise(5, 40), b.noise(5, 40)) and not torch.equal(a.noise(5, 40), a.noise(6, 40))
     assert not torch.equal(a.noise(5, 40), SeededNoise(8).noise(5, 40))
+
+
+def test_seeded_noise_is_never_zero_on_a_large_vocabulary():
+    """At a 262,144-token vocabulary the uniform draw behind E = -log(1 - u) is exactly 0 at a few
+    tokens of a few hundred positions (u comes in steps of 2^-24); E stays above 0 there, so a
+    token that top-k or top-p removed (probability 0) never wins the race (0 / 0 would)."""
+    vocab, hits = 262144, 0
+    for position in range(400):
+        noise = SeededNoise(99)
+        e = noise.noise(position, vocab)
+        u = torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(99, position)))  # the draw behind E
+        zero = torch.nonzero(u == 0).flatten()
+        assert float(e.min()) > 0, position
+        if len(zero):  # the race where the draw was 0: that token given probability 0 must lose
+            hits += 1
+            p = torch.full((vocab,), 1.0 / (vocab - len(zero)))
+            p[zero] = 0
+            assert float(p[noise.sample(p, position)]) > 0, position
+    assert hits > 0  # some position did draw u = 0
+
+
+def test_seeded_noise_is_independent_across_positions_and_seeds():
+    """The tokens a seed draws at two positions (and at one position under two seeds) are
+    independent: over 6,000 seeds, the 4 x 4 pairs of draws from a uniform p over 4 tokens at
+    positions 9 and 10 (and under seeds s and s + 1) fill the 16 cells alike (chi-square, 15
+    degrees of freedom, below its 0.1% point 37.7)."""
+    p = torch.full((4,), 0.25)
+    n = 6000
+    for pair in ("positions", "seeds"):
+        counts = torch.zeros(4, 4)
+        for s in range(n):
+            a = int(SeededNoise(s).sample(p, 9))
+            b = int(SeededNoise(s).sample(p, 10)) if pair == "positions" else int(SeededNoise(s + n).sample(p, 9))
+            counts[a, b] += 1
+        chi2 = float(((counts - n / 16) ** 2 / (n / 16)).sum())
+        assert chi2 < 37.7, (pair, chi2)
 
 
 @pytest.mark.parametrize("k", [3, "auto"])

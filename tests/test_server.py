@@ -216,6 +216,16 @@ def test_bad_inputs_get_openai_errors(live, path, body, raw, status):
     assert resp["error"]["message"]
 
 
+@pytest.mark.parametrize("field,value", [("top_p", 1.5), ("top_p", True), ("temperature", 2.5), ("temperature", False),
+                                         ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", 1.5), ("top_k", True),
+                                         ("max_tokens", True), ("max_tokens", 0)])
+def test_sampling_settings_out_of_range_are_400s_naming_the_parameter(live, field, value):
+    """Each bound of the sampling settings kept: a value past it (or a boolean where a number is
+    meant) is a 400 whose ``param`` names the field, before any work."""
+    code, resp = live.request("POST", "/v1/completions", body={"model": "tiny", "prompt": "w5", field: value})
+    assert code == 400 and resp["error"]["param"] == field, resp
+
+
 def test_oversized_bodies_and_prompts_are_refused_before_the_work(live):
     """413 for a body over the limit (by Content-Length, and while it arrives without one); a
     prompt too long for any tokenization to fit the context is refused without tokenizing it."""

@@ -335,3 +335,16 @@ print(json.dumps(rows))
     # the methods' own order per prompt is kept apart from where llama-bench ran
     orders = sorted((r["id"], r["order"]) for r in res["records"])
     assert orders == [(i, o) for i in range(4) for o in range(2)]
+
+
+def test_every_method_is_lossless_in_a_batch_of_16(smollm2):
+    """The batch engine with 16 requests at once, greedy and seeded alike, on 8 chat prompts: every
+    method's texts are plain decoding's, k chosen up to 16 or up to 4."""
+    from conftest import batch_of_16_equals_plain, spec_bench_prompts
+
+    prompts = [chat_ids(smollm2.tokenizer, [{"role": "user", "content": t[:200]}])
+               for c in ("writing", "coding", "qa", "summarization") for t in spec_bench_prompts(c, 2)]
+    batch_of_16_equals_plain(smollm2, [(m, make_drafter(m, smollm2, tree=tree, skip_layers=[10, 20] if m == "layerskip"
+                                                        else None), k_max) for m, tree, k_max in (
+        ("ngram", None, None), ("suffix", (8, None), 4), ("eagle", (8, 4), None), ("layerskip", None, 4))],
+        prompts, new=12)

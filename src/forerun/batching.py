@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from forerun import kept
 from forerun.backends.ckernels import release_threads, sources_id
-from forerun.decode import Decoder, Sequence
+from forerun.decode import Decoder, Sequence, check_request
 from forerun.draft_length import K_MAX, DraftLength
 from forerun.errors import ForerunError
 from forerun.prefix_cache import PrefixCache
@@ -127,10 +127,7 @@ class BatchEngine:
 
     # -- requests (any thread) --------------------------------------------------------------
     def submit(self, req: BatchRequest) -> BatchRequest:
-        if not req.prompt:
-            raise ForerunError("empty prompt")
-        if len(req.prompt) >= self.target.max_context:
-            raise ForerunError(f"prompt is {len(req.prompt)} tokens; the context limit is {self.target.max_context}")
+        check_request(req.prompt, req.max_new_tokens, self.target)
         if self.dead:
             raise EngineStopped(f"the engine has stopped ({self.dead})")
         with self._lock:

@@ -17,6 +17,7 @@ of the target's own, 4. its cache keeps the accepted positions only, and its dra
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -306,6 +307,27 @@ class Decoder:
         st.verified_rows += len(d) + 1
         st.new_tokens = s.produced
         return Outcome(s, new, finish, d.depth, n_acc, len(d) + 1)
+
+
+def check_request(prompt, max_new_tokens, target) -> None:
+    """What every entry (``Engine``, ``BatchEngine``, the server before them) refuses: an empty
+    prompt, token ids outside the vocabulary, a prompt that leaves no room in the context, and
+    ``max_new_tokens`` that is not an integer >= 1."""
+    if not prompt:
+        raise ForerunError("empty prompt")
+    vocab = target.vocab_size
+    try:
+        bad = any(isinstance(t, bool) or not 0 <= operator.index(t) < vocab for t in prompt)
+    except TypeError:  # not an integer
+        bad = True
+    if bad:
+        raise ForerunError(f"prompt token ids must be integers in 0..{vocab - 1}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ForerunError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limit = target.max_context
+    if len(prompt) >= limit:
+        raise ForerunError(f"prompt is {len(prompt)} tokens; the context limit is {limit} (room for at least one "
+                           "new token is needed)")
 
 
 def commit_tokens(out: list[int], n_acc: int, eos: set[int], left_new: int, left_context: int

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from forerun.backends.ckernels import release_threads
-from forerun.decode import Decoder, Sequence
+from forerun.decode import Decoder, Sequence, check_request
 from forerun.draft_length import MAX_K, DraftLength
 from forerun.drafters.base import Drafter
 from forerun.errors import ForerunError
@@ -61,13 +61,7 @@ class Engine:
         stats: GenerationStats | None = None,
     ) -> Iterator[StepOutput]:
         """Yield the tokens committed by each step; ``stats`` is filled in as it goes."""
-        if not prompt:
-            raise ForerunError("empty prompt")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ForerunError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        limit = self.target.max_context
-        if len(prompt) >= limit:
-            raise ForerunError(f"prompt is {len(prompt)} tokens; the context limit is {limit} (room for at least one new token is needed)")
+        check_request(prompt, max_new_tokens, self.target)
         k = check_k(k) if self.drafter is not None else 1
         self.policy = self.decoder.policy = self.policy.renewed(k)
         seq = Sequence(list(prompt), max_new_tokens, self.target, self.drafter, params,

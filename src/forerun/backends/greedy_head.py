@@ -90,12 +90,20 @@ class Q8Head:
         return self.lin(h, f16_scales=True)
 
     def exact_logits(self, q: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of tokens idx for one row (q [nb, 32], d [nb]) in float64, and llama.cpp's float32 error bound."""
-        isum = torch.einsum("cbj,bj->cb", self.q[idx].double(), q.double())  # exact integers
+        """Logits of tokens idx for one row (q [nb, 32], d [nb]) in float64, and a bound on the error
+        of any float32 summation of its terms, llama.cpp's included. llama.cpp's Q8_0 dot keeps 8
+        float lanes per block (each a few products' integer sum times the scales), so its rounding
+        follows the lanes' magnitudes, not the block's total, which cancellation inside a block can
+        make far smaller: the bound takes every product's absolute value, which bounds any lane
+        split's (``(blocks + 6) u sum |scale_b| sum_j |w_j x_j|``: a lane's nb multiply-adds, the
+        scale's product and the lanes' final sum)."""
+        w = self.q[idx].double()
+        x = q.double()
+        isum = torch.einsum("cbj,bj->cb", w, x)  # exact integers
+        asum = torch.einsum("cbj,bj->cb", w.abs(), x.abs())  # every product's magnitude, summed per block
         scale = (self.d[idx] * d[None, :]).double()  # the float32 product llama.cpp forms, then widened
-        terms = scale * isum
-        bound = (self.nb + 6) * _U32 * terms.abs().sum(-1) * 1.01
-        return terms.sum(-1), bound
+        bound = (self.nb + 6) * _U32 * (scale.abs() * asum).sum(-1) * 1.01
+        return (scale * isum).sum(-1), bound
 
     @torch.inference_mode()
     def argmax(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,12 +232,19 @@ class ExactFloatArgmax:
         """Candidates of a row whose Q8_0 screen left many (a flat distribution: thousands of tokens
         within 2B), cut down with float32 logits: any float32 dot product of length D lies within
         gamma_D * ||W_v|| * ||h|| of the exact one (gamma_D = D u / (1 - D u), whatever the summation
-        order), so only tokens within twice that of the float32 maximum can hold the maximum. Past
-        1/64 of the vocabulary the whole float32 head is cheaper than gathering the rows."""
+        order), so only tokens within twice that of the float32 maximum can hold the maximum. That
+        bound is float32's: the products and sums are float32 whatever the weights' type (bfloat16
+        and float16 weights are widened exactly, and h is not rounded to their type). Past 1/64 of
+        the vocabulary the whole head is cheaper than gathering the rows."""
         D = h.shape[0]
         err = D * _U32 / (1 - D * _U32) * self.w_norm * float(h.norm()) * 1.01
+        h = h.float().to(self.weight.device)
         if len(cand) > self.weight.shape[0] // 64:
-            logits = self.float_logits(h[None].to(self.weight.device, self.weight.dtype))[0].float().cpu()
+            if self.weight.dtype == torch.float32:
+                logits = self.float_logits(h[None])[0].float().cpu()
+            else:  # in slices widened to float32, never the whole head at once
+                logits = torch.cat([(self.weight[s: s + 8192].float() @ h).cpu()
+                                    for s in range(0, self.weight.shape[0], 8192)])
             return torch.nonzero(logits >= logits.max() - 2 * err).flatten()
-        logits = (self.weight[cand] @ h.to(self.weight.dtype)).float()
+        logits = (self.weight[cand].float() @ h).cpu()
         return cand[logits >= logits.max() - 2 * err]

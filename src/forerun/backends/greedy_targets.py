@@ -11,7 +11,7 @@ import torch
 from forerun.backends.base import ArgmaxOutput
 from forerun.backends.fixed_rows import fixed_takes
 from forerun.backends.greedy_head import ExactFloatArgmax
-from forerun.backends.linear import PackedLinear
+from forerun.backends.linear import ROWS_ANY, PackedLinear
 from forerun.timing import median_s
 
 log = logging.getLogger("forerun")
@@ -142,9 +142,13 @@ class GreedyTargets:
         passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
         return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
 
-    def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None) -> torch.Tensor:
-        """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps)."""
-        out = (head or self.lm_head)(h).float()
+    def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None, batched: bool = False) -> torch.Tensor:
+        """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps).
+        On a batch-invariant backend a row gets the same bits in a pass of any size, as in the body:
+        passes of up to ``INVARIANT_ROWS`` rows, and every ``batched`` pass (several sequences'
+        rows), take the row-by-row kernel rather than the one timed fastest for their row count."""
+        how = (ROWS_ANY if batched else "rows") if self.batch_invariant else None
+        out = (head or self.lm_head)(h, how).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out

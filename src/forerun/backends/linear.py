@@ -96,7 +96,7 @@ class PackedLinear:
             return self.blocks(x)  # the same sums as ``rows``, from the GGUF blocks
         if self.half is not None and small:
             return f16w_rows(self.half, x)
-        if how == "rows" and small:  # the body's choice (NativeBackend.body_kernel)
+        if how == "rows" and small and _f32_rows_fits(self.weight):  # the body's choice (NativeBackend.body_kernel)
             return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")

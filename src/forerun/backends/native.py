@@ -165,8 +165,10 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
     def batch_invariant(self) -> bool:
         """Whether every row of a pass of up to ``INVARIANT_ROWS`` rows (a chain, a token tree) is
         computed bit for bit as a one-token step at that position computes it: the layers' products
-        by ``rows`` (each row's sums alone) and attention row by row over exactly the keys that row
-        sees, in cache order. With the screened exact head deciding each row from its hidden state,
+        by ``rows`` (each row's sums alone), attention row by row over exactly the keys that row
+        sees, in cache order, and the LM head's logits by the same row kernel (``_logits``; also in
+        a batched pass of any size), so sampled rows read the logits a one-token step gives them.
+        With the screened exact head deciding each row from its hidden state,
         greedy verification then cannot differ from plain decoding, not even on near ties. On by
         default on the CPU where ``f32_rows.c`` builds (float32); ``batch_invariant=False`` lets the
         body take whichever kernel times faster and attention take all rows at once."""
@@ -408,6 +410,6 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             rows = [x for x, f in zip(hn, flags) if f == chosen]
             return iter(fn(torch.cat(rows)).split([len(x) for x in rows]) if rows else [])
 
-        lg, am = run(lambda x: self._logits(x, head), False), run(argmax, True)
+        lg, am = run(lambda x: self._logits(x, head, batched=len(parts) > 1), False), run(argmax, True)
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]
