@@ -40,9 +40,8 @@ def test_the_target_is_spread_and_every_setting_matters(spread):
 
 
 # each method at one of the two settings (both settings are covered, and the run stays short)
-# (the draft model at t1.4-k6-p0.85: a far draft model there, below, whose q covers tokens p cut)
 ENGINE_CASES = [("none", "t1.4-k6-p0.85"), ("ngram", "t0.7-k4"), ("suffix", "t1.4-k6-p0.85"),
-                ("draft", "t0.7-k4"), ("layerskip", "t0.7-k4"), ("ngram", "t0.5-k6")]
+                ("draft", "t0.7-k4"), ("draft", "t1.4-k6-p0.85"), ("layerskip", "t0.7-k4"), ("ngram", "t0.5-k6")]
 # seeded requests: each position's token from the seed's noise (``SeededNoise``), drafts kept when
 # they equal it; the draft model draws its proposals from the same noise
 SEEDED_CASES = [("none", "t0.7-k4"), ("ngram", "t1.4-k6-p0.85"), ("draft", "t0.7-k4"), ("suffix", "t0.5-k6")]
