@@ -6,6 +6,8 @@
 # then the table (bench/summary.py): decode-only and whole-request ratios side by side.
 #
 # Usage: bench/vs_llama_cpp.sh OUT_DIR   (MODELS="smollm2-q4_0 bundled" runs only those)
+#        ISA=avx2 FORERUN_KERNEL=avx2 bench/vs_llama_cpp.sh OUT_DIR   both sides built for AVX2 only
+#        (llama-bench's tools from ISA=avx2 bench/llama_cpp_tools.sh; the in-process peer stays as installed)
 # Needs llama.cpp's tools (bench/llama_cpp_tools.sh builds them, a few minutes once).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
