@@ -74,25 +74,32 @@ def test_cli_generate_bundled(capsys):
 
 
 def test_seeded_sampling_gives_plain_decodings_text_for_every_drafter(bundled):
-    """Sampled with a seed, the shipped heads (chains and trees), n-gram and suffix give the text
-    plain decoding gives with that seed."""
+    """Sampled with a seed, the shipped heads (chains and trees), n-gram and suffix, k fixed and
+    chosen, give the text plain decoding gives with that seed."""
     from forerun.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.7, seed=3)
     ids = bundled.tokenizer(spec_bench_prompts("writing", 1)[0]).input_ids
     ref = Engine(bundled.backend, None, bundled.eos_token_ids).generate(ids, max_new_tokens=24, params=params)
-    for method, k, tree in (("ngram", 4, None), ("eagle", 4, None), ("eagle", 6, (16, 6)), ("medusa", 4, None),
-                            ("medusa", 4, (12, 4)), ("suffix", 4, (8, None))):
+    for method, k, tree in (("ngram", 4, None), ("ngram", "auto", None), ("eagle", 4, None), ("eagle", "auto", None),
+                            ("eagle", 6, (16, 6)), ("medusa", 4, None), ("medusa", 4, (12, 4)), ("suffix", 4, (8, None)),
+                            ("suffix", "auto", None)):
         eng = Engine(bundled.backend, make_drafter(method, bundled, tree=tree), bundled.eos_token_ids)
         assert eng.generate(ids, max_new_tokens=24, params=params, k=k).token_ids == ref.token_ids, (method, tree)
 
 
+BATCH_PROMPTS = ["Write a short poem about the sea.", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                 "Q: A train travels 60 km in 45 minutes. What is its speed in km/h?\nA:", "List three colors: red,",
+                 "The capital of France is Paris. The capital of Italy is", "Translate to French: good morning ->",
+                 "Summarize: The cat sat on the mat because the mat was warm and the cat was cold.",
+                 "Name: Ada Lovelace\nBorn: 1815\nKnown for:"]
+
+
 def test_every_drafter_is_lossless_in_a_batch_of_16(bundled):
     """The batch engine (the server's) with 16 requests at once, greedy and seeded alike, on 8
-    Spec-Bench prompts: every kind of drafter's texts (a model-free chain and tree, both heads'
+    prompts of several kinds: every kind of drafter's texts (a model-free chain and tree, both heads'
     chains) are plain decoding's, k chosen up to 16 or up to 4."""
-    prompts = [bundled.tokenizer(t).input_ids[:48] for c in ("writing", "coding", "math_reasoning", "extraction")
-               for t in spec_bench_prompts(c, 2)]  # their first 48 tokens: the prompts' reading is not what is tested
+    prompts = [bundled.tokenizer(t).input_ids for t in BATCH_PROMPTS]
     batch_of_16_equals_plain(bundled, [(m, make_drafter(m, bundled, tree=tree), k_max) for m, tree, k_max in (
         ("ngram", None, None), ("suffix", (8, None), 4), ("eagle", None, 4), ("medusa", None, None))],
         prompts, new=12)

@@ -75,6 +75,7 @@ def test_plain_decoding_equals_transformers_generate(smollm2):
 def test_speculation_is_lossless_on_torch(smollm2, method):
     drafter = make_drafter(method, smollm2, skip_layers=list(range(10, 20)) if method == "layerskip" else None)
     assert _lossless(smollm2, drafter) > 0
+    _lossless(smollm2, drafter, k="auto")
 
 
 def test_speculation_is_lossless_on_llamacpp(smollm2_cpp):
@@ -338,12 +339,12 @@ print(json.dumps(rows))
 
 
 def test_every_method_is_lossless_in_a_batch_of_16(smollm2):
-    """The batch engine with 16 requests at once, greedy and seeded alike, on 8 chat prompts: every
+    """The batch engine with 16 requests at once, greedy and seeded alike, on 8 chat turns: every
     method's texts are plain decoding's, k chosen up to 16 or up to 4."""
-    from conftest import batch_of_16_equals_plain, spec_bench_prompts
+    from conftest import batch_of_16_equals_plain
+    from test_bundled import BATCH_PROMPTS
 
-    prompts = [chat_ids(smollm2.tokenizer, [{"role": "user", "content": t[:200]}])
-               for c in ("writing", "coding", "qa", "summarization") for t in spec_bench_prompts(c, 2)]
+    prompts = [chat_ids(smollm2.tokenizer, [{"role": "user", "content": t}]) for t in BATCH_PROMPTS]
     batch_of_16_equals_plain(smollm2, [(m, make_drafter(m, smollm2, tree=tree, skip_layers=[10, 20] if m == "layerskip"
                                                         else None), k_max) for m, tree, k_max in (
         ("ngram", None, None), ("suffix", (8, None), 4), ("eagle", (8, 4), None), ("layerskip", None, 4))],
