@@ -95,11 +95,11 @@ BATCH_PROMPTS = ["Write a short poem about the sea.", "def fibonacci(n):\n    \"
                  "Name: Ada Lovelace\nBorn: 1815\nKnown for:"]
 
 
-def test_every_drafter_is_lossless_in_a_batch_of_16(bundled):
+def test_drafters_are_lossless_in_a_batch_of_16(bundled):
     """The batch engine (the server's) with 16 requests at once, greedy and seeded alike, on 8
-    prompts of several kinds: every kind of drafter's texts (a model-free chain and tree, both heads'
-    chains) are plain decoding's, k chosen up to 16 or up to 4."""
+    prompts of several kinds: a model-free chain's and tree's texts and a trained
+    head's are plain decoding's, k chosen up to 16 or up to 4."""
     prompts = [bundled.tokenizer(t).input_ids for t in BATCH_PROMPTS]
     batch_of_16_equals_plain(bundled, [(m, make_drafter(m, bundled, tree=tree), k_max) for m, tree, k_max in (
-        ("ngram", None, None), ("suffix", (8, None), 4), ("eagle", None, 4), ("medusa", None, None))],
+        ("ngram", None, None), ("suffix", (8, None), 4), ("eagle", None, 4))],
         prompts, new=12)
