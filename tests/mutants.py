@@ -164,6 +164,16 @@ MUTANTS = [
      "a request for no new tokens is taken (and commits one)", ["tests/test_batching.py"]),
     ("server-top-p-unbounded", "server/requests.py", "not 0 < top_p <= 1", "not 0 < top_p",
      "top_p above 1 reaches the sampler (a 500, not a 400)", ["tests/test_server.py"]),
+    ("grammar-cuts-sampled-drafts", "decode.py", "s.constraint.plan(d.tokens.tolist(), sampled_q)",
+     "s.constraint.plan(d.tokens.tolist(), False)",
+     "a draft drawn from q cut before the token the grammar forbids (the target then samples p there)",
+     ["tests/test_constrain.py"]),
+    ("grammar-mask-first-row-only", "verify.py", "keep[..., :width] = masks[: logits.shape[0], :width].to(logits.device)",
+     "keep[..., :width] = masks[:1, :width].to(logits.device)",
+     "every row of a constrained pass masked as the first", ["tests/test_constrain.py"]),
+    ("grammar-tree-no-reroot", "constrain.py", "            for n in want[common:]:  # then down to the parent",
+     "            for n in want[len(want):]:  # then down to the parent",
+     "a tree node's mask taken in its last sibling's state", ["tests/test_constrain.py"]),
 ]
 
 

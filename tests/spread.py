@@ -53,16 +53,24 @@ def near_copy(lm, noise: float = 0.02, seed: int = 9):
 _EXACT: dict = {}
 
 
-def exact(lm, setting: str, prompt=PROMPT, new: int = NEW) -> tuple[list[torch.Tensor], torch.Tensor]:
+def exact(lm, setting: str, prompt=PROMPT, new: int = NEW, mask=None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(per-position marginals [V] for positions 0 .. new-1, the joint of positions 0 and 1 [V, V])
-    of the target sampling alone at ``SETTINGS[setting]``."""
+    of the target sampling alone at ``SETTINGS[setting]``. ``mask(prefix) -> bool [V]``: the tokens
+    a grammar allows after the new tokens ``prefix`` (the rest get -inf logits before sampling)."""
     key = (id(lm), setting, tuple(prompt), new)
-    if key in _EXACT:
+    if mask is None and key in _EXACT:
         return _EXACT[key]
     params = SamplingParams(**SETTINGS[setting])
     be = lm.backend.fork()
     be.reset()
-    first = logits_to_probs(be.forward(torch.tensor(prompt), 0).logits[-1].float(), params).cpu()  # marginals on the CPU
+
+    def probs(logits, prefix):
+        logits = logits.float()
+        if mask is not None:
+            logits = logits.masked_fill(~mask(prefix), float("-inf"))
+        return logits_to_probs(logits, params).cpu()  # marginals on the CPU
+
+    first = probs(be.forward(torch.tensor(prompt), 0).logits[-1], [])
     V = first.numel()
     marg = [torch.zeros(V, dtype=torch.float64) for _ in range(new)]
     joint = torch.zeros(V, V, dtype=torch.float64)
@@ -76,11 +84,12 @@ def exact(lm, setting: str, prompt=PROMPT, new: int = NEW) -> tuple[list[torch.T
             return
         for t in torch.nonzero(dist > 0).flatten().tolist():
             be.truncate(len(prompt) + j)
-            nxt = logits_to_probs(be.forward(torch.tensor([t]), len(prompt) + j).logits[-1].float(), params).cpu()
+            nxt = probs(be.forward(torch.tensor([t]), len(prompt) + j).logits[-1], prefix + [t])
             walk(prefix + [t], prob * float(dist[t]), nxt)
 
     walk([], 1.0, first)
-    _EXACT[key] = (marg, joint)
+    if mask is None:
+        _EXACT[key] = (marg, joint)
     return marg, joint
 
 
@@ -125,11 +134,15 @@ def sample(generate, setting: str, n: int = N, new: int = NEW, seed: int = 0, se
     return counts, joint, drafted
 
 
-def check(lm, setting: str, counts: torch.Tensor, joint: torch.Tensor, prompt=PROMPT) -> list[float]:
-    """Every position's marginal and the first two tokens' joint within their bounds; the TVs."""
-    marg, jexact = exact(lm, setting, prompt, counts.shape[0])
+def check(lm, setting: str, counts: torch.Tensor, joint: torch.Tensor, prompt=PROMPT, exact_result=None) -> list[float]:
+    """Every position's marginal and the first two tokens' joint within their bounds, and no token
+    of probability 0 ever drawn; the TVs. ``exact_result``: the exact (marginals, joint) to hold
+    them to, where not the target's own (``exact``)."""
+    marg, jexact = exact_result or exact(lm, setting, prompt, counts.shape[0])
     out = []
     for j, m in enumerate(marg):
+        zero = torch.nonzero((m == 0) & (counts[j] > 0)).flatten().tolist()
+        assert not zero, f"position {j}: tokens of probability 0 drawn: {zero} ({setting})"
         d = tv(counts[j], m)
         assert d < bound(m), f"position {j}: TV {d:.3f} >= {bound(m):.3f} ({setting})"
         out.append(d)

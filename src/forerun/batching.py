@@ -54,6 +54,7 @@ class BatchRequest:
     prompt: list[int]
     max_new_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
+    grammar: object = None  # a ``forerun.constrain.TokenGrammar`` every new token keeps to
     # Called on the engine thread: (new tokens, finish reason or None). Finish reasons: "stop"
     # (EOS), "length", "context", "cancelled", "error".
     on_event: Callable[[list[int], str | None], None] = lambda tokens, finish: None
@@ -127,7 +128,7 @@ class BatchEngine:
 
     # -- requests (any thread) --------------------------------------------------------------
     def submit(self, req: BatchRequest) -> BatchRequest:
-        check_request(req.prompt, req.max_new_tokens, self.target)
+        check_request(req.prompt, req.max_new_tokens, self.target, req.grammar)
         if self.dead:
             raise EngineStopped(f"the engine has stopped ({self.dead})")
         with self._lock:
@@ -315,7 +316,8 @@ class BatchEngine:
 
     def _prefill(self, req: BatchRequest) -> None:
         req.seq = Sequence(list(req.prompt), req.max_new_tokens, req.slot.backend, req.slot.drafter, req.params,
-                           req.stats, t_start=req.t_submit)
+                           req.stats, t_start=req.t_submit,
+                           constraint=req.grammar.start() if req.grammar is not None else None)
         self.decoder.start(req.seq, self.prefix_cache)
 
     def step(self) -> None:

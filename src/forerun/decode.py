@@ -28,11 +28,12 @@ from forerun.draft_length import DraftLength
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
 from forerun.prefix_cache import prefill
-from forerun.sampling import SamplingParams
+from forerun.sampling import SamplingParams, SeededNoise
 from forerun.stats import GenerationStats
 from forerun.verify import Check, Verdict, kept_rows, verify
 
 log = logging.getLogger("forerun")
+FORCED_MAX = 16  # the most grammar-forced tokens verified in one pass
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     stats: GenerationStats = field(default_factory=GenerationStats)
     generator: torch.Generator | None = None
+    constraint: object = None  # a ``forerun.constrain.Constraint``: the grammar every token keeps to
     produced: int = 0
     t_start: float = field(default_factory=time.perf_counter)
 
@@ -108,14 +110,20 @@ class Decoder:
         fail = on_fail or _raise
         t0 = time.perf_counter()
         alive = list(range(len(seqs)))
-        drafts, rounds, draft_s = self._draft(seqs, alive, fail)
-        verdicts, pass_s = self._verify(seqs, drafts, alive, fail)
+        forced = self._forced(seqs, alive)
+        drafting = [i for i in alive if i not in forced]
+        drafts, rounds, draft_s = self._draft(seqs, drafting, fail)
+        alive = sorted(drafting + list(forced))
+        for i, d in forced.items():
+            drafts[i] = d
+        masks = self._constrain(seqs, drafts, alive, fail)
+        verdicts, pass_s = self._verify(seqs, drafts, alive, fail, masks)
         rows = sum(len(drafts[i]) + 1 for i in alive) or 1
         share = {i: pass_s * (len(drafts[i]) + 1) / rows for i in alive}  # each sequence's share of the passes
         done = []
         for i in alive:
             try:
-                done.append((i, self._commit(seqs[i], drafts[i], verdicts[i], draft_s[i], share[i])))
+                done.append((i, self._commit(seqs[i], drafts[i], verdicts[i], draft_s[i], share[i], i in forced)))
             except Exception as e:  # noqa: BLE001 - this sequence only
                 fail(seqs[i], e)
         t = time.perf_counter()
@@ -130,6 +138,44 @@ class Decoder:
         return [o for _, o in done]
 
     # -- 1. draft ----------------------------------------------------------------------------
+    def _forced(self, seqs, alive) -> dict[int, Draft]:
+        """Where a grammar forces the next tokens and a drafter is in use: those tokens are the
+        draft (no drafter runs for that sequence this round)."""
+        if self.drafter is None:  # plain decoding stays plain
+            return {}
+        out = {}
+        limit = self.target.max_context
+        for i in alive:
+            s = seqs[i]
+            if s.constraint is None:
+                continue
+            room = max(0, min(s.max_new_tokens - s.produced, limit - len(s.tokens)) - 1)
+            toks = s.constraint.forced(min(room, FORCED_MAX))
+            if toks:
+                out[i] = Draft(tokens=torch.tensor(toks, dtype=torch.long))
+        return out
+
+    def _constrain(self, seqs, drafts, alive, fail) -> dict[int, torch.Tensor]:
+        """Each constrained sequence's draft walked through its grammar (``Constraint.plan``): the
+        draft cut where the grammar forbids it, and the mask of every row of its pass."""
+        masks = {}
+        for i in list(alive):
+            s, d = seqs[i], drafts[i]
+            if s.constraint is None:
+                continue
+            try:
+                if d.parents is None:
+                    sampled_q = d.q is not None and not s.params.greedy and not isinstance(s.generator, SeededNoise)
+                    keep, masks[i] = s.constraint.plan(d.tokens.tolist(), sampled_q)
+                    drafts[i] = clip_draft(d, keep)
+                else:
+                    keep, masks[i] = s.constraint.plan_tree(d.tokens.tolist(), d.parents.tolist())
+                    drafts[i] = tree_nodes(d, keep)
+            except Exception as e:  # noqa: BLE001 - this sequence only
+                fail(s, e)
+                alive.remove(i)
+        return masks
+
     def _draft(self, seqs, alive, fail):
         """Every sequence's draft; ``rounds[i]``: for a tree-or-chain drafter, ("tree" or "chain",
         this round's trust bucket) (None otherwise)."""
@@ -247,13 +293,13 @@ class Decoder:
         return {i: d for (i, _), d in zip(together, got)}
 
     # -- 2. verify ---------------------------------------------------------------------------
-    def _verify(self, seqs, drafts, alive, fail) -> tuple[dict[int, Verdict], float]:
+    def _verify(self, seqs, drafts, alive, fail, masks) -> tuple[dict[int, Verdict], float]:
         """Every live sequence's verdict, and the seconds its passes took."""
         t = time.perf_counter()
 
         def check(i):
             s = seqs[i]
-            return Check(s.backend, drafts[i], s.tokens[-1], len(s.tokens) - 1, s.params, s.generator)
+            return Check(s.backend, drafts[i], s.tokens[-1], len(s.tokens) - 1, s.params, s.generator, masks.get(i))
 
         if self.batched and len(alive) > 1:
             try:
@@ -283,11 +329,16 @@ class Decoder:
             torch.cuda.synchronize()
 
     # -- 3. accept, 4. roll back ----------------------------------------------------------------
-    def _commit(self, s: Sequence, d: Draft, v: Verdict, draft_s: float, verify_s: float) -> Outcome:
+    def _commit(self, s: Sequence, d: Draft, v: Verdict, draft_s: float, verify_s: float, forced: bool = False
+                ) -> Outcome:
         limit = self.target.max_context
         root = len(s.tokens) - 1
         new, n_acc, finish = commit_tokens(v.tokens, v.accepted, self.eos, s.max_new_tokens - s.produced,
                                            limit - len(s.tokens))
+        if s.constraint is not None:  # the grammar moves on committed tokens only
+            n = s.constraint.commit(new)
+            if n < len(new) or s.constraint.stopped:  # complete: the generation ends here
+                new, n_acc, finish = new[:n], min(n_acc, n), "stop"
         s.tokens.extend(new)
         s.produced += len(new)
         if v.rows is not None:  # the cache keeps the accepted path's rows, right after the root
@@ -297,9 +348,12 @@ class Decoder:
         s.backend.truncate(len(s.tokens) - 1)
         if s.drafter is not None:
             s.drafter.accepted(s.tokens, n_acc)
-        self.policy.observe(d.bucket, d.depth, n_acc)
         st = s.stats
-        st.record_step(d.depth, n_acc)
+        if forced:  # no drafter's guess: the policy and the acceptance figures leave it out
+            st.record_forced(len(d), n_acc)
+        else:
+            self.policy.observe(d.bucket, d.depth, n_acc)
+            st.record_step(d.depth, n_acc)
         st.draft_s += draft_s
         st.verify_s += verify_s
         st.head_rows += v.head_rows
@@ -309,10 +363,10 @@ class Decoder:
         return Outcome(s, new, finish, d.depth, n_acc, len(d) + 1)
 
 
-def check_request(prompt, max_new_tokens, target) -> None:
+def check_request(prompt, max_new_tokens, target, grammar=None) -> None:
     """What every entry (``Engine``, ``BatchEngine``, the server before them) refuses: an empty
-    prompt, token ids outside the vocabulary, a prompt that leaves no room in the context, and
-    ``max_new_tokens`` that is not an integer >= 1."""
+    prompt, token ids outside the vocabulary, a prompt that leaves no room in the context,
+    ``max_new_tokens`` that is not an integer >= 1, and a grammar bound to another vocabulary."""
     if not prompt:
         raise ForerunError("empty prompt")
     vocab = target.vocab_size
@@ -324,6 +378,9 @@ def check_request(prompt, max_new_tokens, target) -> None:
         raise ForerunError(f"prompt token ids must be integers in 0..{vocab - 1}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ForerunError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if grammar is not None and getattr(grammar, "vocab_size", None) != vocab:
+        raise ForerunError(f"the grammar was bound to a vocabulary of {getattr(grammar, 'vocab_size', None)} tokens, "
+                           f"the model has {vocab}: bind it with this model's tokenizer (Grammar.bind)")
     limit = target.max_context
     if len(prompt) >= limit:
         raise ForerunError(f"prompt is {len(prompt)} tokens; the context limit is {limit} (room for at least one "
@@ -354,6 +411,18 @@ def clip_draft(draft: Draft, k: int) -> Draft:
         return draft
     return Draft(tokens=draft.tokens[:k], q=None if draft.q is None else draft.q[:k], bucket=draft.bucket,
                  conf=None if draft.conf is None else draft.conf[:k], steps=draft.steps)
+
+
+def tree_nodes(draft: Draft, keep: list[int]) -> Draft:
+    """The tree of the nodes ``keep`` (each kept node's parent kept too, in order), renumbered."""
+    if len(keep) == len(draft):
+        return draft
+    new = {-1: -1}
+    for j, i in enumerate(keep):
+        new[i] = j
+    parents = torch.tensor([new[int(draft.parents[i])] for i in keep], dtype=torch.long)
+    return Draft(tokens=draft.tokens[keep], q=None, bucket=draft.bucket, parents=parents,
+                 conf=None if draft.conf is None else [draft.conf[i] for i in keep])
 
 
 def first_nodes(draft: Draft, n: int) -> Draft:

@@ -59,13 +59,16 @@ class Engine:
         params: SamplingParams = SamplingParams(),
         k: int | str = 4,
         stats: GenerationStats | None = None,
+        grammar=None,
     ) -> Iterator[StepOutput]:
-        """Yield the tokens committed by each step; ``stats`` is filled in as it goes."""
-        check_request(prompt, max_new_tokens, self.target)
+        """Yield the tokens committed by each step; ``stats`` is filled in as it goes. ``grammar``:
+        a ``forerun.constrain.TokenGrammar`` every new token keeps to (structured output)."""
+        check_request(prompt, max_new_tokens, self.target, grammar)
         k = check_k(k) if self.drafter is not None else 1
         self.policy = self.decoder.policy = self.policy.renewed(k)
         seq = Sequence(list(prompt), max_new_tokens, self.target, self.drafter, params,
-                       stats if stats is not None else GenerationStats())
+                       stats if stats is not None else GenerationStats(),
+                       constraint=grammar.start() if grammar is not None else None)
         self.decoder.start(seq)
         try:
             while True:

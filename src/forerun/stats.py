@@ -16,6 +16,9 @@ class GenerationStats:
     head_calls: int = 0  # LM-head calls those rows took (a lazy greedy tree walk may take several per pass)
     verified_rows: int = 0  # rows of the verify passes (draft tokens or tree nodes, plus one each)
     rejections: int = 0  # verify passes whose draft had a token rejected (the rest of it went untested)
+    # structured output: tokens a grammar forced, verified as a draft no drafter made (not in drafted)
+    forced: int = 0
+    forced_accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)
@@ -23,6 +26,11 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+
+    def record_forced(self, k: int, n_accepted: int) -> None:
+        self.target_passes += 1
+        self.forced += k
+        self.forced_accepted += n_accepted
 
     def record_step(self, k: int, n_accepted: int) -> None:
         self.target_passes += 1

@@ -66,6 +66,13 @@ class Check:
     root: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    # structured output: the tokens a grammar allows at each row of the pass [rows, vocab] (None: all)
+    masks: torch.Tensor | None = None
+
+    @property
+    def greedy_pass(self) -> bool:
+        """Whether the pass may answer with argmaxes alone (a grammar needs every row's logits)."""
+        return self.params.greedy and self.masks is None
 
 
 def verify(target, checks: list[Check], layers: tuple = ()) -> list[Verdict]:
@@ -81,8 +88,8 @@ def verify(target, checks: list[Check], layers: tuple = ()) -> list[Verdict]:
     tree_kw = {"trees": trees} if any(x is not None for x in trees) else {}
     layer_kw = {"layers": layers} if layers else {}
     outs = target.forward_batch([c.backend for c in checks], feeds, [c.root for c in checks],
-                                greedy=[c.params.greedy for c in checks], **layer_kw, **tree_kw)
-    return [judge(c.draft, out, c.params, c.generator, c.root) for c, out in zip(checks, outs)]
+                                greedy=[c.greedy_pass for c in checks], **layer_kw, **tree_kw)
+    return [judge(c.draft, out, c.params, c.generator, c.root, c.masks) for c, out in zip(checks, outs)]
 
 
 def _verify_one(c: Check, layers: tuple) -> Verdict:
@@ -91,7 +98,7 @@ def _verify_one(c: Check, layers: tuple) -> Verdict:
     feed = feed_of(c.last_token, draft)
     tree = draft.parents
     layer_kw = {"layers": layers} if layers else {}
-    if c.params.greedy and tree is not None and caps.lazy_tree_head:
+    if c.greedy_pass and tree is not None and caps.lazy_tree_head:
         passed = backend.forward(feed, c.root, tree=tree, logits=False, return_hidden=True, **layer_kw)
         hidden, calls = passed.hidden, [0]
 
@@ -101,15 +108,32 @@ def _verify_one(c: Check, layers: tuple) -> Verdict:
 
         rows, out, head_rows = greedy_tree_walk(draft.tokens, draft.parents, head_argmax, conf=draft.conf)
         return Verdict(out, len(rows), rows, passed.layers, head_rows, calls[0])
-    return judge(draft, pass_outputs(backend, feed, c.root, greedy=c.params.greedy, layers=layers, tree=tree),
-                 c.params, c.generator, c.root)
+    return judge(draft, pass_outputs(backend, feed, c.root, greedy=c.greedy_pass, layers=layers, tree=tree),
+                 c.params, c.generator, c.root, c.masks)
 
 
-def judge(draft: Draft, out, params: SamplingParams, generator=None, root: int = 0) -> Verdict:
+def judge(draft: Draft, out, params: SamplingParams, generator=None, root: int = 0,
+          masks: torch.Tensor | None = None) -> Verdict:
     """The verdict on ``draft`` from one pass's outputs over its rows (the LM head ran on all of
-    them; row 0 at position ``root``)."""
+    them; row 0 at position ``root``). ``masks``: the tokens a grammar allows at each row; the
+    rest get no probability (and are never an argmax) before acceptance."""
+    if masks is not None:
+        out = masked(out, masks)
     rows, tokens, n = accept(draft, out, params, generator, root)
     return Verdict(tokens, n, rows, out.layers, len(draft) + 1, 1)
+
+
+def masked(out, masks: torch.Tensor):
+    """A pass's outputs with every token a row's mask forbids at -inf in its logits."""
+    from dataclasses import replace
+
+    if out.logits is None:
+        raise ValueError("a constrained row needs its logits, not an argmax")
+    logits = out.logits.float()
+    width = min(logits.shape[-1], masks.shape[-1])
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[..., :width] = masks[: logits.shape[0], :width].to(logits.device)
+    return replace(out, logits=logits.masked_fill(~keep, float("-inf")))
 
 
 def uses_argmax(caps: Capabilities, greedy: bool, layers: tuple = (), tree: torch.Tensor | None = None) -> bool:

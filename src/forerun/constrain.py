@@ -1,0 +1,251 @@
+"""Structured output: a grammar every generated token keeps to (a JSON schema, any JSON object, a
+regular expression or a Lark grammar), checked by llguidance.
+
+The lossless reference is plain decoding of the target with the grammar's mask on its logits at
+every step: greedy takes the argmax among the allowed tokens, sampling draws from the masked and
+renormalised distribution (temperature, top-k and top-p applied after the mask), a seeded
+request draws that distribution's seeded sample. Speculation gives exactly that:
+
+- before a verify pass, each draft is walked through the grammar (``Constraint.plan``): every row
+  of the pass gets the mask of the state its prefix reaches, and a drafted token the grammar
+  forbids is cut with everything after it (where it came from a sampled q, it is kept as the
+  last token instead: the acceptance rule rejects it, p being 0 there, and draws from the
+  residual as it must);
+- the verifier masks every row's logits before acceptance (``verify.judge``), so every accepted
+  token and the target's own token are the masked target's;
+- the grammar advances only on committed tokens (``Constraint.commit``); a draft's walk is rolled
+  back before the pass;
+- where the grammar forces the next tokens (a key's name, ``": "``, a closing brace) they are the
+  draft, proposed at no drafting cost (``Constraint.forced``) and counted apart in the stats.
+
+``Grammar`` is what a user asks for; ``TokenGrammar`` binds it to one model's tokenizer and
+vocabulary (compiled once); ``TokenGrammar.start()`` gives the per-request ``Constraint``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from forerun.errors import ForerunError
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ForerunError("structured output needs llguidance (a dependency of forerun): pip install llguidance") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match. ``kind``: one of ``KINDS``; ``source``: the schema as a JSON
+    string, the pattern, or the Lark text (empty for ``json_object``)."""
+
+    kind: str
+    source: str = ""
+
+    @staticmethod
+    def json_schema(schema: dict | str) -> "Grammar":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ForerunError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ForerunError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        return Grammar("json_schema", json.dumps(schema)).checked()  # key order kept: it is the output's
+
+    @staticmethod
+    def json_object() -> "Grammar":
+        return Grammar("json_object")
+
+    @staticmethod
+    def regex(pattern: str) -> "Grammar":
+        if not isinstance(pattern, str) or not pattern:
+            raise ForerunError("a regex must be a non-empty string")
+        return Grammar("regex", pattern).checked()
+
+    @staticmethod
+    def lark(text: str) -> "Grammar":
+        if not isinstance(text, str) or not text.strip():
+            raise ForerunError("a grammar must be a non-empty Lark text")
+        return Grammar("lark", text).checked()
+
+    def compiled(self) -> str:
+        """The grammar in llguidance's own form."""
+        m = _llguidance().LLMatcher
+        if self.kind == "json_schema":
+            return m.grammar_from_json_schema(self.source, defaults={"whitespace_flexible": False})
+        if self.kind == "json_object":
+            return m.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+        if self.kind == "regex":
+            return m.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return m.grammar_from_lark(self.source)
+        raise ForerunError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}")
+
+    def checked(self) -> "Grammar":
+        """This grammar, or a ForerunError saying why llguidance cannot compile it."""
+        try:
+            text = self.compiled()
+            error = _llguidance().LLMatcher.validate_grammar(text)
+        except ForerunError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the library's own message, whatever it raises
+            error = str(e) or type(e).__name__
+        if error and not error.startswith("WARNING"):
+            what = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar"}.get(self.kind, self.kind)
+            raise ForerunError(f"the {what} cannot be compiled: {error.strip()}")
+        return self
+
+    def bind(self, tokenizer, vocab_size: int, eos_token_ids) -> "TokenGrammar":
+        """This grammar over one model's tokens (``vocab_size``: its logits' width)."""
+        eos = tuple(sorted(int(t) for t in eos_token_ids)) or (int(tokenizer.eos_token_id),)
+        return TokenGrammar(self, token_table(tokenizer, vocab_size, eos), vocab_size, eos)
+
+
+_TABLES: dict = {}
+
+
+def token_table(tokenizer, vocab_size: int, eos_token_ids):
+    """llguidance's view of a tokenizer (every token's bytes), built once per tokenizer (about a
+    second for a 262,144-token vocabulary). ``vocab_size``: the model's logits width (ids past
+    the tokenizer's are never allowed); ``eos_token_ids``: what ends a generation."""
+    eos = sorted(int(t) for t in eos_token_ids)
+    key = (id(tokenizer), vocab_size, tuple(eos))
+    llguidance = _llguidance()
+    if isinstance(tokenizer, llguidance.LLTokenizer):  # already llguidance's (a tokenizer of one's own making)
+        return tokenizer
+    if key not in _TABLES:
+        import llguidance.hf
+
+        try:
+            _TABLES[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
+        except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read
+            raise ForerunError(f"structured output cannot use this tokenizer ({type(e).__name__}: {e})") from None
+    return _TABLES[key][1]
+
+
+@dataclass
+class TokenGrammar:
+    """A grammar bound to one model's tokens: ``start()`` gives each request its own state."""
+
+    grammar: Grammar
+    table: object  # llguidance.LLTokenizer
+    vocab_size: int
+    eos: tuple = ()  # the tokens that end a generation: the only ones allowed once the grammar is complete
+
+    def __post_init__(self):
+        self.text = self.grammar.compiled()
+        self.start()  # a grammar the tokenizer cannot serve fails here, before any request runs
+
+    def start(self) -> "Constraint":
+        matcher = _llguidance().LLMatcher(self.table, self.text)
+        if matcher.is_error():
+            raise ForerunError(f"the {self.grammar.kind} grammar cannot be used: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size, self.eos)
+
+
+class Constraint:
+    """One request's place in its grammar: the committed tokens consumed, nothing else."""
+
+    def __init__(self, matcher, vocab_size: int, eos=()):
+        import llguidance.torch as lt
+
+        self.m = matcher
+        self.vocab_size = vocab_size
+        self.eos = [t for t in eos if 0 <= t < vocab_size]
+        self._lt = lt
+        self._bits = lt.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing more is allowed (the grammar is complete): only an end-of-sequence token."""
+        return self.m.is_stopped()
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens the grammar allows next, [vocab_size] bool."""
+        self._lt.fill_next_token_bitmask(self.m, self._bits, 0)
+        bits = (self._bits[0, :, None] >> self._shifts) & 1
+        return bits.flatten()[: self.vocab_size].bool()
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces from here (none where it allows a choice)."""
+        if limit <= 0 or self.m.is_stopped():
+            return []
+        return list(self.m.compute_ff_tokens())[:limit]
+
+    def plan(self, tokens: list[int], sampled_q: bool) -> tuple[int, torch.Tensor]:
+        """Walk a chain draft's ``tokens`` through the grammar without committing them: (how many
+        of them to verify, the mask of every row of the pass [kept + 1, vocab_size]). A token the
+        grammar forbids is cut with everything after it; with ``sampled_q`` (an unseeded draft
+        drawn from a q) it is kept as the last one, for the acceptance rule to reject."""
+        ok = self.m.validate_tokens(tokens) if tokens else 0
+        masks = [self.allowed()]
+        walked = 0
+        for t in tokens[:ok]:
+            if self.m.is_stopped() or not self.m.consume_token(t):
+                break
+            walked += 1
+            masks.append(self.allowed() if not self.m.is_stopped() else self._only_end(masks[-1]))
+        if walked:
+            self.m.rollback(walked)
+        keep = walked
+        if sampled_q and walked < len(tokens):
+            keep = walked + 1  # the forbidden token, for the acceptance rule; its row is never reached
+            masks.append(masks[-1])
+        return keep, torch.stack(masks)
+
+    def plan_tree(self, tokens: list[int], parents: list[int]) -> tuple[list[int], torch.Tensor]:
+        """A token tree's nodes the grammar allows (a forbidden node goes with its subtree), and
+        the mask of every row of the pass for those nodes [1 + kept, vocab_size] (row 0 the root).
+        Tree drafts are deterministic proposals, so a cut node is one the target would reject."""
+        masks = {-1: self.allowed()}
+        paths: dict[int, list[int]] = {-1: []}  # each kept node's path from the root, itself last
+        keep: list[int] = []
+        path: list[int] = []  # the nodes consumed now, root first
+        for i, (t, par) in enumerate(zip(tokens, parents)):
+            if par not in paths or not bool(masks[par][t]):  # its parent was cut, or the grammar forbids it
+                continue
+            want = paths[par]
+            common = 0
+            while common < min(len(path), len(want)) and path[common] == want[common]:
+                common += 1
+            if len(path) > common:  # back to where the parent's path leaves the current one
+                self.m.rollback(len(path) - common)
+                del path[common:]
+            for n in want[common:]:  # then down to the parent
+                self.m.consume_token(tokens[n])
+                path.append(n)
+            if not self.m.consume_token(t):
+                raise ForerunError(f"the grammar refused token {t} its mask allowed: {self.m.get_error()}")
+            path.append(i)
+            paths[i] = want + [i]
+            masks[i] = self.allowed() if not self.m.is_stopped() else self._only_end(masks[par])
+            keep.append(i)
+        if path:
+            self.m.rollback(len(path))
+        return keep, torch.stack([masks[-1]] + [masks[i] for i in keep])
+
+    def _only_end(self, like: torch.Tensor) -> torch.Tensor:
+        """The mask after the grammar is complete: the end-of-sequence tokens alone."""
+        mask = torch.zeros_like(like)
+        mask[self.eos] = True
+        return mask if self.eos else like
+
+    def commit(self, tokens: list[int]) -> int:
+        """Advance over committed tokens; how many were consumed before the grammar completed
+        (the rest, if any, come after its end)."""
+        for n, t in enumerate(tokens):
+            if self.m.is_stopped():
+                return n
+            if not self.m.consume_token(t):
+                raise ForerunError(f"token {t} broke the grammar ({self.m.get_error()}): a bug, please report it")
+        return len(tokens)

@@ -1,0 +1,223 @@
+"""Structured output under speculation: every method's constrained output equals constrained
+plain decoding (greedy and seeded, alone and in a batch), which equals the target with the
+grammar's mask on its logits, computed here step by step without the engine; sampled output has
+the masked target's exact distribution."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from forerun.batching import BatchEngine, BatchRequest
+from forerun.constrain import Grammar
+from forerun.drafters import make_drafter
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.sampling import SamplingParams
+
+from conftest import VOCAB, run_batch
+
+pytest.importorskip("llguidance")
+
+# the tiny models' tokens 4..95 read as one character each (0..3: pad, eos, bos, unk)
+CHARS = ' "{}[]:,.-_0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!#$%&()*+/;<=>?@^|~'
+assert len(CHARS) == VOCAB - 4
+EOS = 1
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tag": {"type": "string", "maxLength": 5},
+                                           "ok": {"type": "boolean"}},
+          "required": ["id", "tag", "ok"], "additionalProperties": False}
+REGEX = r"[a-f]{2,3}(-[0-9]{2}){2,3}"
+
+
+class _Chars:
+    """The tiny models' tokenizer as llguidance reads one: every token's bytes."""
+
+    eos_token_id = EOS
+    bos_token_id = 2
+    special_token_ids = [0, 1, 2, 3]
+    tokens = [b"<pad>", b"<eos>", b"<bos>", b"<unk>"] + [c.encode() for c in CHARS]
+
+    def __call__(self, s):
+        return encode(s.decode() if isinstance(s, bytes) else s)
+
+
+def encode(text: str) -> list[int]:
+    return [4 + CHARS.index(c) for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(CHARS[t - 4] for t in ids if t >= 4)
+
+
+@pytest.fixture(scope="module")
+def table():
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Chars()), n_vocab=VOCAB, eos_token=[EOS])
+
+
+def bound(grammar: Grammar, table):
+    return grammar.bind(table, VOCAB, [EOS])
+
+
+GRAMMARS = {"schema": Grammar.json_schema(SCHEMA), "regex": Grammar.regex(REGEX)}
+PROMPTS = {"schema": encode('{"id":12,"tag":"ab","ok":true} {"id":7,"tag":"ab","ok":false} '),
+           "regex": encode("ab-12-34 abc-12-34-56 ab-12-")}
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (list(obj) == ["id", "tag", "ok"] and isinstance(obj["id"], int) and 0 <= obj["id"] <= 999
+            and isinstance(obj["tag"], str) and len(obj["tag"]) <= 5 and isinstance(obj["ok"], bool))
+
+
+def masked_reference(lm, grammar, prompt: list[int], new: int) -> list[int]:
+    """Greedy decoding of the target with the grammar's mask, one token at a time, no engine."""
+    be = lm.backend.fork()
+    be.reset()
+    c = grammar.start()
+    out: list[int] = []
+    logits = be.forward(torch.tensor(prompt), 0).logits[-1].float()
+    while len(out) < new:
+        t = int(logits.masked_fill(~c.allowed(), float("-inf")).argmax())
+        out.append(t)
+        c.commit([t])
+        if t == EOS or c.stopped:
+            break
+        logits = be.forward(torch.tensor([t]), len(prompt) + len(out) - 1).logits[-1].float()
+    return out
+
+
+def drafters(lm, draft_lm):
+    return [("ngram", make_drafter("ngram", lm)), ("suffix", make_drafter("suffix", lm)),
+            ("draft", make_drafter("draft", lm, draft_model=draft_lm)),
+            ("layerskip", make_drafter("layerskip", lm, skip_layers=[1])),
+            ("suffix-tree", make_drafter("suffix", lm, tree=(8, None)))]
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_greedy_output_is_the_masked_targets_for_every_method(gemma, gemma_draft, table, kind):
+    g = bound(GRAMMARS[kind], table)
+    prompt, new = PROMPTS[kind], 40
+    want = masked_reference(gemma, g, prompt, new)
+    assert valid(kind, decode(want)), decode(want)
+    plain = Engine(gemma.backend, None, [EOS]).generate(prompt, max_new_tokens=new, grammar=g)
+    assert plain.token_ids == want and plain.stats.forced == 0
+    forced = 0
+    for name, d in drafters(gemma, gemma_draft):
+        for k in (3, "auto"):
+            res = Engine(gemma.backend, d, [EOS]).generate(prompt, max_new_tokens=new, grammar=g, k=k)
+            assert res.token_ids == want, (name, k, decode(res.token_ids), decode(want))
+            assert res.finish_reason == "stop"
+            forced += res.stats.forced_accepted
+    if kind == "schema":  # the keys' names and punctuation come from the grammar, drafted free
+        assert forced > 0
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_seeded_output_is_constrained_plain_decodings_text(gemma, gemma_draft, table, kind):
+    g = bound(GRAMMARS[kind], table)
+    prompt = PROMPTS[kind]
+    plain = Engine(gemma.backend, None, [EOS])
+    for seed in (1, 2, 3):
+        params = SamplingParams(temperature=1.0, top_k=8, seed=seed)
+        want = plain.generate(prompt, max_new_tokens=40, params=params, grammar=g).token_ids
+        assert valid(kind, decode(want)), decode(want)
+        for name, d in drafters(gemma, gemma_draft):
+            got = Engine(gemma.backend, d, [EOS]).generate(prompt, max_new_tokens=40, params=params, grammar=g, k=3)
+            assert got.token_ids == want, (name, seed)
+
+
+def test_a_batch_of_16_mixing_grammars_equals_each_alone(gemma, gemma_draft, table):
+    """16 requests in one batch engine: the two grammars and none, greedy and seeded."""
+    gs = [bound(GRAMMARS["schema"], table), bound(GRAMMARS["regex"], table), None]
+    reqs = []
+    for i in range(16):
+        g = gs[i % 3]
+        prompt = PROMPTS["regex" if g is gs[1] else "schema"]
+        params = SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.95, seed=i)
+        reqs.append((prompt, params, g))
+    plain = Engine(gemma.backend, None, [EOS])
+    want = [plain.generate(p, max_new_tokens=24, params=params, grammar=g).token_ids for p, params, g in reqs]
+    for name, d in [("ngram", make_drafter("ngram", gemma)), ("draft", make_drafter("draft", gemma, draft_model=gemma_draft)),
+                    ("suffix-tree", make_drafter("suffix", gemma, tree=(8, None)))]:
+        eng = BatchEngine(gemma.backend, [EOS], drafter=d, max_batch=16)
+        got = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=24, params=params, grammar=g) for p, params, g in reqs])
+        assert got == want, (name, [i for i, (a, b) in enumerate(zip(got, want)) if a != b])
+
+
+def test_bad_grammars_are_refused_with_the_reason():
+    with pytest.raises(ForerunError, match="not valid JSON"):
+        Grammar.json_schema("{not json")
+    with pytest.raises(ForerunError, match="JSON object"):
+        Grammar.json_schema([1, 2])
+    with pytest.raises(ForerunError, match="regex cannot be compiled"):
+        Grammar.regex("(ab")
+    with pytest.raises(ForerunError, match="grammar cannot be compiled"):
+        Grammar.lark("start: undefined_rule")
+    with pytest.raises(ForerunError, match="JSON schema cannot be compiled"):
+        Grammar.json_schema({"type": "no-such-type"})
+
+
+def test_a_grammar_bound_to_another_vocabulary_is_refused(gemma, table):
+    g = Grammar.regex("[a-c]+").bind(table, VOCAB + 4, [EOS])
+    with pytest.raises(ForerunError, match="vocabulary"):
+        Engine(gemma.backend, None, [EOS]).generate(encode("ab"), max_new_tokens=4, grammar=g)
+
+
+# -- sampled: the masked target's exact distribution --------------------------------------------
+SPREAD_REGEX = "[" + re.escape(CHARS[4:60:2]) + "]" + "[" + re.escape(CHARS[5:61:2]) + "]" + "[a-zA-Z0-9]{3}"
+
+
+def masked_exact(lm, grammar, setting: str):
+    """The exact per-position marginals and joint of the target sampling alone with the grammar's
+    mask (``spread.exact`` with every prefix's mask)."""
+    from spread import PROMPT, exact
+
+    def mask(prefix):
+        c = grammar.start()
+        c.commit(prefix)
+        return c.allowed()
+
+    return exact(lm, setting, PROMPT, mask=mask)
+
+
+@pytest.mark.parametrize("method,setting", [("draft", "t1.4-k6-p0.85"),
+                                            ("suffix-tree", "t1.4-k6-p0.85")])
+def test_sampling_with_a_grammar_has_the_masked_distribution(spread, copy_model, table, method, setting):
+    """The grammar cuts some of the target's likeliest tokens at each position (a test checks it), the
+    draft model draws from its unmasked q (so it drafts tokens the grammar forbids, which must be
+    rejected and the residual drawn from the masked target), and the counts follow the masked
+    target's exact marginals and joint."""
+    from spread import K, NEW, PROMPT, SETTINGS, check, sample
+
+    from spread import exact
+
+    g = bound(Grammar.regex(SPREAD_REGEX), table)
+    want = masked_exact(spread, g, setting)
+    marg, plain = want[0], exact(spread, setting)[0]
+    assert all(float((marg[j] - plain[j]).abs().sum()) > 0.2 for j in range(2))  # the mask matters
+    tree = (8, None) if method.endswith("-tree") else None
+    d = make_drafter(method.removesuffix("-tree"), spread, draft_model=copy_model, tree=tree)
+    eng = Engine(spread.backend, d, eos_token_ids=())
+    drafted = [0]
+
+    def run(params):
+        res = eng.generate(PROMPT, max_new_tokens=NEW, params=params, k=K, grammar=g)
+        drafted[0] += res.stats.drafted
+        return res.token_ids, res.stats.drafted
+
+    counts, joint, _ = sample(run, setting)
+    check(spread, setting, counts, joint, exact_result=want)
+    assert drafted[0] > 200, drafted[0]
+    assert SETTINGS[setting]
