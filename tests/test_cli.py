@@ -52,6 +52,9 @@ def assert_clean_error(rc, err, *needles):
         (["bench", "--prompts", "none.jsonl", "--methods", "ngram+suffix"], "draft+suffix"),
         (["generate", "hi", "--method", "draft", "--draft", "x", "--draft-window", "-1"], "--draft-window"),
         (["generate", "hi", "--method", "draft", "--draft", "x", "--draft-p-min", "1.5"], "--draft-p-min"),
+        (["generate", "hi", "--regex", "(ab"], "regex cannot be compiled"),
+        (["generate", "hi", "--json-schema", "/no/such/schema.json"], "--json-schema"),
+        (["generate", "hi", "--grammar", "/no/such/grammar.lark"], "--grammar"),
     ],
 )
 def test_bad_inputs_before_loading(capsys, argv, needle):

@@ -221,3 +221,84 @@ def test_sampling_with_a_grammar_has_the_masked_distribution(spread, copy_model,
     check(spread, setting, counts, joint, exact_result=want)
     assert drafted[0] > 200, drafted[0]
     assert SETTINGS[setting]
+
+
+# -- the server, on a real tokenizer ----------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 40}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+TEXT = "Extract the person as JSON: Maria Lopez is 34 years old and lives in Madrid, where Maria Lopez works."
+
+
+@pytest.fixture(scope="module")
+def smol_live(smollm2):
+    pytest.importorskip("fastapi")
+    from forerun.server.run import build_service
+    from serving import setup_for
+    from test_server import Live
+
+    srv = Live(build_service(setup_for(smollm2, "suffix"), name="smol", max_batch=4, max_tokens=100))
+    yield srv
+    srv.close()
+
+
+def test_response_format_through_the_openai_client_equals_constrained_plain_decoding(smollm2, smol_live):
+    """The openai package's ``response_format`` unchanged: json_schema (strict) and json_object,
+    chat and completions; greedy and seeded texts equal to constrained plain decoding's."""
+    from forerun.chat import prompt_ids
+
+    client = smol_live.client()
+    plain = Engine(smollm2.backend.fork(), None, smollm2.eos_token_ids)
+    g = Grammar.json_schema(PERSON).bind(smollm2.tokenizer, smollm2.backend.vocab_size, smollm2.eos_token_ids)
+    ids = prompt_ids(smollm2.tokenizer, TEXT)
+    for params, kw in [(SamplingParams(), {"temperature": 0}),
+                       (SamplingParams(temperature=0.8, seed=5), {"temperature": 0.8, "seed": 5})]:
+        want = smollm2.tokenizer.decode(plain.generate(ids, max_new_tokens=60, params=params, grammar=g).token_ids,
+                                        skip_special_tokens=True)
+        r = client.chat.completions.create(
+            model="smol", max_tokens=60, messages=[{"role": "user", "content": TEXT}], **kw,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        got = r.choices[0].message.content
+        assert got == want and list(json.loads(got)) == ["name", "age", "city"], (got, want)
+    r = client.completions.create(model="smol", prompt='A JSON object about Paris: ', max_tokens=40, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:  # cut by max_tokens: still a prefix of an object
+        assert r.choices[0].text.startswith("{")
+    r = client.completions.create(model="smol", prompt="The year it happened: ", max_tokens=10, temperature=0,
+                                  extra_body={"regex": "[12][0-9]{3}"})
+    assert re.fullmatch("[12][0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"regex": 5}, "regex"),
+    ({"grammar": "start: nowhere"}, "grammar"),
+    ({"json_schema": "x"}, "json_schema"),
+    ({"regex": "a+", "grammar": "start: \"a\""}, "grammar"),
+])
+def test_bad_schemas_and_grammars_are_400s_naming_the_field(smol_live, body, param):
+    code, resp = smol_live.request("POST", "/v1/completions", body={"model": "smol", "prompt": "Hi", **body})
+    assert code == 400 and resp["error"]["param"] == param, resp
+    assert resp["error"]["message"]
+
+
+def test_generate_from_the_command_line_keeps_to_a_schema(smollm2, tmp_path, capsys):
+    from forerun.cli import main
+
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(PERSON))
+    rc = main(["generate", TEXT, "--model", "smollm2", "--backend", "torch", "--method", "suffix",
+               "--json-schema", str(path), "--max-new-tokens", "60", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["finish_reason"] == "stop"
+    assert list(json.loads(out["text"])) == ["name", "age", "city"]

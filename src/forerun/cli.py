@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-new-tokens", type=int, default=128)
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="structured output: the text is JSON valid under this schema (a JSON file)")
+    c.add_argument("--json-object", action="store_true", help="structured output: the text is a JSON object")
+    c.add_argument("--regex", default=None, help="structured output: the text matches this regular expression whole")
+    c.add_argument("--grammar", metavar="FILE", default=None,
+                   help="structured output: the text keeps to this Lark grammar (llguidance's dialect; a file)")
     g.add_argument("--chat", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="wrap the prompt as a user turn in the tokenizer's chat template: auto (default) where the "
                         "tokenizer has one, on (--chat: a plain 'User: ... Assistant:' layout without one), off "
@@ -355,6 +362,28 @@ def _load(args, methods=()):
     return load_target(Options.from_args(args), methods, backend=None if methods else args.backend)
 
 
+def _grammar_arg(args):
+    """generate's structured-output option as a ``Grammar`` (None: free text), its file read and checked."""
+    from forerun.constrain import Grammar
+
+    def read(path, flag):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ForerunError(f"{flag} {path}: {e.strerror or e}") from None
+
+    if args.json_schema:
+        return Grammar.json_schema(read(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return Grammar.json_object()
+    if args.regex is not None:
+        return Grammar.regex(args.regex)
+    if args.grammar:
+        return Grammar.lark(read(args.grammar, "--grammar"))
+    return None
+
+
 def cmd_generate(args) -> int:
     # Validate everything cheap before loading any model.
     if not args.prompt.strip():
@@ -363,13 +392,15 @@ def cmd_generate(args) -> int:
         raise ForerunError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = Options.from_args(args).check()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    grammar = _grammar_arg(args)
     setup = build(options)
     target, drafter = setup.target, setup.drafter
     tok = target.tokenizer
     chat = uses_chat(tok, args.chat)
     ids = prompt_ids(tok, args.prompt, args.chat)
     engine = setup.engine()
-    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k)
+    bound = grammar.bind(tok, engine.target.vocab_size, engine.eos) if grammar is not None else None
+    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, params=params, k=args.k, grammar=bound)
     save_adapted(drafter, args.adapt_save)
     text = tok.decode(res.token_ids, skip_special_tokens=True)
     if args.json:

@@ -101,7 +101,8 @@ class Grammar:
             error = str(e) or type(e).__name__
         if error and not error.startswith("WARNING"):
             what = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar"}.get(self.kind, self.kind)
-            raise ForerunError(f"the {what} cannot be compiled: {error.strip()}")
+            lines = [ln.strip() for ln in error.splitlines() if ln.strip().strip("^|0123456789 ")]
+            raise ForerunError(f"the {what} cannot be compiled: {'; '.join(lines)}")  # one line
         return self
 
     def bind(self, tokenizer, vocab_size: int, eos_token_ids) -> "TokenGrammar":

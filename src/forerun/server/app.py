@@ -61,6 +61,21 @@ class Service:
         engine.on_step = self.metrics.on_step
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
+        self._grammars: dict = {}  # Grammar -> TokenGrammar, the most recent GRAMMARS_KEPT
+        self._grammar_lock = threading.Lock()
+
+    GRAMMARS_KEPT = 64
+
+    def bind_grammar(self, grammar):
+        """``grammar`` over the served model's tokens, compiled once per distinct grammar."""
+        with self._grammar_lock:
+            bound = self._grammars.pop(grammar, None)
+            if bound is None:
+                bound = grammar.bind(self.tokenizer, self.engine.target.vocab_size, self.engine.decoder.eos)
+            self._grammars[grammar] = bound  # newest last
+            while len(self._grammars) > self.GRAMMARS_KEPT:
+                self._grammars.pop(next(iter(self._grammars)))
+            return bound
 
     def start(self) -> None:
         if self._thread is None:
@@ -336,7 +351,8 @@ def create_app(service: Service, engine_thread: bool = True) -> FastAPI:
         def on_event(tokens, finish):  # engine thread
             loop.call_soon_threadsafe(queue.put_nowait, (tokens, finish))
 
-        req = BatchRequest(prompt=job.ids, max_new_tokens=job.max_new_tokens, params=job.params, on_event=on_event)
+        req = BatchRequest(prompt=job.ids, max_new_tokens=job.max_new_tokens, params=job.params, grammar=job.grammar,
+                           on_event=on_event)
         try:
             service.engine.submit(req)
         except QueueFull as e:

@@ -19,6 +19,15 @@ _SAMPLING = {
         {"type": "string", "minLength": 1, "maxLength": 256},
         {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1, "maxLength": 256}}]},
     "stream": {"type": "boolean", "nullable": True},
+    # structured output: at most one of these four (a grammar the server cannot compile is a 400)
+    "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "strict": {"type": "boolean"},
+                                                         "schema": {"type": "object"}}}}},
+    "json_schema": {"type": "object", "nullable": True, "description": "a JSON schema the output keeps to"},
+    "regex": {"type": "string", "minLength": 1, "nullable": True, "description": "a regex the output matches whole"},
+    "grammar": {"type": "string", "minLength": 1, "nullable": True,
+                "description": "a Lark grammar (llguidance's dialect) the output keeps to"},
     "stream_options": {"type": "object", "nullable": True,
                        "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
 }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
+from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 
 
@@ -40,6 +41,7 @@ class Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    grammar: object = None  # a ``forerun.constrain.TokenGrammar`` (structured output), or None
 
 
 def _is_int(v) -> bool:
@@ -78,7 +80,6 @@ _UNSUPPORTED = (
     ("suffix", lambda v: v not in (None, "")), ("tools", lambda v: v not in (None, [])),
     ("tool_choice", lambda v: v not in (None, "none")), ("functions", lambda v: v not in (None, [])),
     ("function_call", lambda v: v not in (None, "none")),
-    ("response_format", lambda v: v is not None and v != {"type": "text"}),
     ("logit_bias", lambda v: v not in (None, {})), ("presence_penalty", lambda v: v not in (None, 0)),
     ("frequency_penalty", lambda v: v not in (None, 0)), ("repetition_penalty", lambda v: v not in (None, 1)),
 )
@@ -228,4 +229,57 @@ def validate(body, service, chat: bool) -> Job:
     params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                             seed=None if seed is None else seed % (2**63))
     return Job(ids=ids, max_new_tokens=max_tokens, params=params, stop=stop, stream=stream,
-               include_usage=bool(usage))
+               include_usage=bool(usage), grammar=_grammar(body, service))
+
+
+GRAMMAR_FIELDS = ("response_format", "json_schema", "regex", "grammar")
+
+
+def _grammar(body: dict, service):
+    """The output's constraint: OpenAI's ``response_format`` (``json_object``, ``json_schema``),
+    or one of the extensions ``json_schema`` (a schema, as llama-server takes it), ``regex`` and
+    ``grammar`` (Lark, llguidance's dialect). Bound to the served model's tokens (cached)."""
+    from forerun.constrain import Grammar
+
+    given = [k for k in GRAMMAR_FIELDS if body.get(k) is not None and body.get(k) != {"type": "text"}]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give at most one of {', '.join(GRAMMAR_FIELDS)} (got {', '.join(given)})", given[1])
+    key, v = given[0], body[given[0]]
+    try:
+        if key == "response_format":
+            if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+                raise bad_request("'response_format' must be an object whose 'type' is text, json_object or "
+                                  "json_schema", "response_format")
+            if v["type"] == "json_object":
+                grammar = Grammar.json_object()
+            else:
+                spec = v.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise bad_request("'response_format.json_schema' must be an object holding a 'schema'",
+                                      "response_format.json_schema")
+                schema = spec.get("schema")
+                if schema is None:  # a name alone: any JSON object
+                    grammar = Grammar.json_object()
+                elif not isinstance(schema, dict):
+                    raise bad_request("'response_format.json_schema.schema' must be a JSON object",
+                                      "response_format.json_schema.schema")
+                else:
+                    key = "response_format.json_schema.schema"
+                    grammar = Grammar.json_schema(schema)
+        elif key == "json_schema":
+            if not isinstance(v, dict):
+                raise bad_request("'json_schema' must be a JSON object (a schema)", "json_schema")
+            grammar = Grammar.json_schema(v)
+        elif key == "regex":
+            if not isinstance(v, str) or not v:
+                raise bad_request("'regex' must be a non-empty string", "regex")
+            grammar = Grammar.regex(v)
+        else:
+            if not isinstance(v, str) or not v.strip():
+                raise bad_request("'grammar' must be a non-empty Lark grammar", "grammar")
+            grammar = Grammar.lark(v)
+        return service.bind_grammar(grammar)
+    except ForerunError as e:
+        raise bad_request(str(e), key) from None
