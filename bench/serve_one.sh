@@ -19,7 +19,7 @@ run_one() {  # NAME, then the server command (run without GGML_CPU_TILED_MM: lla
     local pid=$!
     wait_up "http://127.0.0.1:$port" "$pid"
     forerun loadtest --url "$name=http://127.0.0.1:$port" --model "$model" --prompts "$prompts" \
-        --concurrency "$levels" --max-tokens 64 "${LOADTEST_ARGS[@]}" --out "$out/$name.json" >&2
+        --concurrency "$levels" --max-tokens "${MAX_TOKENS:-64}" "${LOADTEST_ARGS[@]}" --out "$out/$name.json" >&2
     kill "$pid"; wait "$pid" 2>/dev/null || true
     rm -f "$out/$name.png"
 }

@@ -302,3 +302,35 @@ def test_generate_from_the_command_line_keeps_to_a_schema(smollm2, tmp_path, cap
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["finish_reason"] == "stop"
     assert list(json.loads(out["text"])) == ["name", "age", "city"]
+
+
+def test_every_method_keeps_constrained_plain_decodings_text_on_smollm2(smollm2):
+    """The real model and tokenizer, the shipped head included (eagle, chains and a tree):
+    greedy and seeded outputs under the extraction schema equal constrained plain decoding's,
+    alone and in a batch of 16 with unconstrained requests."""
+    from forerun.chat import prompt_ids
+
+    lm = smollm2
+    g = Grammar.json_schema(PERSON).bind(lm.tokenizer, lm.backend.vocab_size, lm.eos_token_ids)
+    texts = [TEXT, "Extract the person as JSON: Tom Berg, 61, has lived in Oslo all his life."]
+    ids = [prompt_ids(lm.tokenizer, t) for t in texts]
+    settings = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3)]
+    plain = Engine(lm.backend, None, lm.eos_token_ids)
+    want = {(i, j): plain.generate(p, max_new_tokens=48, params=s, grammar=g).token_ids
+            for i, p in enumerate(ids) for j, s in enumerate(settings)}
+    methods = [("ngram", make_drafter("ngram", lm)), ("suffix", make_drafter("suffix", lm)),
+               ("eagle", make_drafter("eagle", lm)),
+               ("eagle-tree", make_drafter("eagle", lm, tree=(16, 4)))]
+    for name, d in methods:
+        eng = Engine(lm.backend, d, lm.eos_token_ids)
+        for (i, j), w in want.items():
+            got = eng.generate(ids[i], max_new_tokens=48, params=settings[j], grammar=g, k="auto").token_ids
+            assert got == w, (name, i, j)
+    free = plain.generate(ids[0], max_new_tokens=24).token_ids
+    reqs = [(ids[i % 2], settings[(i // 2) % 2], g) for i in range(12)] + [(ids[0], SamplingParams(), None)] * 4
+    expect = [want[(i % 2, (i // 2) % 2)] for i in range(12)] + [free] * 4
+    for name, d in [methods[1], methods[2]]:
+        eng = BatchEngine(lm.backend, lm.eos_token_ids, drafter=d, max_batch=16)
+        got = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=48 if gr else 24, params=s, grammar=gr)
+                              for p, s, gr in reqs])
+        assert got == expect, (name, [i for i, (a, b) in enumerate(zip(got, expect)) if a != b])

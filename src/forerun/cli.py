@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="completions (default): each prompt sent raw to /v1/completions; chat: as one user message to "
                          "/v1/chat/completions (the model's chat template applies)")
     lt.add_argument("--temperature", type=float, default=0.0)
+    lt.add_argument("--extra-body", metavar="FILE", default=None,
+                    help="a JSON object whose fields every request carries (e.g. a response_format); the report "
+                         "then counts the outputs that parse as JSON")
     lt.add_argument("--invalid-fraction", type=float, default=0.0, help="share of deliberately invalid requests (robustness run)")
     lt.add_argument("--time-limit", type=float, default=600.0, help="seconds per level before remaining requests are skipped")
     lt.add_argument("--api-key", default=None)

@@ -100,6 +100,22 @@ def comparison_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def read_extra_body(path: str | None) -> dict | None:
+    """``--extra-body FILE``: a JSON object whose fields every request carries."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            extra = json.load(f)
+    except OSError as e:
+        raise ForerunError(f"--extra-body {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ForerunError(f"--extra-body {path} is not valid JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise ForerunError(f"--extra-body {path} must hold a JSON object")
+    return extra
+
+
 def load_prompts(path: str | None) -> list[str]:
     if not path:
         return list(BUILTIN_PROMPTS)
@@ -198,9 +214,10 @@ class _Client:
 
 def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int, *, max_tokens: int,
               temperature: float, invalid_fraction: float = 0.0, time_limit: float = 600.0, api_key: str | None = None,
-              on_count=None, seed: int = 0, endpoint: str = "completions") -> dict:
+              on_count=None, seed: int = 0, endpoint: str = "completions", extra_body: dict | None = None) -> dict:
     """``n_requests`` requests from ``concurrency`` client threads; returns the level's figures.
-    ``endpoint``: ``completions`` (the prompt sent raw) or ``chat`` (as one user message)."""
+    ``endpoint``: ``completions`` (the prompt sent raw) or ``chat`` (as one user message);
+    ``extra_body``: fields every valid request carries besides (e.g. a ``response_format``)."""
     client = _Client(url, api_key)
     rng = random.Random(seed)
     plan = []
@@ -227,7 +244,7 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requ
             try:
                 if kind == "valid":
                     body = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-                            "stream": True, "stream_options": {"include_usage": True}, "seed": i}
+                            "stream": True, "stream_options": {"include_usage": True}, "seed": i, **(extra_body or {})}
                     if endpoint == "chat":
                         body["messages"] = [{"role": "user", "content": prompts[a]}]
                     else:
@@ -272,7 +289,16 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requ
         "tpot_p99_s": _pct([r["tpot"] for r in ok if r["tpot"]], 0.99),
         "mean_accepted_length": (sum(s["accepted_tokens"] for s in spec) + passes) / passes if passes else None,
         "texts": {str(r["index"]): r["text"] for r in ok},
+        **({"valid_json": sum(_is_json(r["text"]) for r in ok)} if extra_body else {}),
     }
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _free_port() -> int:
@@ -331,6 +357,7 @@ def run_loadtest(args, log=print) -> dict:
     if args.requests is not None and args.requests < 1:
         raise ForerunError(f"--requests must be >= 1, got {args.requests}")
     prompts = load_prompts(args.prompts)
+    extra = read_extra_body(getattr(args, "extra_body", None))
     endpoint = getattr(args, "endpoint", "completions")
     if endpoint not in ENDPOINTS:
         raise ForerunError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
@@ -340,6 +367,7 @@ def run_loadtest(args, log=print) -> dict:
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": None if servers else args.model,
               "max_tokens": args.max_tokens, "endpoint": ENDPOINTS[endpoint],
               "temperature": args.temperature, "invalid_fraction": args.invalid_fraction, "cpu_count": os.cpu_count(),
+              **({"extra_body": extra} if extra else {}),
               "methods": {}}
     for method in methods:
         proc, url = (None, servers[method]) if servers else _start_server(args, method, log)
@@ -363,7 +391,7 @@ def run_loadtest(args, log=print) -> dict:
                 run_level(url, model, prompts, 1, 1, max_tokens=4, temperature=0.0, api_key=args.api_key, endpoint=endpoint)
                 res = run_level(url, model, prompts, c, n, max_tokens=args.max_tokens, temperature=args.temperature,
                                 invalid_fraction=args.invalid_fraction, time_limit=args.time_limit, api_key=args.api_key,
-                                on_count=on_count, endpoint=endpoint)
+                                on_count=on_count, endpoint=endpoint, extra_body=extra)
                 res.update(mem)
                 res["rss_end"] = _rss(proc.pid if proc else None)
                 res["server_alive"] = proc is None or proc.poll() is None
