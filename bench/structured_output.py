@@ -24,7 +24,8 @@ SCHEMA = {
     "properties": {
         "people": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4},
         "quantities": {"type": "array", "maxItems": 6, "items": {
-            "type": "object", "properties": {"what": {"type": "string", "maxLength": 40}, "value": {"type": "number"}},
+            "type": "object", "properties": {"what": {"type": "string", "maxLength": 40},
+                                               "value": {"type": "number", "minimum": -1e9, "maximum": 1e9}},
             "required": ["what", "value"], "additionalProperties": False}},
         "question": {"type": "string", "maxLength": 160},
     },
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=30)
     ap.add_argument("--write-prompts", action="store_true")
     ap.add_argument("--methods", default="none,ngram,suffix")
-    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.write_prompts:
@@ -119,6 +120,32 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+        chart(rows, Path(args.out).with_suffix(".png"), args.model)
+
+
+def chart(rows, path: Path, model: str) -> None:
+    """Decode tokens/s per method, free text beside the schema-constrained output."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r[1] for r in rows))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for j, mode in enumerate(("free", "schema")):
+        tps = {r[1]: r[2] for r in rows if r[0] == mode}
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(methods))]
+        bars = ax.bar(xs, [tps.get(m, 0) for m in methods], 0.38, label="free text" if mode == "free" else "JSON schema")
+        for b, m in zip(bars, methods):
+            ratio = next(r[3] for r in rows if r[0] == mode and r[1] == m)
+            ax.annotate(f"{ratio:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(methods)), methods)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{model}: extraction, greedy, one sequence (x: vs plain, same output)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Structured output through the servers: forerun serve against llama-server, every request with
 # the same JSON schema (OpenAI's response_format, json_schema; llama-server turns it into its own
 # grammar), on the extraction set made from GSM8K problems (bench/data/extraction.jsonl), chat
-# turns, greedy, 160 new tokens, 1 and 4 streaming clients (`forerun loadtest --extra-body`), 2
+# turns, greedy, up to 256 new tokens, 1 and 4 streaming clients (`forerun loadtest --extra-body`), 2
 # threads everywhere, one server at a time.
 #
 # Usage: bench/vs_llama_server_structured.sh OUT_DIR [MODEL] [CONCURRENCY]
@@ -24,7 +24,7 @@ mkdir -p "$out"
 port=8013
 
 LOADTEST_ARGS=(--endpoint chat --extra-body "$here/bench/data/extraction_response_format.json" --requests 30)
-MAX_TOKENS=160
+MAX_TOKENS=256
 . "$here/bench/serve_one.sh"
 
 ls_args=(-m "$file" -t 2 -tb 2 -np 4 -c 16384 --host 127.0.0.1 --port "$port")
@@ -35,7 +35,7 @@ for name in ${SERVERS:-$all}; do
     llama-server-ngram-simple) run_one "$name" "$tools/llama-server" "${ls_args[@]}" --spec-type ngram-simple \
         --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8 ;;
     forerun-*) run_one "$name" forerun serve --model "$model" --method "${name#forerun-}" --port "$port" \
-        --max-batch 4 --threads 2 --max-tokens 256 ;;
+        --max-batch 4 --threads 2 --max-tokens 512 ;;
     *) echo "unknown server $name" >&2; exit 2 ;;
     esac
 done

@@ -55,6 +55,7 @@ def assert_clean_error(rc, err, *needles):
         (["generate", "hi", "--regex", "(ab"], "regex cannot be compiled"),
         (["generate", "hi", "--json-schema", "/no/such/schema.json"], "--json-schema"),
         (["generate", "hi", "--grammar", "/no/such/grammar.lark"], "--grammar"),
+        (["loadtest", "--url", "http://127.0.0.1:9", "--extra-body", "/no/such/body.json"], "--extra-body"),
     ],
 )
 def test_bad_inputs_before_loading(capsys, argv, needle):

@@ -334,3 +334,18 @@ def test_every_method_keeps_constrained_plain_decodings_text_on_smollm2(smollm2)
         got = run_batch(eng, [BatchRequest(prompt=p, max_new_tokens=48 if gr else 24, params=s, grammar=gr)
                               for p, s, gr in reqs])
         assert got == expect, (name, [i for i, (a, b) in enumerate(zip(got, expect)) if a != b])
+
+
+def test_the_llama_cpp_backend_keeps_the_grammar_losslessly(smollm2_cpp):
+    """Its passes give logits (never its argmax alone) where a grammar masks them."""
+    from forerun.chat import prompt_ids
+
+    lm = smollm2_cpp
+    g = Grammar.json_schema(PERSON).bind(lm.tokenizer, lm.backend.vocab_size, lm.eos_token_ids)
+    ids = prompt_ids(lm.tokenizer, TEXT)
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
+        outs = [Engine(lm.backend, make_drafter(m, lm) if m != "none" else None, lm.eos_token_ids)
+                .generate(ids, max_new_tokens=48, params=params, grammar=g, k=3).token_ids
+                for m in ("none", "ngram", "suffix")]
+        assert outs[0] == outs[1] == outs[2]
+        assert list(json.loads(lm.tokenizer.decode(outs[0], skip_special_tokens=True))) == ["name", "age", "city"]

@@ -21,6 +21,7 @@ from forerun.bench import load_prompts, run_bench
 from forerun.bench_peers import llama_tools_dir
 from forerun.build import Options, build, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
+from forerun.constrain import Grammar
 from forerun.draft_length import K_MAX
 from forerun.drafters import LOOKUP_SOURCES, load_trained_head, require_hidden_states, tree_shape
 from forerun.drafters.adapt import save_adapted
@@ -367,8 +368,6 @@ def _load(args, methods=()):
 
 def _grammar_arg(args):
     """generate's structured-output option as a ``Grammar`` (None: free text), its file read and checked."""
-    from forerun.constrain import Grammar
-
     def read(path, flag):
         try:
             with open(path, encoding="utf-8") as f:

@@ -25,21 +25,16 @@ vocabulary (compiled once); ``TokenGrammar.start()`` gives the per-request ``Con
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 
+import llguidance
+import llguidance.hf
 import torch
 
 from forerun.errors import ForerunError
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise ForerunError("structured output needs llguidance (a dependency of forerun): pip install llguidance") from None
-    return llguidance
 
 
 @dataclass(frozen=True)
@@ -79,7 +74,7 @@ class Grammar:
 
     def compiled(self) -> str:
         """The grammar in llguidance's own form."""
-        m = _llguidance().LLMatcher
+        m = llguidance.LLMatcher
         if self.kind == "json_schema":
             return m.grammar_from_json_schema(self.source, defaults={"whitespace_flexible": False})
         if self.kind == "json_object":
@@ -94,7 +89,7 @@ class Grammar:
         """This grammar, or a ForerunError saying why llguidance cannot compile it."""
         try:
             text = self.compiled()
-            error = _llguidance().LLMatcher.validate_grammar(text)
+            error = llguidance.LLMatcher.validate_grammar(text)
         except ForerunError:
             raise
         except Exception as e:  # noqa: BLE001 - the library's own message, whatever it raises
@@ -112,6 +107,7 @@ class Grammar:
 
 
 _TABLES: dict = {}
+_TABLES_LOCK = threading.Lock()
 
 
 def token_table(tokenizer, vocab_size: int, eos_token_ids):
@@ -120,17 +116,15 @@ def token_table(tokenizer, vocab_size: int, eos_token_ids):
     the tokenizer's are never allowed); ``eos_token_ids``: what ends a generation."""
     eos = sorted(int(t) for t in eos_token_ids)
     key = (id(tokenizer), vocab_size, tuple(eos))
-    llguidance = _llguidance()
     if isinstance(tokenizer, llguidance.LLTokenizer):  # already llguidance's (a tokenizer of one's own making)
         return tokenizer
-    if key not in _TABLES:
-        import llguidance.hf
-
-        try:
-            _TABLES[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
-        except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read
-            raise ForerunError(f"structured output cannot use this tokenizer ({type(e).__name__}: {e})") from None
-    return _TABLES[key][1]
+    with _TABLES_LOCK:  # one build per tokenizer, whichever thread asks first
+        if key not in _TABLES:
+            try:
+                _TABLES[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
+            except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read
+                raise ForerunError(f"structured output cannot use this tokenizer ({type(e).__name__}: {e})") from None
+        return _TABLES[key][1]
 
 
 @dataclass
@@ -147,7 +141,7 @@ class TokenGrammar:
         self.start()  # a grammar the tokenizer cannot serve fails here, before any request runs
 
     def start(self) -> "Constraint":
-        matcher = _llguidance().LLMatcher(self.table, self.text)
+        matcher = llguidance.LLMatcher(self.table, self.text)
         if matcher.is_error():
             raise ForerunError(f"the {self.grammar.kind} grammar cannot be used: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size, self.eos)
@@ -157,13 +151,10 @@ class Constraint:
     """One request's place in its grammar: the committed tokens consumed, nothing else."""
 
     def __init__(self, matcher, vocab_size: int, eos=()):
-        import llguidance.torch as lt
-
         self.m = matcher
         self.vocab_size = vocab_size
         self.eos = [t for t in eos if 0 <= t < vocab_size]
-        self._lt = lt
-        self._bits = lt.allocate_token_bitmask(1, vocab_size)
+        self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # a bit per token
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     @property
@@ -173,8 +164,9 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next, [vocab_size] bool."""
-        self._lt.fill_next_token_bitmask(self.m, self._bits, 0)
-        bits = (self._bits[0, :, None] >> self._shifts) & 1
+        # (llguidance.torch does the same, but importing it sets torch's compiler up behind our caller)
+        self.m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        bits = (self._bits[:, None] >> self._shifts) & 1
         return bits.flatten()[: self.vocab_size].bool()
 
     def forced(self, limit: int) -> list[int]:

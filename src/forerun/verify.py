@@ -15,7 +15,7 @@ batched pass. How the backend answers depends only on what it declares it can do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,8 +125,6 @@ def judge(draft: Draft, out, params: SamplingParams, generator=None, root: int =
 
 def masked(out, masks: torch.Tensor):
     """A pass's outputs with every token a row's mask forbids at -inf in its logits."""
-    from dataclasses import replace
-
     if out.logits is None:
         raise ValueError("a constrained row needs its logits, not an argmax")
     logits = out.logits.float()

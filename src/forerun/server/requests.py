@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
+from forerun.constrain import Grammar
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 
@@ -239,8 +240,6 @@ def _grammar(body: dict, service):
     """The output's constraint: OpenAI's ``response_format`` (``json_object``, ``json_schema``),
     or one of the extensions ``json_schema`` (a schema, as llama-server takes it), ``regex`` and
     ``grammar`` (Lark, llguidance's dialect). Bound to the served model's tokens (cached)."""
-    from forerun.constrain import Grammar
-
     given = [k for k in GRAMMAR_FIELDS if body.get(k) is not None and body.get(k) != {"type": "text"}]
     if not given:
         return None
