@@ -243,6 +243,7 @@ def smol_live(smollm2):
     srv.close()
 
 
+@pytest.mark.bundled
 def test_response_format_through_the_openai_client_equals_constrained_plain_decoding(smollm2, smol_live):
     """The openai package's ``response_format`` unchanged: json_schema (strict) and json_object,
     chat and completions; greedy and seeded texts equal to constrained plain decoding's."""
@@ -272,6 +273,7 @@ def test_response_format_through_the_openai_client_equals_constrained_plain_deco
     assert re.fullmatch("[12][0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
@@ -292,6 +294,7 @@ def test_bad_schemas_and_grammars_are_400s_naming_the_field(smol_live, body, par
     assert resp["error"]["message"]
 
 
+@pytest.mark.bundled
 def test_generate_from_the_command_line_keeps_to_a_schema(smollm2, tmp_path, capsys):
     from forerun.cli import main
 
@@ -304,6 +307,7 @@ def test_generate_from_the_command_line_keeps_to_a_schema(smollm2, tmp_path, cap
     assert list(json.loads(out["text"])) == ["name", "age", "city"]
 
 
+@pytest.mark.bundled
 def test_every_method_keeps_constrained_plain_decodings_text_on_smollm2(smollm2):
     """The real model and tokenizer, the shipped head included (eagle, chains and a tree):
     greedy and seeded outputs under the extraction schema equal constrained plain decoding's,
@@ -336,6 +340,7 @@ def test_every_method_keeps_constrained_plain_decodings_text_on_smollm2(smollm2)
         assert got == expect, (name, [i for i, (a, b) in enumerate(zip(got, expect)) if a != b])
 
 
+@pytest.mark.bundled
 def test_the_llama_cpp_backend_keeps_the_grammar_losslessly(smollm2_cpp):
     """Its passes give logits (never its argmax alone) where a grammar masks them."""
     from forerun.chat import prompt_ids
@@ -349,3 +354,21 @@ def test_the_llama_cpp_backend_keeps_the_grammar_losslessly(smollm2_cpp):
                 for m in ("none", "ngram", "suffix")]
         assert outs[0] == outs[1] == outs[2]
         assert list(json.loads(lm.tokenizer.decode(outs[0], skip_special_tokens=True))) == ["name", "age", "city"]
+
+
+@pytest.mark.bundled
+def test_the_bundled_models_heads_keep_a_regex_losslessly(bundled):
+    """The bundled Gemma 3 (262,144 tokens) with its shipped medusa and eagle heads: greedy and
+    seeded outputs under a regex equal constrained plain decoding's."""
+    lm = bundled
+    pattern = r"[A-Z][a-z]{1,12}( [a-z]{1,12}){2,6}\."
+    g = Grammar.regex(pattern).bind(lm.tokenizer, lm.backend.vocab_size, lm.eos_token_ids)
+    ids = lm.tokenizer.encode("The capital of France is Paris. The capital of Spain is")
+    plain = Engine(lm.backend, None, lm.eos_token_ids)
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=11)):
+        want = plain.generate(ids, max_new_tokens=40, params=params, grammar=g).token_ids
+        assert re.fullmatch(pattern, lm.tokenizer.decode(want, skip_special_tokens=True))
+        for method in ("medusa", "eagle"):
+            got = Engine(lm.backend, make_drafter(method, lm), lm.eos_token_ids).generate(
+                ids, max_new_tokens=40, params=params, grammar=g, k=3).token_ids
+            assert got == want, (method, params)
