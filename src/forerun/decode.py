@@ -110,7 +110,7 @@ class Decoder:
         fail = on_fail or _raise
         t0 = time.perf_counter()
         alive = list(range(len(seqs)))
-        forced = self._forced(seqs, alive)
+        forced = self._forced(seqs, alive, fail)
         drafting = [i for i in alive if i not in forced]
         drafts, rounds, draft_s = self._draft(seqs, drafting, fail)
         alive = sorted(drafting + list(forced))
@@ -138,19 +138,24 @@ class Decoder:
         return [o for _, o in done]
 
     # -- 1. draft ----------------------------------------------------------------------------
-    def _forced(self, seqs, alive) -> dict[int, Draft]:
+    def _forced(self, seqs, alive, fail) -> dict[int, Draft]:
         """Where a grammar forces the next tokens and a drafter is in use: those tokens are the
         draft (no drafter runs for that sequence this round)."""
         if self.drafter is None:  # plain decoding stays plain
             return {}
         out = {}
         limit = self.target.max_context
-        for i in alive:
+        for i in list(alive):
             s = seqs[i]
             if s.constraint is None:
                 continue
             room = max(0, min(s.max_new_tokens - s.produced, limit - len(s.tokens)) - 1)
-            toks = s.constraint.forced(min(room, FORCED_MAX))
+            try:
+                toks = s.constraint.forced(min(room, FORCED_MAX))
+            except Exception as e:  # noqa: BLE001 - this sequence only
+                fail(s, e)
+                alive.remove(i)
+                continue
             if toks:
                 out[i] = Draft(tokens=torch.tensor(toks, dtype=torch.long))
         return out
