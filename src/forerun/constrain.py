@@ -111,8 +111,8 @@ _TABLES_LOCK = threading.Lock()
 
 
 def token_table(tokenizer, vocab_size: int, eos_token_ids):
-    """llguidance's view of a tokenizer (every token's bytes), built once per tokenizer (about a
-    second for a 262,144-token vocabulary). ``vocab_size``: the model's logits width (ids past
+    """llguidance's view of a tokenizer (every token's bytes), built once per tokenizer (1.5 s for
+    49,152 tokens, 4.7 s for 262,144 on a 2-core CPU). ``vocab_size``: the model's logits width (ids past
     the tokenizer's are never allowed); ``eos_token_ids``: what ends a generation."""
     eos = sorted(int(t) for t in eos_token_ids)
     key = (id(tokenizer), vocab_size, tuple(eos))
@@ -204,8 +204,9 @@ class Constraint:
         paths: dict[int, list[int]] = {-1: []}  # each kept node's path from the root, itself last
         keep: list[int] = []
         path: list[int] = []  # the nodes consumed now, root first
+        ended: set[int] = set()  # nodes that complete the grammar: nothing may follow them
         for i, (t, par) in enumerate(zip(tokens, parents)):
-            if par not in paths or not bool(masks[par][t]):  # its parent was cut, or the grammar forbids it
+            if par not in paths or par in ended or not bool(masks[par][t]):  # parent cut or final, or forbidden
                 continue
             want = paths[par]
             common = 0
@@ -221,7 +222,11 @@ class Constraint:
                 raise ForerunError(f"the grammar refused token {t} its mask allowed: {self.m.get_error()}")
             path.append(i)
             paths[i] = want + [i]
-            masks[i] = self.allowed() if not self.m.is_stopped() else self._only_end(masks[par])
+            if self.m.is_stopped():
+                ended.add(i)
+                masks[i] = self._only_end(masks[par])
+            else:
+                masks[i] = self.allowed()
             keep.append(i)
         if path:
             self.m.rollback(len(path))
