@@ -60,8 +60,8 @@ MUTANTS = [
      "after a tree pass the accepted path's cache rows are not moved into place",
      ["tests/test_tree.py", "tests/test_suffix.py"]),
     ("batch-accept-none", "verify.py",
-     "return [judge(c.draft, out, c.params, c.generator, c.root) for c, out in zip(checks, outs)]",
-     "return [__import__('dataclasses').replace(judge(c.draft, out, c.params, c.generator, c.root), accepted=0) "
+     "return [judge(c.draft, out, c.params, c.generator, c.root, c.masks) for c, out in zip(checks, outs)]",
+     "return [__import__('dataclasses').replace(judge(c.draft, out, c.params, c.generator, c.root, c.masks), accepted=0) "
      "for c, out in zip(checks, outs)]",
      "the batch engine throws away every accepted draft (lossless, but speculation does nothing)",
      ["tests/test_batching.py"]),
@@ -93,8 +93,8 @@ MUTANTS = [
      "if d.parents is not None and len(d) > room + 1:",
      "a token tree cut to the room before the context limit only when it exceeds it by two nodes",
      ["tests/test_tree.py"]),
-    ("batch-global-rng", "verify.py", "judge(c.draft, out, c.params, c.generator, c.root)",
-     "judge(c.draft, out, c.params, None, c.root)",
+    ("batch-global-rng", "verify.py", "judge(c.draft, out, c.params, c.generator, c.root, c.masks)",
+     "judge(c.draft, out, c.params, None, c.root, c.masks)",
      "a batched pass samples with the global generator instead of each request's seeded one",
      ["tests/test_batching.py"]),
     ("noise-follows-draft", "verify.py", "[root + 1 + d for d in depth]", "[root + 1 + d + len(draft) for d in depth]",
