@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--write-prompts", action="store_true")
     ap.add_argument("--methods", default="none,ngram,suffix")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--modes", default="free,schema", help="free (no grammar), schema, or both")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.write_prompts:
@@ -78,12 +80,12 @@ def main() -> None:
     from forerun.engine import Engine
     from forerun.models import load_model
 
-    lm = load_model(args.model, backend="torch")
+    lm = load_model(args.model, backend="torch", threads=args.threads)
     grammar = Grammar.json_schema(SCHEMA).bind(lm.tokenizer, lm.backend.vocab_size, lm.eos_token_ids)
     check = jsonschema_rs.validator_for(SCHEMA)
     ids = [prompt_ids(lm.tokenizer, p) for p in prompts(args.docs)]
     rows, plain = [], {}
-    for mode in ("free", "schema"):
+    for mode in args.modes.split(","):
         for method in args.methods.split(","):
             eng = Engine(lm.backend, make_drafter(method, lm) if method != "none" else None, lm.eos_token_ids)
             eng.generate(ids[0], max_new_tokens=8, k="auto")  # warm
@@ -109,7 +111,9 @@ def main() -> None:
             rows.append((mode, method, toks / secs, toks / secs / plain[mode][0], ok_json, ok_schema, forced, equal))
             print(rows[-1], flush=True)
     n = len(ids)
-    lines = [f"`python bench/structured_output.py --model {args.model} --docs {args.docs} --methods {args.methods}`, "
+    opts = "".join(f" --{k} {v}" for k, v in (("modes", args.modes), ("threads", args.threads))
+                   if v is not None and v != "free,schema")
+    lines = [f"`python bench/structured_output.py --model {args.model} --docs {args.docs} --methods {args.methods}{opts}`, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              "| output | method | decode tok/s | vs plain, same output | valid JSON | schema-valid | forced tokens | equal to plain |",
              "|---|---|---|---|---|---|---|---|"]

@@ -156,6 +156,111 @@ def test_a_batch_of_16_mixing_grammars_equals_each_alone(gemma, gemma_draft, tab
         assert got == want, (name, [i for i, (a, b) in enumerate(zip(got, want)) if a != b])
 
 
+def _random_walk(c, gen, limit: int = 40) -> list[int]:
+    """A text the grammar allows, drawn token by token among its allowed tokens (committed)."""
+    out = []
+    while len(out) < limit and not c.stopped:
+        ok = c.allowed().nonzero().flatten()
+        t = int(ok[torch.randint(len(ok), (1,), generator=gen)])
+        out.append(t)
+        c.commit([t])
+    return out
+
+
+def _stepwise_masks(c, tokens: list[int], rows: int) -> torch.Tensor:
+    """The masks a chain's rows get, the slow way: a mask, a token consumed, a mask, ... (the
+    grammar's end: its end tokens alone), the last repeated up to ``rows``, the walk rolled back."""
+    masks = [c.allowed()]
+    for t in tokens:
+        assert c.m.consume_token(t)
+        masks.append(c.allowed() if not c.stopped else c._only_end(masks[-1]))
+    if tokens:
+        c.m.rollback(len(tokens))
+    return torch.stack(masks + masks[-1:] * (rows - len(masks)))
+
+
+def test_a_chains_masks_from_one_call_are_its_masks_step_by_step(table):
+    """The decode step cuts a chain with a token check per token (``cut``) and gets its rows'
+    masks from one llguidance call (``chain_bits``, run while the pass runs): those are the masks
+    of each prefix, wherever the grammar stands, up to and past its end, sampled drafts' kept
+    forbidden token included; and the grammar is left where it was."""
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for g in GRAMMARS.values():
+        tg = bound(g, table)
+        for trial in range(6):
+            text = _random_walk(tg.start(), gen)
+            for at in range(0, len(text), 3):
+                c = tg.start()
+                c.commit(text[:at])
+                before = c.allowed().clone()
+                ahead = text[at: at + 6] + [EOS, 4 + CHARS.index("a")]
+                bad = list(ahead)
+                j = int(torch.randint(len(bad), (1,), generator=gen))
+                bad[j] = int(torch.randint(4, VOCAB, (1,), generator=gen))
+                for chain in (ahead, bad):
+                    for sampled_q in (False, True):
+                        keep, masks = c.plan(chain, sampled_q)
+                        walked = c.cut(chain, sampled_q)[1]
+                        assert walked <= keep <= walked + 1 and (keep == walked or sampled_q)
+                        assert torch.equal(masks, _stepwise_masks(c, chain[:walked], keep + 1))
+                        assert torch.equal(c.allowed(), before)
+                        checked += 1
+    assert checked > 200
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_masks_are_computed_while_the_pass_runs_where_a_core_is_free(gemma, table, monkeypatch, overlap):
+    """With a core to spare every chain's masks are computed off the thread that runs the
+    passes, and read only after the pass; without one, before it on that thread. Same output."""
+    import threading
+
+    import forerun.decode as decode
+    from forerun.constrain import Constraint
+
+    where, real = [], Constraint.chain_bits
+
+    def chain_bits(self, tokens):
+        where.append(threading.current_thread() is threading.main_thread())
+        return real(self, tokens)
+
+    g = bound(GRAMMARS["schema"], table)
+    want = masked_reference(gemma, g, PROMPTS["schema"], 24)
+    monkeypatch.setattr(Constraint, "chain_bits", chain_bits)
+    monkeypatch.setattr(decode.os, "cpu_count", lambda: 64 if overlap else 1)
+    for d in (None, make_drafter("ngram", gemma), make_drafter("draft", gemma, draft_model=gemma)):
+        where.clear()
+        got = Engine(gemma.backend, d, [EOS]).generate(PROMPTS["schema"], max_new_tokens=24, grammar=g).token_ids
+        assert got == want and where and set(where) == {not overlap}, d
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_grammar_failing_at_its_masks_ends_only_its_own_request(gemma, table, monkeypatch, overlap):
+    """A grammar whose masks fail (on the worker, or before the pass) ends its request with an
+    error; the others in the batch finish with constrained plain decoding's tokens."""
+    import llguidance
+
+    import forerun.decode as decode
+    from forerun.constrain import Constraint
+
+    class Breaks(Constraint):
+        def chain_bits(self, tokens):
+            if tokens:
+                raise RuntimeError("mask broke")
+            return super().chain_bits(tokens)
+
+    monkeypatch.setattr(decode.os, "cpu_count", lambda: 64 if overlap else 1)
+    good = bound(GRAMMARS["schema"], table)
+    bad = bound(GRAMMARS["schema"], table)
+    bad.start = lambda: Breaks(llguidance.LLMatcher(bad.table, bad.text), bad.vocab_size, bad.eos)
+    want = Engine(gemma.backend, None, [EOS]).generate(PROMPTS["schema"], max_new_tokens=24, grammar=good).token_ids
+    eng = BatchEngine(gemma.backend, [EOS], drafter=make_drafter("ngram", gemma), max_batch=4)
+    reqs = [BatchRequest(prompt=PROMPTS["schema"], max_new_tokens=24, grammar=g) for g in (bad, good, good)]
+    got = run_batch(eng, reqs)
+    assert reqs[0].error == "RuntimeError: mask broke"
+    assert got[1:] == [want, want]
+
+
 def test_bad_grammars_are_refused_with_the_reason():
     with pytest.raises(ForerunError, match="not valid JSON"):
         Grammar.json_schema("{not json")

@@ -316,3 +316,41 @@ def test_in_a_batch_a_drafted_row_costs_what_it_adds_to_the_pass():
     assert pol.lookup_or_model([0.5, 0.5], [0.1] * 4) is None
     pol.batch(1, 1)
     assert pol.draft_more([0.5])
+
+
+def _draft_model_rounds(pol, speed, conf=0.5, rounds=600, request=128, step=0.040, draft=0.3):
+    """A draft model's rounds as ``Decoder._draft_model`` runs them, on a machine whose one-token
+    step costs ``step`` x ``speed(t)`` (a pass of R rows the ratios below; a draft token ``draft``
+    steps) and a target that takes each drafted token with chance ``conf``; a new request (the
+    policy ``renewed``) every ``request`` rounds. Per round: whether a draft was verified."""
+    ratio = {1: 1.0, 2: 1.05, 3: 1.21, 4: 1.46, 5: 2.0, 6: 2.3, 7: 2.6, 8: 2.9, 9: 3.2}
+    out = []
+    for t in range(rounds):
+        if t and t % request == 0:
+            pol = pol.renewed("auto")
+        s = speed(t)
+        kept = 0
+        if pol.choose([1], [None], [[conf]], charge_drafting=True)[0]:
+            confs = [conf]
+            while len(confs) < 8 and pol.draft_more(confs):
+                confs.append(conf)
+            pol.observe_draft(len(confs), len(confs) * draft * step * s, apart=True)
+            kept = pol.cut(confs)
+        pol.observe_pass(kept + 1, ratio[kept + 1] * step * s)
+        out.append(kept > 0)
+    return out
+
+
+def test_a_slow_spell_does_not_stop_a_draft_model_for_good():
+    """The machine slows fivefold for 100 rounds while a draft model drafts (another process):
+    its passes and drafting are measured slow. Once it is fast again, plain steps are timed fast
+    while the costs of drafting's passes stay as the spell left them, so drafting looks too dear
+    and stops, and with it what would measure those costs again. Unless probes measure them: a
+    probe's draft is verified (not cut to nothing) and its drafting time counts (its reading is
+    timed apart), and a fast sample weighs more than a slow one. Drafting pays on this machine
+    (it drafts every round without the spell) and must come back within two requests."""
+    calm = _draft_model_rounds(DraftLength(), lambda t: 1.0)
+    assert all(calm[1:])
+    spell = _draft_model_rounds(DraftLength(), lambda t: 5.0 if 100 <= t < 200 else 1.0)
+    assert sum(spell[200:300]) < 20  # it stops for a while: the estimates are stale
+    assert sum(spell[456:600]) >= 135  # the second request after the spell drafts again

@@ -6,11 +6,11 @@ every step: greedy takes the argmax among the allowed tokens, sampling draws fro
 renormalised distribution (temperature, top-k and top-p applied after the mask), a seeded
 request draws that distribution's seeded sample. Speculation gives exactly that:
 
-- before a verify pass, each draft is walked through the grammar (``Constraint.plan``): every row
-  of the pass gets the mask of the state its prefix reaches, and a drafted token the grammar
-  forbids is cut with everything after it (where it came from a sampled q, it is kept as the
-  last token instead: the acceptance rule rejects it, p being 0 there, and draws from the
-  residual as it must);
+- before a verify pass, each draft is walked through the grammar (``Constraint.plan``): a drafted
+  token the grammar forbids is cut with everything after it (where it came from a sampled q, it
+  is kept as the last token instead: the acceptance rule rejects it, p being 0 there, and draws
+  from the residual as it must); then, while the pass runs, the same walk on a worker thread
+  gives every row of the pass the mask of the state its prefix reaches (``PassMasks``);
 - the verifier masks every row's logits before acceptance (``verify.judge``), so every accepted
   token and the target's own token are the masked target's;
 - the grammar advances only on committed tokens (``Constraint.commit``); a draft's walk is rolled
@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass
+from typing import Callable
 
 import llguidance
 import llguidance.hf
@@ -175,26 +178,45 @@ class Constraint:
             return []
         return list(self.m.compute_ff_tokens())[:limit]
 
-    def plan(self, tokens: list[int], sampled_q: bool) -> tuple[int, torch.Tensor]:
-        """Walk a chain draft's ``tokens`` through the grammar without committing them: (how many
-        of them to verify, the mask of every row of the pass [kept + 1, vocab_size]). A token the
-        grammar forbids is cut with everything after it; with ``sampled_q`` (an unseeded draft
-        drawn from a q) it is kept as the last one, for the acceptance rule to reject."""
+    def cut(self, tokens: list[int], sampled_q: bool) -> tuple[int, int]:
+        """How far a chain draft's ``tokens`` keep to the grammar, walked without committing them
+        (a token check each, not a pass over the vocabulary): (how many to verify, how many the
+        grammar allows in a row). A token the grammar forbids is cut with everything after it; with
+        ``sampled_q`` (an unseeded draft drawn from a q) it is kept as the last one, for the
+        acceptance rule to reject. Nothing may follow the token that completes the grammar."""
         ok = self.m.validate_tokens(tokens) if tokens else 0
-        masks = [self.allowed()]
         walked = 0
         for t in tokens[:ok]:
             if self.m.is_stopped() or not self.m.consume_token(t):
                 break
             walked += 1
-            masks.append(self.allowed() if not self.m.is_stopped() else self._only_end(masks[-1]))
         if walked:
             self.m.rollback(walked)
-        keep = walked
-        if sampled_q and walked < len(tokens):
-            keep = walked + 1  # the forbidden token, for the acceptance rule; its row is never reached
-            masks.append(masks[-1])
-        return keep, torch.stack(masks)
+        return (walked + 1 if sampled_q and walked < len(tokens) else walked), walked
+
+    def chain_bits(self, tokens: list[int]) -> torch.Tensor:
+        """The masks after each prefix of ``tokens`` (all allowed, as ``cut`` found them), as bits
+        [len + 1, words]: one call into llguidance, which walks them, computes each mask and rolls
+        back without Python's lock."""
+        bits = torch.zeros((len(tokens) + 1, self._bits.numel()), dtype=torch.int32)
+        if tokens:
+            _executor().unsafe_compute_mask_ptr_with_draft_token([(self.m, 0, list(tokens))], bits.data_ptr(),
+                                                                 self._bits.numel() * 4, len(tokens) + 1)
+        else:
+            self.m.unsafe_compute_mask_ptr(bits.data_ptr(), self._bits.numel() * 4)
+        return bits
+
+    def unpack(self, bits: torch.Tensor, rows: int) -> torch.Tensor:
+        """``chain_bits`` as [rows, vocab_size] bool, the last mask repeated where ``rows`` is more
+        (the row after a kept forbidden token: never reached)."""
+        out = ((bits[:, :, None] >> self._shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
+        return torch.cat([out, out[-1:].expand(rows - len(out), -1)]) if rows > len(out) else out
+
+    def plan(self, tokens: list[int], sampled_q: bool) -> tuple[int, torch.Tensor]:
+        """``cut``, and the mask of every row of the pass [kept + 1, vocab_size]. (The decode step
+        cuts before the target's pass and computes the masks while it runs: ``PassMasks``.)"""
+        keep, walked = self.cut(tokens, sampled_q)
+        return keep, self.unpack(self.chain_bits(tokens[:walked]), keep + 1)
 
     def plan_tree(self, tokens: list[int], parents: list[int]) -> tuple[list[int], torch.Tensor]:
         """A token tree's nodes the grammar allows (a forbidden node goes with its subtree), and
@@ -247,3 +269,75 @@ class Constraint:
             if not self.m.consume_token(t):
                 raise ForerunError(f"token {t} broke the grammar ({self.m.get_error()}): a bug, please report it")
         return len(tokens)
+
+
+class PassMasks:
+    """The masks of a decode step's constrained chains, computed while the target's pass runs
+    where a core is free for it (a GPU's pass, or fewer CPU threads than cores): llguidance walks a
+    draft and computes its masks without Python's lock (``Constraint.chain_bits``), and the masks
+    are needed only once the pass's logits are out (``verify.judge``); the draft was cut before
+    the pass by the walk without masks (``Constraint.cut``). Where every core runs the pass the
+    masks are computed before it (on a 2-core CPU with both threads in the pass, computing them
+    meanwhile measured the same within noise; a walk in Python holding the lock had cost 18-23%).
+    Token trees' masks are always computed before the pass (``Constraint.plan_tree``, in Python).
+    One worker thread for the process, started when first needed; each sequence's masks are a job
+    of their own, so one grammar's failure is its sequence's alone."""
+
+    _pool: ThreadPoolExecutor | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._pending: list = []
+
+    @classmethod
+    def _worker(cls) -> ThreadPoolExecutor:
+        with cls._lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="forerun-masks")
+            return cls._pool
+
+    def start(self, jobs: dict) -> dict[int, torch.Tensor | Callable[[], torch.Tensor]]:
+        """``jobs``: sequence -> its masks (a tree's), or (the constraint, the chain's allowed
+        tokens, the rows of its pass). Returns sequence -> its masks, or a call that waits for them."""
+        out = {}
+        for i, job in jobs.items():
+            if isinstance(job, torch.Tensor):
+                out[i] = job
+                continue
+            c, walked, rows = job
+            if not self.overlap:
+                try:
+                    out[i] = c.unpack(c.chain_bits(walked), rows)
+                except Exception as e:  # noqa: BLE001 - raised where this sequence's masks are read
+                    out[i] = partial(_raise, e)
+                continue
+            fut = self._worker().submit(c.chain_bits, walked)
+            self._pending.append(fut)
+            out[i] = partial(_unpacked, c, fut, rows)
+        return out
+
+    def wait(self) -> None:
+        """Wait for every job started (their errors are their sequences', raised where the masks are read)."""
+        for job in self._pending:
+            job.exception()
+        self._pending = []
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    global _EXECUTOR
+    with PassMasks._lock:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor(1)
+        return _EXECUTOR
+
+
+def _raise(e: Exception):
+    raise e
+
+
+def _unpacked(c: Constraint, fut, rows: int) -> torch.Tensor:
+    return c.unpack(fut.result(), rows)

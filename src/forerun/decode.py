@@ -17,6 +17,7 @@ of the target's own, 4. its cache keeps the accepted positions only, and its dra
 from __future__ import annotations
 
 import logging
+import os
 import operator
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from forerun.constrain import PassMasks
 from forerun.draft_length import DraftLength
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
@@ -91,6 +93,8 @@ class Decoder:
         self._draft_batch = (getattr(drafter, "batchable", False) and drafts_with is not None
                              and drafts_with.capabilities.draft_batch)
         self.cuda = getattr(target, "device", torch.device("cpu")).type == "cuda"
+        # constrained chains' masks: computed while the pass runs where a core is free for it
+        self.masks = PassMasks(self.cuda or (os.cpu_count() or 1) > torch.get_num_threads())
 
     def start(self, seq: Sequence, prefix_cache=None) -> None:
         """Prefill everything but the last token (the first verify pass runs it)."""
@@ -117,7 +121,10 @@ class Decoder:
         for i, d in forced.items():
             drafts[i] = d
         masks = self._constrain(seqs, drafts, alive, fail)
-        verdicts, pass_s = self._verify(seqs, drafts, alive, fail, masks)
+        try:
+            verdicts, pass_s = self._verify(seqs, drafts, alive, fail, masks)
+        finally:
+            self.masks.wait()  # no grammar is touched while its masks are computed
         rows = sum(len(drafts[i]) + 1 for i in alive) or 1
         share = {i: pass_s * (len(drafts[i]) + 1) / rows for i in alive}  # each sequence's share of the passes
         done = []
@@ -160,26 +167,30 @@ class Decoder:
                 out[i] = Draft(tokens=torch.tensor(toks, dtype=torch.long))
         return out
 
-    def _constrain(self, seqs, drafts, alive, fail) -> dict[int, torch.Tensor]:
-        """Each constrained sequence's draft walked through its grammar (``Constraint.plan``): the
-        draft cut where the grammar forbids it, and the mask of every row of its pass."""
-        masks = {}
+    def _constrain(self, seqs, drafts, alive, fail) -> dict:
+        """Each constrained sequence's draft walked through its grammar: a chain cut now where the
+        grammar forbids it (``Constraint.cut``) and the mask of every row of its pass computed
+        while the pass runs where a core is free for it (``PassMasks``); a tree's nodes and masks
+        now (``Constraint.plan_tree``)."""
+        jobs = {}
         for i in list(alive):
             s, d = seqs[i], drafts[i]
             if s.constraint is None:
                 continue
+            toks = d.tokens.tolist()
             try:
                 if d.parents is None:
                     sampled_q = d.q is not None and not s.params.greedy and not isinstance(s.generator, SeededNoise)
-                    keep, masks[i] = s.constraint.plan(d.tokens.tolist(), sampled_q)
+                    keep, walked = s.constraint.cut(toks, sampled_q)
                     drafts[i] = clip_draft(d, keep)
+                    jobs[i] = (s.constraint, toks[:walked], keep + 1)
                 else:
-                    keep, masks[i] = s.constraint.plan_tree(d.tokens.tolist(), d.parents.tolist())
+                    keep, jobs[i] = s.constraint.plan_tree(toks, d.parents.tolist())
                     drafts[i] = tree_nodes(d, keep)
             except Exception as e:  # noqa: BLE001 - this sequence only
                 fail(s, e)
                 alive.remove(i)
-        return masks
+        return self.masks.start(jobs)
 
     def _draft(self, seqs, alive, fail):
         """Every sequence's draft; ``rounds[i]``: for a tree-or-chain drafter, ("tree" or "chain",
@@ -278,7 +289,8 @@ class Decoder:
             if i in alive:
                 drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else len(d))
         drafted = [i for i, _ in planned if i in alive]
-        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(secs[i] - reading[i] for i in drafted))
+        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(secs[i] - reading[i] for i in drafted),
+                          apart=True)
 
     def _propose_batch(self, seqs, together, secs) -> dict[int, Draft] | None:
         """The drafts of ``together`` [(sequence, k)], every draft model step one batched pass;

@@ -34,9 +34,16 @@ def ema(old: float | None, new: float, weight: float = 0.2) -> float:
 
 def bounded_ema(old: float | None, new: float) -> float:
     """``ema`` with the sample counted at most twice (at least half) the current average: one
-    outlier (a page fault, another process, a head catching up on a long prompt) moves it by a
-    fifth at most."""
-    return ema(old, new if old is None else min(max(new, 0.5 * old), 2.0 * old))
+    outlier (a page fault, another process, a head catching up on a long prompt) moves it up by a
+    fifth at most. A sample below the average weighs half: what makes a sample stray is nearly
+    always something slowing the machine, so a low one is its speed coming back, and an average
+    left high by a slow spell must come down within a few samples, for a cost the policy thinks
+    too high stops the very drafting that would measure it again."""
+    if old is None:
+        return new
+    if new < old:
+        return ema(old, max(new, 0.5 * old), 0.5)
+    return ema(old, min(new, 2.0 * old))
 
 
 def chain_yield(conf: list[float]) -> list[float]:
@@ -188,8 +195,11 @@ class DraftLength:
         else:
             pts[rows] = bounded_ema(pts.get(rows), seconds)
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
-        if tokens and not self._probed:
+    def observe_draft(self, tokens: int, seconds: float, apart: bool = False) -> None:
+        """Seconds spent drafting ``tokens`` tokens. A probe's time counts only where it holds
+        drafting alone (``apart``: a draft model's reading of what it had not read is timed apart);
+        elsewhere it includes a catch-up on every position since the last round."""
+        if tokens and (apart or not self._probed):
             self.draft_cost = bounded_ema(self.draft_cost, seconds / tokens)
 
     def observe(self, bucket, drafted: int, accepted: int) -> None:
@@ -300,7 +310,7 @@ class DraftLength:
             return min(len(chain_conf), self.fixed)
         if self.cost(1) is None or self.draft_cost is None:
             return len(chain_conf[: self.k_max])
-        m = self.cut(chain_conf[: self.k_max])
+        m = self._cut(chain_conf[: self.k_max])
         chain_rate = chain_yield(chain_conf[:m])[m] / self.seq_cost(m + 1)
         gain = chain_yield(model_conf[: self.k_max])
         model_rate = max(gain[j] / (j * self.draft_cost + self.seq_cost(j + 1)) for j in range(1, len(gain))) \
@@ -308,13 +318,20 @@ class DraftLength:
         return m if m and chain_rate >= model_rate else None
 
     def cut(self, conf: list[float]) -> int:
-        """How many tokens of a costly drafter's chain (confidences ``conf``) to verify, its
-        drafting already paid for: the prefix with the most tokens per second of verifying."""
+        """How many tokens of a costly drafter's draft (confidences ``conf``) to verify, its
+        drafting already paid for: the prefix with the most tokens per second of verifying. Where
+        the plan it was drafted for was a probe, at least one: a probe is there to measure again
+        what the estimates say, the pass's cost as much as the acceptance, and a draft cut to
+        nothing on costs left high by a slow spell would never measure them."""
+        return self._cut(conf, 1 if self._probed else 0)
+
+    def _cut(self, conf: list[float], at_least: int = 0) -> int:
         if self.fixed is not None or self.cost(1) is None:
             return len(conf)
         gain = chain_yield(conf)
         # verifying none of it must be beaten by ``margin``, as a plan's drafts must be
-        return max(range(len(gain)), key=lambda m: (gain[m] / self.seq_cost(m + 1) * (1 + self.margin if m == 0 else 1), -m))
+        best = max(range(len(gain)), key=lambda m: (gain[m] / self.seq_cost(m + 1) * (1 + self.margin if m == 0 else 1), -m))
+        return max(best, min(at_least, len(conf)))
 
     def _probe(self, available: list[int], buckets: list, confs: list, ks: list[int], backoff: bool = False
                ) -> list[int]:

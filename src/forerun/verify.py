@@ -16,6 +16,7 @@ batched pass. How the backend answers depends only on what it declares it can do
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -66,8 +67,9 @@ class Check:
     root: int
     params: SamplingParams
     generator: torch.Generator | None = None
-    # structured output: the tokens a grammar allows at each row of the pass [rows, vocab] (None: all)
-    masks: torch.Tensor | None = None
+    # structured output: the tokens a grammar allows at each row of the pass [rows, vocab], or a
+    # call that gives them once the pass is done (computed meanwhile); None: every token
+    masks: torch.Tensor | Callable[[], torch.Tensor] | None = None
 
     @property
     def greedy_pass(self) -> bool:
@@ -113,12 +115,12 @@ def _verify_one(c: Check, layers: tuple) -> Verdict:
 
 
 def judge(draft: Draft, out, params: SamplingParams, generator=None, root: int = 0,
-          masks: torch.Tensor | None = None) -> Verdict:
+          masks: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> Verdict:
     """The verdict on ``draft`` from one pass's outputs over its rows (the LM head ran on all of
     them; row 0 at position ``root``). ``masks``: the tokens a grammar allows at each row; the
     rest get no probability (and are never an argmax) before acceptance."""
     if masks is not None:
-        out = masked(out, masks)
+        out = masked(out, masks() if callable(masks) else masks)
     rows, tokens, n = accept(draft, out, params, generator, root)
     return Verdict(tokens, n, rows, out.layers, len(draft) + 1, 1)
 
