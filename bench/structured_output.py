@@ -3,7 +3,8 @@
 each problem's people, quantities and question pulled out under one schema), decoded greedily
 with and without the schema, plain and with each drafter, in one process.
 
-    python bench/structured_output.py [--model smollm2] [--docs 30] [--methods none,ngram,suffix] [--out FILE.md]
+    python bench/structured_output.py [--model smollm2] [--docs 30] [--methods none,ngram,suffix]
+                                      [--modes free,schema] [--threads N] [--out FILE.md]
     python bench/structured_output.py --write-prompts   rebuilds bench/data/extraction*.json* from GSM8K
 
 Reports, per method and mode: decode tokens/s, the speed against plain decoding in the same mode,
