@@ -2,18 +2,16 @@
 
 import pytest
 import torch
+from test_engine import PROMPTS
+from test_heads import _sequences
 
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
+from forerun.drafters.head_training import TrainConfig, Trainer
 from forerun.drafters.heads import load_head
 from forerun.engine import Engine
 from forerun.errors import ForerunError
-from forerun.sampling import SamplingParams
 from forerun.training.evaluate import replay_generation
-from forerun.drafters.head_training import TrainConfig, Trainer
-
-from test_engine import PROMPTS
-from test_heads import _sequences
 
 FAST = {"lr": 1e-2, "every": 1, "guard_rounds": 8, "window": 24, "batch": 3}
 
@@ -137,7 +135,7 @@ def test_sampling_distribution_while_adapting(tmp_path):
     """Every position of sampled continuations (K-token drafts, K + 2 tokens) follows the target's
     own distribution while the head is being updated, on a target with spread-out distributions
     (``spread.py``)."""
-    from spread import K, NEW, PROMPT, check, sample, spread_target
+    from spread import NEW, PROMPT, K, check, sample, spread_target
 
     lm = spread_target()
     be = lm.backend

@@ -7,10 +7,10 @@ alone (ngram, layerskip, trained heads in chains and trees, batching)."""
 
 import pytest
 import torch
-
 from conftest import VOCAB, run_batch, wrap
-from forerun.engine import Engine
 from test_engine import PROMPTS
+
+from forerun.engine import Engine
 
 
 def _cfg(cls, **kw):
@@ -114,9 +114,10 @@ def test_speculation_is_lossless(arch_model, method):
 def test_trained_heads_chains_trees_and_batches(arch_model, tmp_path):
     """An EAGLE head and Medusa heads trained on the tiny target: chains, trees (with the lookup
     branch) and batched serving all give plain greedy output."""
+    from test_heads import _train
+
     from forerun.batching import BatchEngine, BatchRequest
     from forerun.drafters import make_drafter
-    from test_heads import _train
 
     arch, _, lm = arch_model
     for kind in ("eagle", "medusa"):

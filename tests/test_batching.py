@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-
-from forerun.errors import ForerunError
-
 from conftest import run_batch
+
 from forerun.batching import BatchEngine, BatchRequest, QueueFull
 from forerun.draft_length import DraftLength
 from forerun.drafters.ngram import NgramDrafter
 from forerun.engine import Engine
+from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
-
-import pytest
 
 
 def _prompts(n, vocab=96, seed=0):
@@ -380,11 +378,11 @@ def test_tree_drafters_verify_trees_in_the_batch_engine(gemma, integer):
     """Token trees in the batch engine (the server's): several sequences, each with its own tree,
     in one batched pass; greedy output equals plain decoding, on the float path and the integer
     path. A tree drafter on a backend without trees is refused up front."""
-    from forerun.drafters import make_drafter
-
     from conftest import wrap
     from test_architectures import _build
     from test_integer_path import integer_model
+
+    from forerun.drafters import make_drafter
 
     # a tiny model whose greedy text varies (a cache left holding a rejected branch changes it)
     lm = integer_model("qwen3")[1] if integer else wrap(_build("qwen3"), name="tiny-qwen3")

@@ -77,7 +77,6 @@ def test_row_order_is_found_and_other_weights_are_refused():
 @pytest.mark.parametrize("name", ["smollm2", "bundled"])
 def test_real_models_run_every_layer_from_blocks_with_identical_outputs(name, request):
     from forerun.backends.native import NativeBackend
-
     from forerun.models import bundled_gguf_path, smollm2_gguf_path
 
     lm = request.getfixturevalue(name)

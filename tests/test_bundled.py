@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import batch_of_16_equals_plain, spec_bench_prompts
+
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.errors import ForerunError

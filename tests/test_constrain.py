@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from conftest import VOCAB, run_batch
 
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.constrain import Grammar
@@ -17,8 +18,6 @@ from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
-
-from conftest import VOCAB, run_batch
 
 pytest.importorskip("llguidance")
 
@@ -304,9 +303,7 @@ def test_sampling_with_a_grammar_has_the_masked_distribution(spread, copy_model,
     draft model draws from its unmasked q (so it drafts tokens the grammar forbids, which must be
     rejected and the residual drawn from the masked target), and the counts follow the masked
     target's exact marginals and joint."""
-    from spread import K, NEW, PROMPT, SETTINGS, check, sample
-
-    from spread import exact
+    from spread import NEW, PROMPT, SETTINGS, K, check, exact, sample
 
     g = bound(Grammar.regex(SPREAD_REGEX), table)
     want = masked_exact(spread, g, setting)
@@ -339,9 +336,10 @@ TEXT = "Extract the person as JSON: Maria Lopez is 34 years old and lives in Mad
 @pytest.fixture(scope="module")
 def smol_live(smollm2):
     pytest.importorskip("fastapi")
-    from forerun.server.run import build_service
     from serving import setup_for
     from test_server import Live
+
+    from forerun.server.run import build_service
 
     srv = Live(build_service(setup_for(smollm2, "suffix"), name="smol", max_batch=4, max_tokens=100))
     yield srv

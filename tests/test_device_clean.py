@@ -7,13 +7,13 @@ operation that mixes it with a real one, or reads it, fails loudly."""
 
 import pytest
 import torch
+from conftest import run_batch, tiny_gemma, wrap
+from test_heads import _train
 
-from conftest import run_batch, wrap, tiny_gemma
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.sampling import SamplingParams
-from test_heads import _train
 
 PROMPT = [2, 5, 6, 7, 8, 5, 6, 7, 9, 10, 11, 5, 6, 7]
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, run_batch
+from spread import NEW, PROMPT, SETTINGS, K, N, bound, check, entropy, exact, sample, tv
 
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.sampling import SamplingParams, logits_to_probs
-
-from conftest import VOCAB, run_batch
-from spread import K, N, NEW, PROMPT, SETTINGS, bound, check, entropy, exact, sample, tv
 
 
 def test_the_target_is_spread_and_every_setting_matters(spread):

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import tiny_gemma, wrap
+
 from forerun.drafters import make_drafter
 from forerun.drafters.ngram import lookup
 from forerun.engine import Engine
@@ -133,6 +133,7 @@ def test_a_draft_vocabulary_is_lossless_greedy_and_chosen_once(tmp_path, monkeyp
     standard library sample's most frequent, then the lowest ids), its head cut to them; greedy
     output equals plain decoding; the choice is kept per tokenizer and size."""
     from conftest import tiny_gemma, wrap
+
     from forerun.drafters import make_drafter
     from forerun.drafters.draft_vocab import auto_draft_tokens, draft_vocabulary
     from forerun.errors import ForerunError
@@ -211,10 +212,10 @@ def test_a_draft_model_with_a_lookup_chain_is_lossless_and_uses_both(gemma, gemm
     policy verifies the chain alone where it promises more (the model then drafts nothing and
     reads those tokens later) and the model's draft elsewhere. Greedy output equals plain
     decoding, alone and in a batch, and both kinds of round happen on a repetitive prompt."""
+    from conftest import run_batch
+
     from forerun.batching import BatchEngine, BatchRequest
     from forerun.drafters.draft_model import DraftModelDrafter
-
-    from conftest import run_batch
 
     rounds = []
 

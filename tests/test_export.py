@@ -9,18 +9,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_llama, wrap
+from test_engine import PROMPTS
+from test_heads import _train
+
 from forerun.drafters import make_drafter
+from forerun.drafters.head_training import TrainConfig, Trainer
 from forerun.drafters.heads import eagle3_feature_layers, load_head
 from forerun.engine import Engine
 from forerun.errors import ForerunError
-from forerun.training.export import (SPECULATORS_REQUIRED, check_speculators_config, export_head, export_tensors,
-                                     refusal)
-from forerun.drafters.head_training import TrainConfig, Trainer
-
-from test_engine import PROMPTS
-from test_heads import _train
+from forerun.training.export import SPECULATORS_REQUIRED, check_speculators_config, export_head, export_tensors, refusal
 
 LAYERS = 8  # enough for EAGLE-3's three feature layers (outputs of 1, 3 and 4)
 

@@ -5,12 +5,12 @@ rows) and the key-span boundary (256 positions); the function itself is the mode
 
 import pytest
 import torch
-
 from conftest import TEST_DEVICE, run_batch, word_tokenizer
+from test_architectures import ARCHS, _build
+
 from forerun.backends.fixed_rows import ROW_BUCKET, key_span
 from forerun.backends.greedy_head import ExactFloatArgmax
 from forerun.backends.native import NativeBackend
-from test_architectures import ARCHS, _build
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -151,10 +151,11 @@ def tie_heads(tmp_path_factory):
     target's own greedy continuations of the test's prompts: they draft what the target says, so
     the tree passes keep drafts."""
     from conftest import tiny_llama
+    from test_heads import _train
+
     from forerun.engine import Engine
     from forerun.models import wrap_model
     from forerun.training.data import Sequence
-    from test_heads import _train
 
     made = {}
 

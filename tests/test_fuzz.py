@@ -12,14 +12,17 @@ pytest.importorskip("fastapi")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
-    content_type_conformance, negative_data_rejection, response_schema_conformance, status_code_conformance)
-
 from schemathesis.generation import GenerationMode  # noqa: E402
-
-from forerun.server.run import build_service  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from serving import setup_for  # noqa: E402
 from test_server import Live  # noqa: E402
+
+from forerun.server.run import build_service  # noqa: E402
 
 # Cases per operation: a bounded number in the suite; FORERUN_FUZZ_CASES=2000 for the long run (docs/server.md).
 CASES = int(os.environ.get("FORERUN_FUZZ_CASES", "40"))

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-
 from tiny_gguf import VOCAB, write_tiny_gguf
 
 CASES = [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", True), ("gemma3", True)]
@@ -159,8 +158,8 @@ def test_real_models_are_read_from_their_files_with_the_conversions_numbers(name
     ids = torch.tensor(lm.tokenizer("Write a short poem about the sea, then explain its rhyme.").input_ids)
     a, b = lean.fork(), full.fork()
     assert torch.equal(a.forward(ids, 0).logits, b.forward(ids, 0).logits)
+    t = ids[-1:]
     for i in range(3):
-        t = ids[-1:] if i == 0 else t
         x, y = a.forward(t, len(ids) + i).logits, b.forward(t, len(ids) + i).logits
         assert torch.equal(x, y)
         t = x[-1].argmax().view(1)

@@ -5,18 +5,17 @@ import random
 
 import pytest
 import torch
-
 from conftest import tiny_gemma, wrap
+from test_engine import PROMPTS
+
 from forerun.drafters import make_drafter
+from forerun.drafters.head_training import TrainConfig, Trainer, extract_features
 from forerun.drafters.heads import load_head, target_fingerprint
 from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 from forerun.training.data import Sequence
-from forerun.drafters.head_training import TrainConfig, Trainer, extract_features
-
-from test_engine import PROMPTS
 
 
 def _sequences(n=48, length=32, seed=0):
@@ -292,7 +291,7 @@ def test_greedy_equality(heads, gemma, kind, k, tree, lookup):
 def test_sampling_distribution(spread, kind, tree, lookup, setting, tmp_path):
     """Every position of a sampled continuation (drafts of K tokens, K + 2 new tokens) follows
     the target's own distribution, on a target with spread-out distributions (``spread.py``)."""
-    from spread import K, NEW, PROMPT, SETTINGS, check, sample
+    from spread import NEW, PROMPT, SETTINGS, K, check, sample
 
     params = SamplingParams(**SETTINGS[setting])
     head, _ = _train(spread, kind, tmp_path / "work", seqs=_target_samples(spread, PROMPT, params))
@@ -318,6 +317,7 @@ def test_sampling_distribution(spread, kind, tree, lookup, setting, tmp_path):
 def test_two_stage_prompts_embed_the_targets_own_passages(tmp_path):
     """Stage 1 answers are kept as data; each stage-2 prompt carries the stage-1 answer it builds on."""
     from conftest import tiny_gemma
+
     from forerun.training.data import two_stage_prompts
     from forerun.training.seeds import passage_writer_prompts, stage_two
 
@@ -614,9 +614,8 @@ def test_head_commands_refuse_a_backend_without_hidden_states():
     a backend that cannot hand out hidden states, before anything runs."""
     from types import SimpleNamespace
 
-    from forerun.drafters import load_head_drafter, require_hidden_states
-
     from forerun.backends.base import Capabilities
+    from forerun.drafters import load_head_drafter, require_hidden_states
 
     blind = SimpleNamespace(backend=SimpleNamespace(capabilities=Capabilities()))
     for what in ("train-draft", "eval-draft", "export-draft"):
@@ -634,8 +633,8 @@ def test_int8_head_layers_track_float_and_fall_back():
     another width keeps its float layers."""
     import torch.nn as nn
 
-    from forerun.backends.qweights import qrows_lib
     from forerun.backends.head_kernels import Q8Linear
+    from forerun.backends.qweights import qrows_lib
     from forerun.drafters.heads import HeadConfig, build_head
 
     if qrows_lib() is None:
@@ -698,10 +697,10 @@ def test_seeded_text_through_heads_equals_plain_decoding(gemma, heads, kind):
     the server (three times, then inside 16 concurrent mixed requests): plain decoding's text."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from forerun.server.run import build_service
-
     from serving import setup_for
     from test_server import Live
+
+    from forerun.server.run import build_service
 
     params = SamplingParams(temperature=1.2, top_k=30, seed=5)
     prompt = [2, 7, 8, 9, 7, 8]

@@ -8,16 +8,16 @@ several sequences in one batched pass); greedy speculation equal to plain decodi
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_batch, wrap
+from test_architectures import ARCHS, _build
+from test_engine import PROMPTS
+from test_qrows import quantize_reference
+
 from forerun.backends.block_weights import Codes
 from forerun.backends.qweights import qrows_lib
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.gguf_file import Q4_0, Q4_1, Q5_0, Q6_K, Q8_0
-from test_architectures import ARCHS, _build
-from test_engine import PROMPTS
-from test_qrows import quantize_reference
 
 pytestmark = pytest.mark.skipif(qrows_lib() is None, reason="the integer kernels need a C compiler")
 
@@ -205,8 +205,9 @@ def test_every_build_computes_the_same_bits(arch, monkeypatch):
     """Whole passes (activation quantization, products, norms, rotation, attention with blocks of 8
     keys and a tail, the gated activation) give the same bits with the portable, AVX2 and (emulated)
     VNNI builds of qrows.c: each build's vector code keeps the plain loops' float operations."""
-    from forerun.backends.ckernels import use_build
     from test_qrows import builds
+
+    from forerun.backends.ckernels import use_build
 
     _, lm = integer_model(arch)
     be = lm.backend

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_batch, spec_bench_prompts
+
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.errors import ForerunError
@@ -149,9 +149,8 @@ def test_plain_decoding_equals_llamacpp_sampler(lc):
 
 
 def test_draft_model_on_llamacpp(lc):
-    from forerun.models import load_model
-
     from forerun.backends.llamacpp import LlamaCppBackend
+    from forerun.models import load_model
 
     draft = load_model("bundled", backend="llama.cpp", threads=2)  # its own context; same weights file
     ids = lc.tokenizer("Name three planets:").input_ids

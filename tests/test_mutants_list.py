@@ -4,9 +4,9 @@ once in the package, so a refactor that moves the code shows here, not at the ne
 from pathlib import Path
 
 import pytest
+from mutants import MUTANTS
 
 import forerun
-from mutants import MUTANTS
 
 SRC = Path(forerun.__file__).parent
 

@@ -1,5 +1,4 @@
 import torch
-
 from conftest import tiny_gemma, wrap
 
 
@@ -36,11 +35,11 @@ def test_incremental_equals_full_and_rollback():
 def test_hf_backend_rollback():
     """transformers' own module behind ``HFBackend``: rolling back by one position and by several,
     then writing other tokens, leaves no stale position in its cache."""
+    from conftest import tiny_llama
+
     from forerun.backends.hf import HFBackend
     from forerun.drafters import make_drafter
     from forerun.engine import Engine
-
-    from conftest import tiny_llama
 
     lm = wrap(tiny_llama(0), backend="hf")
     be = lm.backend
@@ -65,9 +64,9 @@ def test_hf_backend_rollback():
     assert res.token_ids == plain
     assert res.stats.drafted > res.stats.accepted > 0  # accepted drafts and rejected ones (rollbacks)
     # and in the batch engine (one sequence after another on this backend), two requests at once
-    from forerun.batching import BatchEngine, BatchRequest
-
     from conftest import run_batch
+
+    from forerun.batching import BatchEngine, BatchRequest
 
     eng = BatchEngine(be, lm.eos_token_ids, drafter=make_drafter("ngram", lm), max_batch=2)
     eng.policy.costs["pass"] = {r: 1.0 for r in range(1, 80)}  # drafts look free: every step drafts
@@ -121,7 +120,7 @@ def test_q8_head_products_match_exact_products(each_build):
     the kernel's row tiles and that do not; its top two are the two largest of those logits."""
     import pytest
 
-    from forerun.backends.greedy_head import Q8Head, _U32, q8_0_blocks, quantize_q8_0
+    from forerun.backends.greedy_head import _U32, Q8Head, q8_0_blocks, quantize_q8_0
 
     g = torch.Generator().manual_seed(5)
     V, D = 1003, 96  # V: not a multiple of 8

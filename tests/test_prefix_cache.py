@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_batch
 
 import forerun.prefix_cache as pc
-from conftest import run_batch
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters.ngram import NgramDrafter
 from forerun.engine import Engine

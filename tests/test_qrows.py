@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.backends.block_weights import unpack
 from forerun.backends import ckernels
+from forerun.backends.block_weights import unpack
 from forerun.backends.qweights import S8, U4, U5, U6, QLinear, QPart, qrows_lib
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 

@@ -1,11 +1,12 @@
 """The real draft-target pair: Qwen2.5-Coder-0.5B-Instruct drafting for -1.5B-Instruct (Q4_K_M, the
 torch backend's integer path). Greedy and seeded output of every method (the draft model alone
-and with a suffix chain beside it, suffix) equal plain decoding's, alone and in the batch engine. Runs where the pair is kept (``forerun models pull
-qwen2.5-coder-1.5b qwen2.5-coder-0.5b``, 1.6 GB); skips, naming that command, where it is not."""
+and with a suffix chain beside it, suffix) equal plain decoding's, alone and in the batch engine.
+Runs where the pair is kept (``forerun models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b``, 1.6 GB);
+skips, naming that command, where it is not."""
 
 import pytest
-
 from conftest import run_batch
+
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
 from forerun.engine import Engine

@@ -7,14 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import run_batch
+from spread import bound, tv
 
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
 from forerun.sampling import SamplingParams, SeededNoise, _mix
-
-from conftest import run_batch
-from spread import bound, tv
 
 PROMPT = [2, 7, 8, 7, 8, 7, 8, 9, 7, 8]
 PARAMS = SamplingParams(temperature=0.9, top_k=20, seed=1234)
@@ -117,10 +116,10 @@ def test_server_seeded_requests_repeat_for_every_method(spread, copy_model, meth
     """Through the server: the same seeded request three times, then inside 16 concurrent mixed
     requests, gives plain decoding's text every time."""
     pytest.importorskip("fastapi")
-    from forerun.server.run import build_service
-
     from serving import setup_for
     from test_server import Live
+
+    from forerun.server.run import build_service
 
     tree = {"tree_nodes": 8} if method.endswith("-tree") else {}
     kw = {"skip_layers": "1"} if method == "layerskip" else {}

@@ -15,9 +15,10 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from serving import setup_for  # noqa: E402
+
 from forerun.engine import Engine  # noqa: E402
 from forerun.server.run import build_service  # noqa: E402
-from serving import setup_for  # noqa: E402
 
 
 class Live:
@@ -644,7 +645,7 @@ def test_connection_limits(gemma):
             try:
                 slow.sendall(bytes([ch]))
                 got += slow.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except (BrokenPipeError, ConnectionResetError):
                 break
@@ -705,9 +706,8 @@ def test_served_sampling_follows_the_target():
     """Sampled completions through HTTP, 8 at a time (batched passes, n-gram drafts), follow the
     target's own distribution at the first two positions on a target with spread-out
     distributions (``spread.py``); the settings in the request reach the sampler."""
-    from spread import PROMPT, SETTINGS, bound, exact, spread_target, tv
-
     from conftest import VOCAB
+    from spread import PROMPT, SETTINGS, bound, exact, spread_target, tv
 
     lm = spread_target()
     srv = Live(build_service(setup_for(lm, "ngram"), name="tiny", max_batch=8, calibrate=False))

@@ -106,9 +106,10 @@ def test_cli_generate_chats_by_default(capsys):
 def test_openai_client_chat_on_smollm2(smollm2):
     """The official client's chat.completions.create, plain and streaming, against the real template."""
     pytest.importorskip("openai")
-    from forerun.server.run import build_service
     from serving import setup_for
     from test_server import Live
+
+    from forerun.server.run import build_service
 
     srv = Live(build_service(setup_for(smollm2, "ngram"), max_batch=2, max_tokens=64))
     try:
@@ -131,9 +132,8 @@ def test_bench_auto_backend_per_method(tmp_path, capsys, monkeypatch):
     bench, each compared with plain decoding on its own backend; the report says which backend ran
     each method."""
     pytest.importorskip("llama_cpp")
-    import forerun.models as models
-
     import forerun.kept as kept
+    import forerun.models as models
     from forerun.backend_timing import faster, kept_timing
 
     monkeypatch.setattr(kept, "BUSY", float("inf"))  # one measurement for the whole test, however busy
@@ -149,6 +149,7 @@ def test_bench_auto_backend_per_method(tmp_path, capsys, monkeypatch):
     assert models.method_backend("eagle", "smollm2") == "torch"
     monkeypatch.setattr(models, "integer_ready", lambda path: False)
     from conftest import spec_bench_prompts  # noqa: F401  (skips without the prompts)
+
     from forerun.cli import main
 
     prompts = tmp_path / "p.jsonl"
@@ -295,6 +296,7 @@ def test_bench_takes_llama_bench_decode_runs_between_the_prompts(tmp_path):
     methods, in a rotating place; the report compares decode rates with those runs' rate (total
     tokens over total time). A stand-in llama-bench logs its calls and answers from a list."""
     from conftest import _need_smollm2
+
     from forerun.cli import main
 
     _need_smollm2()

@@ -11,7 +11,6 @@ from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 
-
 # -- brute-force reference -----------------------------------------------------------------------
 
 def ref_occurrences(ctx, history, max_match, own=True):

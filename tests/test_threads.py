@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
+from test_integer_path import integer_model
 
 from forerun.backends.ckernels import _openmp_runtime, release_threads
 from forerun.batching import BatchEngine, BatchRequest
 from forerun.engine import Engine
-from test_integer_path import integer_model
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task") or _openmp_runtime() is None,
                                 reason="counts the process's threads through /proc; needs libgomp")

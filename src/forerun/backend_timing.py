@@ -85,6 +85,6 @@ def kept_timing(path: str | Path, threads: int | None = None) -> dict | None:
     was taken (None: nothing kept), for reports."""
     try:
         rec = kept.read("backend-timing", _key(Path(path), threads or torch.get_num_threads()))
-    except Exception:  # nothing kept, or the file cannot be read: the report says nothing
+    except Exception:  # noqa: BLE001 - nothing kept, or the file cannot be read: the report says nothing
         return None
     return None if rec is None else {**rec["value"], "measured": rec["measured"], "load_per_core": rec["load_per_core"]}

@@ -19,8 +19,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -64,7 +64,7 @@ class BatchRequest:
     t_submit: float = field(default_factory=time.perf_counter)
     # engine-side state
     cancelled: bool = False
-    slot: "_Slot | None" = None
+    slot: _Slot | None = None
     seq: Sequence | None = None  # the decode state while it runs
 
     @property

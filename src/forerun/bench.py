@@ -108,7 +108,8 @@ def verify_cost_ratios(backend, context: int = 200, ks=range(1, 9), reps: int = 
     seqs = [(c, torch.tensor(t)) for t in (texts or ()) if (c := min(context, len(t) - widest - 1)) >= 16][:max_texts]
     n_texts = len(seqs)
     if not seqs:  # no text long enough: random tokens
-        seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=torch.Generator().manual_seed(0)))]
+        g = torch.Generator().manual_seed(0)
+        seqs = [(context, torch.randint(10, min(backend.vocab_size, 20000), (context + widest + 1,), generator=g))]
     fn = backend.argmax_forward if backend.capabilities.exact_argmax else backend.forward
     # what is timed: (rows, callable) per key; "step" is the one-token step every ratio divides by
     passes = {"step": (1, fn), **{str(k): (k + 1, fn) for k in ks}}

@@ -153,7 +153,8 @@ def write_markdown(results: dict, path: Path) -> None:
     mc = results["machine"]
     cfg = results["config"]
     lines.append(f"Machine: {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']} ({mc['torch_threads']} threads), "
-                 f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). {_decoding(cfg)}, max_new_tokens={cfg['max_new_tokens']}, "
+                 f"dtype {mc['dtype']}. Model: {cfg['model']}, backend {cfg.get('backend')} ({cfg.get('threads')} threads). "
+                 f"{_decoding(cfg)}, max_new_tokens={cfg['max_new_tokens']}, "
                  f"{k_text(cfg)}, {cfg['prompts']} prompts."
                  + (f" Greedy head: {cfg['greedy_head']}; body kernel: {cfg['body_kernel']}." if "greedy_head" in cfg else ""))
     if "batch_invariant" in cfg:
@@ -181,7 +182,8 @@ def write_markdown(results: dict, path: Path) -> None:
         return "-" if v is None else f"{v:.2f}x"
 
     for name, m in methods.items():
-        lines.append(f"| {name} | {by_method.get(name, 'peer')} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | {x(m.get('speedup_vs_hf'))} | "
+        lines.append(f"| {name} | {by_method.get(name, 'peer')} | {f(m['tokens_per_s'])} | {x(m.get('speedup_vs_none'))} | "
+                     f"{x(m.get('speedup_vs_hf'))} | "
                      f"{x(m.get('speedup_vs_hf_lookup'))} | {x(m.get('speedup_vs_llama_cpp'))} | {f(m.get('decode_tokens_per_s'))} | "
                      f"{x(m.get('decode_speedup_vs_llama_cpp'))} | {f(m['mean_accepted_len'])} | {f(m['acceptance_rate'])} | "
                      f"{m['greedy_equal']}/{m['prompts']} |")
@@ -238,7 +240,8 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {n} | " + " | ".join(f"{t[k]:.1f}" for k in kernels) + f" | {t.get('chosen') or '-'} |")
     pred = {n: m.get("predicted_speedup_vs_none") for n, m in methods.items() if m.get("predicted_speedup_vs_none")}
     if pred:
-        lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |", "|---|---|---|---|"]
+        lines += ["", "| method | measured speedup vs none | predicted (Leviathan, measured costs) | acceptance per position |",
+                  "|---|---|---|---|"]
         tree_rows = [n for n in pred if _is_tree(n)]
         for n, p in pred.items():
             m = methods[n]
@@ -249,7 +252,8 @@ def write_markdown(results: dict, path: Path) -> None:
                           "the measured pass (nodes, head rows and calls above) and the drafting, so it checks the cost side."]
         mixed = [n for n, m in methods.items() if "steps_by_choice" in m]
         if mixed:
-            lines += ["", f"Not predicted: {', '.join(mixed)} (each step verifies a tree, a chain or nothing, so no one draft shape prices it)."]
+            lines += ["", f"Not predicted: {', '.join(mixed)} (each step verifies a tree, a chain or nothing, so no one "
+                          "draft shape prices it)."]
     split = time_split(methods)
     if split:
         lines += ["", "Where the time goes: milliseconds per generated token, prompt passes apart (draft: the "

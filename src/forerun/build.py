@@ -110,12 +110,12 @@ class Options:
             self.draft = default_draft(self.model)
 
     @classmethod
-    def from_args(cls, args, **override) -> "Options":
+    def from_args(cls, args, **override) -> Options:
         """From an argparse namespace: the fields it has (others keep their defaults)."""
         kw = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**(kw | override))
 
-    def check(self) -> "Options":
+    def check(self) -> Options:
         """Everything that can be checked before a model loads; returns itself."""
         check_method(self.method, bool(self.draft))
         check_adapt_args(self.method, self.adapt, self.adapt_save)

@@ -76,13 +76,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="--method draft: also offer a model-free chain every round (ngram: prompt lookup; suffix: the "
                         "suffix drafter's), verified alone where it promises more than the draft model's "
                         "(bench: methods draft+ngram, draft+suffix)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp", "native", "hf"],
-                   help="llama.cpp (GGUF models, quantized CPU kernels) or torch (our native forward for Llama, Mistral, Qwen2/3 and Gemma where "
-                        "supported, else transformers; 'native' and 'hf' force one); auto: torch (its integer path on the "
-                        "file's blocks) for a .gguf model it runs, else llama.cpp for a .gguf model on the CPU when "
-                        "llama-cpp-python is installed, torch otherwise")
+                   help="llama.cpp (GGUF models, quantized CPU kernels) or torch (our native forward for Llama, Mistral, "
+                        "Qwen2/3 and Gemma where supported, else transformers; 'native' and 'hf' force one); auto: torch "
+                        "(its integer path on the file's blocks) for a .gguf model it runs, else llama.cpp for a .gguf "
+                        "model on the CPU when llama-cpp-python is installed, torch otherwise")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's count)")
     p.add_argument("--skip-layers", default=None, help="layerskip: comma-separated layers to skip (default: calibrated set)")
 
@@ -326,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-batch", type=int, default=16)
     lt.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: built-in prompts)")
     lt.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default 1,4,16)")
-    lt.add_argument("--requests", type=int, default=None, help="requests per concurrency level (default: 4 x concurrency, at least 26 = 2 per Spec-Bench category)")
+    lt.add_argument("--requests", type=int, default=None,
+                    help="requests per concurrency level (default: 4 x concurrency, at least 26 = 2 per Spec-Bench category)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
                     help="completions (default): each prompt sent raw to /v1/completions; chat: as one user message to "

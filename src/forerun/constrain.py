@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
 
 import llguidance
 import llguidance.hf
@@ -49,7 +49,7 @@ class Grammar:
     source: str = ""
 
     @staticmethod
-    def json_schema(schema: dict | str) -> "Grammar":
+    def json_schema(schema: dict | str) -> Grammar:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -60,17 +60,17 @@ class Grammar:
         return Grammar("json_schema", json.dumps(schema)).checked()  # key order kept: it is the output's
 
     @staticmethod
-    def json_object() -> "Grammar":
+    def json_object() -> Grammar:
         return Grammar("json_object")
 
     @staticmethod
-    def regex(pattern: str) -> "Grammar":
+    def regex(pattern: str) -> Grammar:
         if not isinstance(pattern, str) or not pattern:
             raise ForerunError("a regex must be a non-empty string")
         return Grammar("regex", pattern).checked()
 
     @staticmethod
-    def lark(text: str) -> "Grammar":
+    def lark(text: str) -> Grammar:
         if not isinstance(text, str) or not text.strip():
             raise ForerunError("a grammar must be a non-empty Lark text")
         return Grammar("lark", text).checked()
@@ -88,7 +88,7 @@ class Grammar:
             return m.grammar_from_lark(self.source)
         raise ForerunError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}")
 
-    def checked(self) -> "Grammar":
+    def checked(self) -> Grammar:
         """This grammar, or a ForerunError saying why llguidance cannot compile it."""
         try:
             text = self.compiled()
@@ -103,7 +103,7 @@ class Grammar:
             raise ForerunError(f"the {what} cannot be compiled: {'; '.join(lines)}")  # one line
         return self
 
-    def bind(self, tokenizer, vocab_size: int, eos_token_ids) -> "TokenGrammar":
+    def bind(self, tokenizer, vocab_size: int, eos_token_ids) -> TokenGrammar:
         """This grammar over one model's tokens (``vocab_size``: its logits' width)."""
         eos = tuple(sorted(int(t) for t in eos_token_ids)) or (int(tokenizer.eos_token_id),)
         return TokenGrammar(self, token_table(tokenizer, vocab_size, eos), vocab_size, eos)
@@ -143,7 +143,7 @@ class TokenGrammar:
         self.text = self.grammar.compiled()
         self.start()  # a grammar the tokenizer cannot serve fails here, before any request runs
 
-    def start(self) -> "Constraint":
+    def start(self) -> Constraint:
         matcher = llguidance.LLMatcher(self.table, self.text)
         if matcher.is_error():
             raise ForerunError(f"the {self.grammar.kind} grammar cannot be used: {matcher.get_error()}")

@@ -17,11 +17,11 @@ of the target's own, 4. its cache keeps the accepted positions only, and its dra
 from __future__ import annotations
 
 import logging
-import os
 import operator
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

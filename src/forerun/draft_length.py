@@ -137,8 +137,9 @@ class DraftLength:
     with more tokens per second for this round's bucket: the tree's measured yield over its
     measured round cost, or the chain cut where it pays, priced by measured rounds without the
     head (``costs["tree"]`` / ``costs["chain"]``: whole rounds as the decode step timed them,
-    drafting, the sequence's share of the pass and of the step's other work). A bucket tries the option it has not been choosing after ``tree_probe_every`` rounds;
-    each such probe that changes nothing doubles that interval (up to ``max_tree_probe_every``).
+    drafting, the sequence's share of the pass and of the step's other work). A bucket tries the
+    option it has not been choosing after ``tree_probe_every`` rounds; each such probe that changes
+    nothing doubles that interval (up to ``max_tree_probe_every``).
     """
 
     def __init__(self, k: int | str = "auto", *, k_max: int = K_MAX, k_start: int = 4, decay: float = 0.9,
@@ -168,7 +169,7 @@ class DraftLength:
         self.tree_probes: dict[object, dict] = {}  # bucket -> probe interval, rounds since the last, choice before it
         self.choices = {"tree": 0, "chain": 0, "none": 0}  # tree-or-chain rounds by what they verified
 
-    def renewed(self, k: int | str) -> "DraftLength":
+    def renewed(self, k: int | str) -> DraftLength:
         """A policy for the next request on the same target: the measured costs and tree yields
         carry over (they belong to the machine, the model and its head); acceptance starts afresh."""
         new = DraftLength(k, k_max=self.auto_k_max, k_start=self.k_start, decay=self.decay,

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from forerun.backends.ckernels import release_threads
 from forerun.decode import Decoder, Sequence, check_request

@@ -62,7 +62,7 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, shape, typ, base + off)
 
     @classmethod
-    def open(cls, path) -> "GGUFFile":
+    def open(cls, path) -> GGUFFile:
         """The parsed file at ``path``, shared by every caller while the file is unchanged (one
         parse of a large vocabulary's metadata takes about a second)."""
         st = os.stat(path)

@@ -244,7 +244,8 @@ def _gguf_folder(path: Path) -> Path:
                 warnings.simplefilter("ignore")
                 tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as e:
-            raise ForerunError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ForerunError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {first}") from e
         check_gguf_tokenizer(tok, path)
         tmp = folder.with_name(folder.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -294,7 +295,7 @@ def integer_ready(path: str | Path) -> bool:
     as fast as llama.cpp's own plain decoding (docs/benchmarks.md)."""
     try:
         g = GGUFFile.open(path)
-    except Exception:  # unreadable or malformed: the loader that follows says what is wrong
+    except Exception:  # noqa: BLE001 - unreadable or malformed: the loader that follows says what is wrong
         return False
     if g.metadata.get("general.architecture") not in _NATIVE_GGUF_ARCHS:
         return False

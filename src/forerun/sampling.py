@@ -40,7 +40,7 @@ class SamplingParams:
         overflow float32 or leave only the top token: decoded greedily."""
         return self.temperature < GREEDY_BELOW
 
-    def generator(self, device: torch.device | str = "cpu") -> "torch.Generator | SeededNoise":
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | SeededNoise:
         """What a sequence draws its randomness from: with a seed, ``SeededNoise`` (every token a
         function of the seed, its position and the target's distribution); else a generator for
         the rejection sampler, seeded from torch's global generator (``torch.manual_seed`` makes

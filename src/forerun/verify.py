@@ -15,8 +15,8 @@ batched pass. How the backend answers depends only on what it declares it can do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 

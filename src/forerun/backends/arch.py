@@ -48,7 +48,7 @@ class Arch:
     window: int | None  # sliding window of the sliding layers
 
     @classmethod
-    def of(cls, cfg) -> "Arch":
+    def of(cls, cfg) -> Arch:
         mt = cfg.model_type
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"native backend does not support model type {mt!r}")

@@ -5,7 +5,7 @@ rows of several sequences of a batched pass in one call."""
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ class RowKeys:
         return torch.tensor([j for r in self.rows for j in r[2]] or [0], dtype=torch.int32, device="cpu")
 
     @classmethod
-    def chain(cls, pos: int, T: int, window: int | None) -> "RowKeys":
+    def chain(cls, pos: int, T: int, window: int | None) -> RowKeys:
         ends = range(pos + 1, pos + T + 1)
         return cls([max(0, e - window) if window else 0 for e in ends], list(ends))
 

@@ -9,8 +9,9 @@ bookkeeping, see ``truncate``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -82,7 +83,7 @@ class Backend(Protocol):
     def reset(self) -> None:
         """Drop the whole cache (a new sequence starts)."""
 
-    def fork(self) -> "Backend":
+    def fork(self) -> Backend:
         """A second backend over the same weights with its own empty cache."""
 
     # What a backend has where its ``capabilities`` say so (each flag names its methods):
@@ -100,7 +101,7 @@ class Backend(Protocol):
     def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
         """``token_trees``: after a tree pass at ``pos``, keep the cache rows of the accepted path."""
 
-    def forward_batch(self, seqs: Sequence["Backend"], feeds: Sequence[torch.Tensor], positions: Sequence[int],
+    def forward_batch(self, seqs: Sequence[Backend], feeds: Sequence[torch.Tensor], positions: Sequence[int],
                       layers: Sequence[int] = (), greedy: Sequence[bool] = (),
                       trees: Sequence[torch.Tensor | None] = ()) -> list:
         """``batched``: one pass over several sequences (forks of this backend); with ``trees``

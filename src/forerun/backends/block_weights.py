@@ -43,11 +43,11 @@ class Codes:
             w = w + self.offset.reshape(rows, g, 1)
         return w.reshape(rows, D)
 
-    def rows(self, order: np.ndarray) -> "Codes":
+    def rows(self, order: np.ndarray) -> Codes:
         """The same weights with their rows in ``order``."""
         return Codes(self.codes[order], self.scale[order], None if self.offset is None else self.offset[order], self.group)
 
-    def regroup(self, group: int) -> "Codes":
+    def regroup(self, group: int) -> Codes:
         """The same weights with scales repeated over smaller groups."""
         if group == self.group:
             return self

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from forerun.backends.arch import add_bias, rotate_half
+from forerun.backends.arch import add_bias
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")

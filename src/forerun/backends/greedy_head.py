@@ -71,7 +71,7 @@ class Q8Head:
         # sum_j |W_vj x_j| <= ||W_v|| ||x|| bounds the rounding of both float32 sums.
         self.w_norm = float((self.d.square().sum(-1).sqrt() * 127.0 * QK ** 0.5).max())
 
-    def embedding_rows(self) -> "Q8Rows":
+    def embedding_rows(self) -> Q8Rows:
         """The same table as token embeddings, dequantized row by row when indexed."""
         return Q8Rows(self.q, self.d)
 
@@ -177,7 +177,8 @@ class ExactFloatArgmax:
 
     W is quantized to Q8_0 once (Wq; a head dequantized from a Q8_0 GGUF file comes back exactly).
     For a row h the kernel gives a = Wq . hq, hq = h in 32-blocks of 8-bit integers (Q8_0,
-    ``quantize_q8_0``); the real logit W_v . h differs from a_v by at most B = max||W_v|| ||h - hq|| + max||W_v - Wq_v|| ||hq|| + the kernel's float32 rounding. Only
+    ``quantize_q8_0``); the real logit W_v . h differs from a_v by at most
+    B = max||W_v|| ||h - hq|| + max||W_v - Wq_v|| ||hq|| + the kernel's float32 rounding. Only
     tokens with a_v >= max(a) - 2B can hold the maximum; their logits are recomputed from W in
     float64 (each product exact, the sum to ~1e-16), and the greedy token is the largest of those
     (ties: the lowest id). The answer depends on h alone, so it is the same for every pass size.

@@ -4,7 +4,7 @@ path, fixed-shape passes), the screened exact head where it is faster, or float3
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -142,7 +142,7 @@ class GreedyTargets:
         passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
         return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
 
-    def _logits(self, h: torch.Tensor, head: "PackedLinear | None" = None, batched: bool = False) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, head: PackedLinear | None = None, batched: bool = False) -> torch.Tensor:
         """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps).
         On a batch-invariant backend a row gets the same bits in a pass of any size, as in the body:
         passes of up to ``INVARIANT_ROWS`` rows, and every ``batched`` pass (several sequences'

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -38,7 +38,7 @@ class HFBackend(BackendBase):
     def reset(self) -> None:
         self._cache, self._len = None, 0
 
-    def fork(self) -> "HFBackend":
+    def fork(self) -> HFBackend:
         return HFBackend(self.model, max_context=self.max_context)
 
     @torch.inference_mode()

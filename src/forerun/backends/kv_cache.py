@@ -4,7 +4,7 @@ pass's accepted rows moved into place, segments copied out and back for shared p
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

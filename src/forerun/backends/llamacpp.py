@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -196,7 +196,7 @@ class LlamaCppModel:
         if ptr:
             try:
                 self.L.llama_model_free(ptr)
-            except Exception:
+            except Exception:  # noqa: BLE001 - freeing at teardown: the library may be half unloaded already
                 pass
 
 
@@ -331,7 +331,7 @@ class _Context:
             try:
                 self.L.llama_batch_free(self.batch)
                 self.L.llama_free(ptr)
-            except Exception:
+            except Exception:  # noqa: BLE001 - freeing at teardown: the library may be half unloaded already
                 pass
 
 
@@ -388,7 +388,7 @@ class LlamaCppBackend(BackendBase):
         self.ctx.clear()
         self._len = 0
 
-    def fork(self) -> "LlamaCppBackend":
+    def fork(self) -> LlamaCppBackend:
         return LlamaCppBackend(self.model, max_context=self.max_context, threads=self.threads, fast_greedy=self.fast_greedy)
 
     def set_threads(self, threads: int) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ _initialised = False
 def available() -> bool:
     try:
         import llama_cpp  # noqa: F401 - optional (the llamacpp extra): asked, never required
-    except Exception:
+    except Exception:  # noqa: BLE001 - not installed, or its shared library fails to load
         return False
     return True
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -151,11 +151,11 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         return rms_norm(x, weight, self.eps, self.arch.gemma_norms)
 
 
-    def fork(self) -> "NativeBackend":
+    def fork(self) -> NativeBackend:
         self.exact_head()  # decided once, so that every twin takes greedy tokens the same way
         return self._twin()
 
-    def _twin(self) -> "NativeBackend":
+    def _twin(self) -> NativeBackend:
         twin = object.__new__(NativeBackend)
         twin.__dict__.update(self.__dict__)
         twin._cap, twin._len, twin.k_cache, twin.v_cache, twin._graphs = 0, 0, None, None, {}
@@ -201,7 +201,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         skip_layers: Sequence[int] = (),
         return_hidden: bool = False,
         last_only: bool = False,
-        head: "PackedLinear | None" = None,
+        head: PackedLinear | None = None,
         layers: Sequence[int] = (),
         logits: bool = True,
         tree: torch.Tensor | None = None,
@@ -363,10 +363,10 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         return outs
 
     @torch.inference_mode()
-    def forward_batch(self, seqs: Sequence["NativeBackend"], feeds: Sequence[torch.Tensor],
+    def forward_batch(self, seqs: Sequence[NativeBackend], feeds: Sequence[torch.Tensor],
                       positions: Sequence[int], layers: Sequence[int] = (),
                       greedy: Sequence[bool] = (), trees: Sequence[torch.Tensor | None] = (),
-                      head: "PackedLinear | None" = None, last_only: bool = False) -> list:
+                      head: PackedLinear | None = None, last_only: bool = False) -> list:
         """One pass over several sequences: ``feeds[i]`` runs at ``positions[i]`` on ``seqs[i]``'s
         cache (forks of this backend); where ``trees[i]`` is given, its rows 1.. are a token tree
         with those parents (as ``forward(tree=)``). Returns each sequence's logits [T_i, vocab]

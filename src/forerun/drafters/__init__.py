@@ -216,7 +216,8 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "MAX_TREE_NODES", "TREE_METHODS", "LOOKUP_SOURCES", "make_drafter", "check_method", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "MAX_TREE_NODES", "TREE_METHODS", "LOOKUP_SOURCES", "make_drafter",
+           "check_method", "check_vocab", "parse_skip_layers"]
 
 
 def tree_shape(nodes: int, depth: int | None):

@@ -70,10 +70,10 @@ class OnlineAdapter:
         self.on_update = None  # called after each weight change (the drafters repack their kernels)
 
     # -- data -------------------------------------------------------------------------------
-    def new_log(self, prompt_len: int) -> "RequestLog":
+    def new_log(self, prompt_len: int) -> RequestLog:
         return RequestLog(prompt_len)
 
-    def retire(self, log: "RequestLog") -> None:
+    def retire(self, log: RequestLog) -> None:
         """A finished request's log joins the replay buffer (oldest entries leave when it is full)."""
         entry = log.entry()
         if entry is not None:
@@ -82,7 +82,7 @@ class OnlineAdapter:
             while self.buffered > self.buffer_positions and len(self.buffer) > 1:
                 self.buffered -= len(self.buffer.popleft()[0])
 
-    def _windows(self, log: "RequestLog") -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    def _windows(self, log: RequestLog) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """The newest window of this request and up to ``batch - 1`` from the replay buffer."""
         out = []
         newest = log.newest(self.window)
@@ -99,7 +99,7 @@ class OnlineAdapter:
         return out
 
     # -- learning ---------------------------------------------------------------------------
-    def observe(self, log: "RequestLog", tokens: list[int], drafted: int, accepted: int) -> None:
+    def observe(self, log: RequestLog, tokens: list[int], drafted: int, accepted: int) -> None:
         """After a round of the request behind ``log``: its committed tokens, how its draft fared."""
         log.ids = tokens
         self.rounds += 1
@@ -124,7 +124,7 @@ class OnlineAdapter:
         base = sum(self.baseline) / len(self.baseline)
         return sum(self.recent) / len(self.recent) < (1 - self.tolerance) * base
 
-    def step(self, log: "RequestLog") -> bool:
+    def step(self, log: RequestLog) -> bool:
         """One optimizer step on the newest window of ``log`` and the replay buffer; False if no data yet."""
         wins = self._windows(log)
         if not wins:

@@ -87,7 +87,7 @@ class Drafter:
     def forget_history(self) -> None:
         """Drop what was learnt across earlier sequences (a benchmark's runs start afresh)."""
 
-    def fork(self) -> "Drafter":
+    def fork(self) -> Drafter:
         """A drafter of the same kind over the same weights with state (and caches) of its own:
         one per sequence when several are decoded together."""
         raise NotImplementedError(f"{type(self).__name__} cannot be forked")

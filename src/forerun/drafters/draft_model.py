@@ -9,7 +9,6 @@ from forerun.drafters.base import Draft, Drafter
 from forerun.errors import ForerunError
 from forerun.sampling import SeededNoise, logits_to_probs, sample
 
-
 PROB_BINS = 20  # a drafted token's confidence is learnt per twentieth of its draft probability
 
 
@@ -60,7 +59,7 @@ class DraftModelDrafter(Drafter):
         if self.lookup is not None:
             self.lookup.begin(prompt, params, generator)
 
-    def fork(self) -> "DraftModelDrafter":
+    def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.backend.fork(), self.vocab, self.head, self.window, self.p_min, self.calibration,
                                  None if self.lookup is None else self.lookup.fork())
 
@@ -104,7 +103,7 @@ class DraftModelDrafter(Drafter):
         return self._drafted(tokens, chain)
 
     @staticmethod
-    def propose_batch(drafters: list["DraftModelDrafter"], tokens: list[list[int]], ks: list[int], more=None
+    def propose_batch(drafters: list[DraftModelDrafter], tokens: list[list[int]], ks: list[int], more=None
                       ) -> list[Draft]:
         """``propose`` for several sequences (forks of one drafter, ``batchable``), each step of
         the draft model one batched pass over the sequences still drafting."""

@@ -74,7 +74,7 @@ class FeatureDrafter(Drafter):
                 self.adapter.retire(self.log)
             self.log = self.adapter.new_log(len(prompt))
 
-    def fork(self) -> "FeatureDrafter":
+    def fork(self) -> FeatureDrafter:
         return type(self)(self.head, self.embed, tree=(self.tree_nodes, self.tree_depth) if self.tree_nodes else None,
                           lookup=self.lookup.fork() if self.lookup is not None else None, adaptive=self.adaptive,
                           adapter=self.adapter)
@@ -106,7 +106,8 @@ class FeatureDrafter(Drafter):
         branch gets the chain's measured per-token acceptance for this round's n-gram length
         (a node both propose: the larger of the two)."""
         if tree is None:
-            tree = Draft(tokens=torch.zeros(0, dtype=torch.long, device="cpu"), parents=torch.zeros(0, dtype=torch.long, device="cpu"), conf=[])
+            none = torch.zeros(0, dtype=torch.long, device="cpu")
+            tree = Draft(tokens=none, parents=none.clone(), conf=[])
         if self.lookup is not None:
             if self._chain is None or self._chain[0] != len(tokens):  # not offered this round yet
                 self.lookup_chain(tokens, k)

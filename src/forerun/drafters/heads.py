@@ -162,7 +162,7 @@ class DraftHead(nn.Module):
     def logits(self, g):  # [..., hidden] -> [..., draft_vocab]
         return self._lin(self.lm_head, self.norm_out(g))
 
-    def pack_for_inference(self, kernel: str = "onednn", half: bool = True, int8: bool | None = None) -> "DraftHead":
+    def pack_for_inference(self, kernel: str = "onednn", half: bool = True, int8: bool | None = None) -> DraftHead:
         """Use the backend's CPU matrix kernels for every linear layer: PyTorch's own one-row product
         is several times slower on CPU. The LM head takes the fastest kernel per row count; the
         other layers take ``kernel`` (the target's ``body_kernel``: ``onednn`` prepacked weights,
@@ -336,7 +336,7 @@ class EagleHead(DraftHead):
         a, b = gu.chunk(2, -1)
         return h + self._lin(self.down, F.silu(a) * b)
 
-    def step(self, emb, hid, pos: int, cache: "HeadCache | None", *, positions=None, mask=None):
+    def step(self, emb, hid, pos: int, cache: HeadCache | None, *, positions=None, mask=None):
         """Inference: run T entries after the first ``pos`` entries of ``cache`` (None: empty).
         emb, hid: [T, H]. By default the entries sit at positions pos..pos+T-1, causally;
         a token tree passes its own ``positions`` [T] (each below pos + T) and ``mask`` [T, pos + T].
@@ -501,7 +501,7 @@ def load_head(path: str | Path, *, fingerprint: dict | None = None, kind: str | 
     try:
         with safe_open(str(weights), "pt") as f:
             tensors = load_quantized({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
-    except Exception as e:  # safetensors raises its own error types for a damaged file
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
         raise ForerunError(f"{weights} is corrupt or unreadable: {e}") from None
     d2t = tensors.get("draft_to_target")
     if d2t is None or d2t.ndim != 1 or d2t.numel() != cfg.draft_vocab:

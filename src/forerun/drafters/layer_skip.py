@@ -50,7 +50,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.context_vocab = context_vocab
         self.extra_vocab = [int(t) for t in extra_vocab]
 
-    def fork(self) -> "LayerSkipDrafter":
+    def fork(self) -> LayerSkipDrafter:
         return LayerSkipDrafter(self.backend, self.skip, self.context_vocab, self.extra_vocab)
 
     def begin(self, prompt, params, generator):
@@ -229,5 +229,6 @@ def default_calibration(target, log=None) -> dict:
         return json.loads(resources.files("forerun").joinpath("data/layerskip_bundled.json").read_text())
 
     info = logging.getLogger("forerun").info
-    return kept.measured("layerskip", calibration_key(target), lambda: calibrate(target.backend, target.tokenizer, log=log or info, progress=True),
+    return kept.measured("layerskip", calibration_key(target),
+                         lambda: calibrate(target.backend, target.tokenizer, log=log or info, progress=True),
                          f"calibrating layer skipping for {target.name} once for this machine (at most about 2 minutes)")

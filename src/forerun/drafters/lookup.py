@@ -43,7 +43,7 @@ class NgramLookup:
         self.acc: dict[int, list[float]] = {}
         self._offer = None  # (context length, chain, bucket) of this round
 
-    def fork(self) -> "NgramLookup":
+    def fork(self) -> NgramLookup:
         return NgramLookup(self.max_ngram, self.min_ngram)
 
     def begin(self, prompt, params, generator) -> None:
@@ -79,7 +79,7 @@ class SuffixLookup:
         if self.drafter.tree_nodes:
             raise ValueError("the lookup branch is a chain: give a suffix drafter without tree_nodes")
 
-    def fork(self) -> "SuffixLookup":
+    def fork(self) -> SuffixLookup:
         return SuffixLookup(self.drafter.fork())  # earlier outputs and their acceptance stay shared
 
     def begin(self, prompt, params, generator) -> None:

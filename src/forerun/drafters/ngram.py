@@ -17,7 +17,7 @@ class NgramDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def fork(self) -> "NgramDrafter":
+    def fork(self) -> NgramDrafter:
         return NgramDrafter(self.max_ngram, self.min_ngram)
 
     def propose(self, tokens: list[int], k: int) -> Draft:

@@ -270,7 +270,7 @@ class SuffixDrafter(Drafter):
         self.n_seen = 0
         self.offered: tuple[int, list[Candidate]] | None = None  # (context length, chains) of the last proposal
 
-    def fork(self) -> "SuffixDrafter":
+    def fork(self) -> SuffixDrafter:
         return SuffixDrafter(self.max_match, self.min_prob, self.spec_factor, self.max_occurrences,
                              tree_nodes=self.tree_nodes, max_depth=self.max_depth, history=self.history)
 
@@ -359,5 +359,6 @@ class SuffixDrafter(Drafter):
         limit = min(k, math.ceil(self.spec_factor * m), self.max_depth or k)
         root = continuation_tree([idx.continuation(sid, pos, limit) for idx, sid, pos in best])
         toks, parents, conf = tree_from(root, self.tree_nodes, limit, self.min_prob)
-        return Draft(tokens=torch.tensor(toks, dtype=torch.long, device="cpu"), parents=torch.tensor(parents, dtype=torch.long, device="cpu"),
-                     conf=conf, bucket=self.bucket(m, any(idx is self.local for idx, _, _ in best)))
+        return Draft(tokens=torch.tensor(toks, dtype=torch.long, device="cpu"),
+                     parents=torch.tensor(parents, dtype=torch.long, device="cpu"), conf=conf,
+                     bucket=self.bucket(m, any(idx is self.local for idx, _, _ in best)))

@@ -230,7 +230,7 @@ class _Guard:
     through untouched, so a handler sees its client disconnect (a function middleware would hide
     it). Every answer of 400 or more is counted in the metrics."""
 
-    def __init__(self, app, service: "Service"):
+    def __init__(self, app, service: Service):
         self.app, self.service = app, service
 
     async def __call__(self, scope, receive, send):

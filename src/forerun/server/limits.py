@@ -40,7 +40,7 @@ class Limits:
     max_header_bytes: int = 32 << 10
     linger_s: float = 2.0
 
-    def check(self) -> "Limits":
+    def check(self) -> Limits:
         for flag, v in (("--keep-alive-timeout", self.keep_alive_s), ("--read-timeout", self.read_timeout_s)):
             if not v > 0:
                 raise ForerunError(f"{flag} must be > 0 seconds, got {v}")

@@ -342,7 +342,7 @@ def _rss(pid: int | None) -> int | None:
         import psutil  # the server extra: a client-only install reports no memory
 
         return psutil.Process(pid).memory_info().rss
-    except Exception:
+    except Exception:  # noqa: BLE001 - no psutil, or the process is gone: no memory figure
         return None
 
 

@@ -146,7 +146,7 @@ def validate(body, service, chat: bool) -> Job:
         service.check_prompt_chars(sum(len(m["content"]) for m in clean), "messages")
         try:
             ids = service.chat_prompt(clean)
-        except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
+        except Exception as e:  # noqa: BLE001 - a template that rejects this conversation (e.g. roles out of order)
             raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
     else:
         if "prompt" not in body:
