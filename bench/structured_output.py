@@ -4,7 +4,7 @@ each problem's people, quantities and question pulled out under one schema), dec
 with and without the schema, plain and with each drafter, in one process.
 
     python bench/structured_output.py [--model smollm2] [--docs 30] [--methods none,ngram,suffix]
-                                      [--modes free,schema] [--threads N] [--out FILE.md]
+                                      [--draft MODEL] [--modes free,schema] [--threads N] [--out FILE.md]
     python bench/structured_output.py --write-prompts   rebuilds bench/data/extraction*.json* from GSM8K
 
 Reports, per method and mode: decode tokens/s, the speed against plain decoding in the same mode,
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--write-prompts", action="store_true")
     ap.add_argument("--methods", default="none,ngram,suffix")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--draft", default=None, help="the draft model of method draft (e.g. qwen2.5-coder-0.5b)")
     ap.add_argument("--modes", default="free,schema", help="free (no grammar), schema, or both")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     ap.add_argument("--out", default=None)
@@ -82,13 +83,15 @@ def main() -> None:
     from forerun.models import load_model
 
     lm = load_model(args.model, backend="torch", threads=args.threads)
+    draft = load_model(args.draft, backend="torch", threads=args.threads) if args.draft else None
     grammar = Grammar.json_schema(SCHEMA).bind(lm.tokenizer, lm.backend.vocab_size, lm.eos_token_ids)
     check = jsonschema_rs.validator_for(SCHEMA)
     ids = [prompt_ids(lm.tokenizer, p) for p in prompts(args.docs)]
     rows, plain = [], {}
     for mode in args.modes.split(","):
         for method in args.methods.split(","):
-            eng = Engine(lm.backend, make_drafter(method, lm) if method != "none" else None, lm.eos_token_ids)
+            drafter = make_drafter(method, lm, draft_model=draft if method == "draft" else None) if method != "none" else None
+            eng = Engine(lm.backend, drafter, lm.eos_token_ids)
             eng.generate(ids[0], max_new_tokens=8, k="auto")  # warm
             toks = secs = ok_json = ok_schema = forced = 0
             outs = []
@@ -112,7 +115,7 @@ def main() -> None:
             rows.append((mode, method, toks / secs, toks / secs / plain[mode][0], ok_json, ok_schema, forced, equal))
             print(rows[-1], flush=True)
     n = len(ids)
-    opts = "".join(f" --{k} {v}" for k, v in (("modes", args.modes), ("threads", args.threads))
+    opts = "".join(f" --{k} {v}" for k, v in (("draft", args.draft), ("modes", args.modes), ("threads", args.threads))
                    if v is not None and v != "free,schema")
     lines = [f"`python bench/structured_output.py --model {args.model} --docs {args.docs} --methods {args.methods}{opts}`, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
