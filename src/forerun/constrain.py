@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import llguidance
 import llguidance.hf
@@ -271,73 +268,14 @@ class Constraint:
         return len(tokens)
 
 
-class PassMasks:
-    """The masks of a decode step's constrained chains, computed while the target's pass runs
-    where a core is free for it (a GPU's pass, or fewer CPU threads than cores): llguidance walks a
-    draft and computes its masks without Python's lock (``Constraint.chain_bits``), and the masks
-    are needed only once the pass's logits are out (``verify.judge``); the draft was cut before
-    the pass by the walk without masks (``Constraint.cut``). Where every core runs the pass the
-    masks are computed before it (on a 2-core CPU with both threads in the pass, computing them
-    meanwhile measured the same within noise; a walk in Python holding the lock had cost 18-23%).
-    Token trees' masks are always computed before the pass (``Constraint.plan_tree``, in Python).
-    One worker thread for the process, started when first needed; each sequence's masks are a job
-    of their own, so one grammar's failure is its sequence's alone."""
-
-    _pool: ThreadPoolExecutor | None = None
-    _lock = threading.Lock()
-
-    def __init__(self, overlap: bool):
-        self.overlap = overlap
-        self._pending: list = []
-
-    @classmethod
-    def _worker(cls) -> ThreadPoolExecutor:
-        with cls._lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="forerun-masks")
-            return cls._pool
-
-    def start(self, jobs: dict) -> dict[int, torch.Tensor | Callable[[], torch.Tensor]]:
-        """``jobs``: sequence -> its masks (a tree's), or (the constraint, the chain's allowed
-        tokens, the rows of its pass). Returns sequence -> its masks, or a call that waits for them."""
-        out = {}
-        for i, job in jobs.items():
-            if isinstance(job, torch.Tensor):
-                out[i] = job
-                continue
-            c, walked, rows = job
-            if not self.overlap:
-                try:
-                    out[i] = c.unpack(c.chain_bits(walked), rows)
-                except Exception as e:  # noqa: BLE001 - raised where this sequence's masks are read
-                    out[i] = partial(_raise, e)
-                continue
-            fut = self._worker().submit(c.chain_bits, walked)
-            self._pending.append(fut)
-            out[i] = partial(_unpacked, c, fut, rows)
-        return out
-
-    def wait(self) -> None:
-        """Wait for every job started (their errors are their sequences', raised where the masks are read)."""
-        for job in self._pending:
-            job.exception()
-        self._pending = []
-
-
 _EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
 
 
 def _executor():
+    """llguidance's executor for ``Constraint.chain_bits``, made on first use."""
     global _EXECUTOR
-    with PassMasks._lock:
+    with _EXECUTOR_LOCK:
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor(1)
         return _EXECUTOR
-
-
-def _raise(e: Exception):
-    raise e
-
-
-def _unpacked(c: Constraint, fut, rows: int) -> torch.Tensor:
-    return c.unpack(fut.result(), rows)

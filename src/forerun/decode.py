@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from forerun.constrain import PassMasks
 from forerun.draft_length import DraftLength
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
@@ -417,6 +419,67 @@ def commit_tokens(out: list[int], n_acc: int, eos: set[int], left_new: int, left
     if len(new) >= left_new:
         return new, n_acc, "length"
     return new, n_acc, "context" if len(new) >= left_context else None
+
+
+class PassMasks:
+    """The masks of a decode step's constrained chains, computed while the target's pass runs
+    where a core is free for it (a GPU's pass, or fewer CPU threads than cores): llguidance walks a
+    draft and computes its masks without Python's lock (``Constraint.chain_bits``), and the masks
+    are needed only once the pass's logits are out (``verify.judge``); the draft was cut before
+    the pass by the walk without masks (``Constraint.cut``). Where every core runs the pass the
+    masks are computed before it (on a 2-core CPU with both threads in the pass, computing them
+    meanwhile measured the same within noise; a walk in Python holding the lock had cost 18-23%).
+    Token trees' masks are always computed before the pass (``Constraint.plan_tree``, in Python).
+    One worker thread for the process, started when first needed; each sequence's masks are a job
+    of their own, so one grammar's failure is its sequence's alone."""
+
+    _pool: ThreadPoolExecutor | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._pending: list = []
+
+    @classmethod
+    def _worker(cls) -> ThreadPoolExecutor:
+        with cls._lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="forerun-masks")
+            return cls._pool
+
+    def start(self, jobs: dict) -> dict[int, torch.Tensor | Callable[[], torch.Tensor]]:
+        """``jobs``: sequence -> its masks (a tree's), or (the constraint, the chain's allowed
+        tokens, the rows of its pass). Returns sequence -> its masks, or a call that waits for them."""
+        out = {}
+        for i, job in jobs.items():
+            if isinstance(job, torch.Tensor):
+                out[i] = job
+                continue
+            c, walked, rows = job
+            if not self.overlap:
+                try:
+                    out[i] = c.unpack(c.chain_bits(walked), rows)
+                except Exception as e:  # noqa: BLE001 - raised where this sequence's masks are read
+                    out[i] = partial(_reraise, e)
+                continue
+            fut = self._worker().submit(c.chain_bits, walked)
+            self._pending.append(fut)
+            out[i] = partial(_unpacked, c, fut, rows)
+        return out
+
+    def wait(self) -> None:
+        """Wait for every job started (their errors are their sequences', raised where the masks are read)."""
+        for job in self._pending:
+            job.exception()
+        self._pending = []
+
+
+def _reraise(e: Exception):
+    raise e
+
+
+def _unpacked(c, fut, rows: int) -> torch.Tensor:
+    return c.unpack(fut.result(), rows)
 
 
 def clip_draft(draft: Draft, k: int) -> Draft:
