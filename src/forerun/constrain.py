@@ -6,11 +6,12 @@ every step: greedy takes the argmax among the allowed tokens, sampling draws fro
 renormalised distribution (temperature, top-k and top-p applied after the mask), a seeded
 request draws that distribution's seeded sample. Speculation gives exactly that:
 
-- before a verify pass, each draft is walked through the grammar (``Constraint.plan``): a drafted
-  token the grammar forbids is cut with everything after it (where it came from a sampled q, it
-  is kept as the last token instead: the acceptance rule rejects it, p being 0 there, and draws
-  from the residual as it must); then, while the pass runs, the same walk on a worker thread
-  gives every row of the pass the mask of the state its prefix reaches (``PassMasks``);
+- before a verify pass, each draft is walked through the grammar (``Constraint.cut``; a tree's
+  ``Constraint.plan_tree``): a drafted token the grammar forbids is cut with everything after it
+  (where it came from a sampled q, it is kept as the last token instead: the acceptance rule
+  rejects it, p being 0 there, and draws from the residual as it must); every row of the pass
+  gets the mask of the state its prefix reaches (``Constraint.chain_bits``, one llguidance call a
+  chain, computed while the pass runs where a core is free for it: ``decode.PassMasks``);
 - the verifier masks every row's logits before acceptance (``verify.judge``), so every accepted
   token and the target's own token are the masked target's;
 - the grammar advances only on committed tokens (``Constraint.commit``); a draft's walk is rolled
@@ -166,8 +167,7 @@ class Constraint:
         """The tokens the grammar allows next, [vocab_size] bool."""
         # (llguidance.torch does the same, but importing it sets torch's compiler up behind our caller)
         self.m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
-        bits = (self._bits[:, None] >> self._shifts) & 1
-        return bits.flatten()[: self.vocab_size].bool()
+        return self.unpack(self._bits[None], 1)[0]
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (none where it allows a choice)."""
