@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from forerun.backends import ckernels
-from forerun.backends.block_weights import unpack
-from forerun.backends.qweights import S8, U4, U5, U6, QLinear, QPart, qrows_lib
+from forerun.backends.block_weights import Codes, unpack
+from forerun.backends.qweights import FACTORED, S8, U4, U5, U6, QLinear, QPart, qrows_lib
 from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 needs_kernels = pytest.mark.skipif(qrows_lib() is None, reason="the integer kernels need a C compiler")
@@ -305,3 +305,38 @@ def test_the_width_choice_is_the_smallest_row_count_from_which_the_wide_tile_kee
     assert chosen({4, 8}) == 4
     assert chosen({2, 8}) == 8  # a loss at 4 rows: only from 8 on
     assert chosen({2, 4}) == NEVER_WIDE
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_scales_kept_factored_give_the_bits_of_float32_scales(name):
+    """The K-quants' scales (and minimums) kept as the file has them, an int8 per group times a
+    float per 256 columns (FACTORED), read about a quarter fewer bytes than float32 scales and give
+    every output the same bits, on every build and tile size."""
+    typ = TYPES[name]
+    c = unpack(random_blocks(typ, 37, 512, seed=typ + 7), typ)
+    plain = Codes(c.codes, c.scale, c.offset, c.group)  # no factors: float32 scales
+    fac, f32 = QLinear([(c, typ)]), QLinear([(plain, typ)])
+    assert fac.parts[0].f16 == FACTORED and f32.parts[0].f16 == 0
+    file_bytes = 40 * 512 // BLOCKS[typ][0] * BLOCKS[typ][1]  # 37 rows padded to 40 (groups of 8)
+    assert fac.nbytes <= 1.07 * file_bytes < f32.nbytes, (fac.nbytes, file_bytes, f32.nbytes)
+    assert np.array_equal(fac.parts[0].dequantize(), f32.parts[0].dequantize())
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((16, 512)).astype(np.float32))
+    for isa, lib in builds():
+        for portable in (0, 1):
+            lib.forerun_q_portable(portable)
+            try:
+                for n in (1, 2, 3, 5, 8, 9, 16):
+                    a, b = fac(x[:n], lib=lib).numpy(), f32(x[:n], lib=lib).numpy()
+                    assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (name, isa, portable, n)
+                    assert torch.equal(fac.argmax(x[:n], lib=lib)[0], f32.argmax(x[:n], lib=lib)[0])
+            finally:
+                lib.forerun_q_portable(0)
+
+
+def test_factors_that_do_not_rebuild_the_scales_are_not_used():
+    c = unpack(random_blocks(Q4_K, 16, 256, seed=5), Q4_K)
+    sfac, smul, ofac, omul = c.factors
+    wrong = Codes(c.codes, c.scale, c.offset, c.group, (sfac * 2, smul, ofac, omul))
+    part = QPart(wrong, Q4_K)
+    assert part.f16 == 0 and np.array_equal(part.dequantize().astype(np.float32), c.dequantize())

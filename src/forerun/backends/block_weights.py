@@ -28,12 +28,19 @@ from forerun.gguf_file import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, 
 class Codes:
     """One tensor's weights as w = fl(fl(scale * code) + offset), per group of ``group`` weights
     along a row: codes [rows, D] (int), scale and offset [rows, D / group] float32 (offset None
-    where the type has none)."""
+    where the type has none).
+
+    ``factors`` (K-quants): the scales and offsets as the file holds them, a float per row and 256
+    columns (the super-block's d, and -dmin) times a small integer per group (its sub-scale, and
+    minimum): (scale factor [rows, D / 256], scale multiplier [rows, D / group] int8, offset factor
+    and multiplier, or None). Each product is exact in float32 and equals ``scale`` (``offset``),
+    so the integer kernels may keep 1 byte a group instead of 4 (``qweights.QPart``)."""
 
     codes: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
     group: int
+    factors: tuple | None = None
 
     def dequantize(self) -> np.ndarray:
         rows, D = self.codes.shape
@@ -45,7 +52,8 @@ class Codes:
 
     def rows(self, order: np.ndarray) -> Codes:
         """The same weights with their rows in ``order``."""
-        return Codes(self.codes[order], self.scale[order], None if self.offset is None else self.offset[order], self.group)
+        f = None if self.factors is None else tuple(None if a is None else a[order] for a in self.factors)
+        return Codes(self.codes[order], self.scale[order], None if self.offset is None else self.offset[order], self.group, f)
 
     def regroup(self, group: int) -> Codes:
         """The same weights with scales repeated over smaller groups."""
@@ -105,6 +113,8 @@ def unpack(raw: np.ndarray, typ: int) -> Codes:
         sc, mn = _k_scales(b[:, 4:16])
         scale = d[:, None] * sc  # [n, 8], one per 32 weights
         offset = -(dmin[:, None] * mn)  # fl(D q - DM) == fl(D q + (-DM))
+        factors = (d.reshape(rows, -1), sc.astype(np.int8).reshape(rows, -1), -dmin.reshape(rows, -1),
+                   mn.astype(np.int8).reshape(rows, -1))  # (-dmin) * mn: the same bits as -(dmin * mn)
         if typ == Q4_K:
             qs = b[:, 16:144].reshape(n, 4, 32)
             codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 256)
@@ -114,7 +124,8 @@ def unpack(raw: np.ndarray, typ: int) -> Codes:
             low = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)
             high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
             codes = (low | (high << 4)).reshape(n, 256)
-        return Codes(codes.astype(np.int16).reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1), 32)
+        return Codes(codes.astype(np.int16).reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1), 32,
+                     factors)
     if typ == Q6_K:
         ql, qh = b[:, 0:128], b[:, 128:192]
         sc = b[:, 192:208].view(np.int8).astype(np.float32)
@@ -122,7 +133,8 @@ def unpack(raw: np.ndarray, typ: int) -> Codes:
         low = np.stack([ql.reshape(n, 2, 64) & 15, ql.reshape(n, 2, 64) >> 4], axis=2).reshape(n, 2, 4, 32)
         high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         codes = (low | (high << 4)).astype(np.int16).reshape(n, 256) - 32
-        return Codes(codes.reshape(rows, -1), (d[:, None] * sc).reshape(rows, -1), None, 16)
+        return Codes(codes.reshape(rows, -1), (d[:, None] * sc).reshape(rows, -1), None, 16,
+                     (d.reshape(rows, -1), sc.astype(np.int8).reshape(rows, -1), None, None))
     raise ValueError(f"GGUF type {typ} is not handled")
 
 

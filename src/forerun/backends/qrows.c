@@ -25,7 +25,9 @@
  * Each weight is  w = scale * (code + zb) + offset  per group of 32 columns (sub = 1) or 16
  * (sub = 2, Q6_K), with an integer code bias zb (-8 for Q4_0, -16 for Q5_0, -32 for Q6_K) and an
  * offset for the types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K). Scales and offsets are stored
- * [group][block][sub][8 rows], as float16 where that holds them exactly (f16 = 1), else float32.
+ * [group][block][sub][8 rows], as float16 where that holds them exactly (f16 = 1), as int8
+ * multipliers of a float32 factor per 256 columns where the file has them so (f16 = FACTORED: the
+ * K-quants' sub-scales and super-block d, 1 byte a group instead of 4), else float32.
  *
  * The sums, for output (activation row r, weight row v), whatever the pass size or the CPU:
  *   acc = 0; for each block b in order, for each sub-group s in order:
@@ -65,11 +67,14 @@ static inline int code_bytes(int kind) { return nibble_kind(kind) ? 128 + 32 * c
 
 /* ---- one group of 8 weight rows against all activation rows ---------------------------------- */
 
-static inline float scale_at(const qweight_t *w, int64_t i) {
-    return w->f16 ? half_to_float(((const uint16_t *)w->scale)[i]) : ((const float *)w->scale)[i];
+/* Scale (offset) i of the layout, fi that of its factor where they are FACTORED (an exact product). */
+static inline float stored_at(const void *p, const float *fac, int f16, int64_t i, int64_t fi) {
+    if (f16 == FACTORED) return fac[fi] * (float)((const int8_t *)p)[i];
+    return f16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
-static inline float offset_at(const qweight_t *w, int64_t i) {
-    return w->f16 ? half_to_float(((const uint16_t *)w->offset)[i]) : ((const float *)w->offset)[i];
+/* The factor index of group g, 32-column block b (lane 0): [group][256-column block][8 rows]. */
+static inline int64_t fac_index(const qweight_t *w, int64_t g, int b) {
+    return (g * ((w->D / 32 + 7) / 8) + b / 8) * 8;
 }
 
 /* Code of lane l (weight row), column c (0..31) of a block's interleaved codes, as an integer. */
@@ -107,8 +112,10 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
                     int32_t bsum = sub == 1 ? a->bs[2 * xi] + a->bs[2 * xi + 1] : a->bs[2 * xi + s];
                     isum += w->zb * bsum;
                     int64_t si = sbase + ((int64_t)b * sub + s) * 8 + l;
-                    acc = fmaf((float)isum, scale_at(w, si) * dx, acc);
-                    if (w->offset) acc = fmaf(offset_at(w, si), a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)], acc);
+                    int64_t fi = fac_index(w, g, b) + l;
+                    acc = fmaf((float)isum, stored_at(w->scale, w->sfac, w->f16, si, fi) * dx, acc);
+                    if (w->offset)
+                        acc = fmaf(stored_at(w->offset, w->ofac, w->f16, si, fi), a->xs[3 * xi + (sub == 1 ? 0 : 1 + s)], acc);
                 }
             }
             out[(int64_t)r * ldo + l] = acc;
@@ -129,7 +136,10 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
 #endif
 #endif
 
-static inline __m256 load8_scales(const void *p, int f16, int64_t i) {
+static inline __m256 load8_scales(const void *p, const float *fac, int f16, int64_t i, int64_t fi) {
+    if (f16 == FACTORED) /* int8 -> float and the product are exact: the bits of the float32 layout */
+        return _mm256_mul_ps(_mm256_loadu_ps(fac + fi),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i)))));
     if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
     return _mm256_loadu_ps((const float *)p + i);
 }

@@ -16,12 +16,19 @@ typedef struct {
     int32_t D;          /* columns, a multiple of 32 */
     int32_t kind;
     int32_t sub;        /* 1 or 2 scale groups per 32 columns */
-    int32_t f16;        /* scales and offsets stored as float16 */
+    int32_t f16;        /* how scales and offsets are stored: float32 (0), float16 (1), FACTORED */
     int32_t zb;         /* integer code bias */
     int32_t col;        /* first output column it writes (a part of stacked weights: q, k, v) */
     int32_t cmax;       /* largest stored code (unsigned kinds): how many vpmaddubsw results int16 holds */
     int32_t wide;       /* the fewest activation rows at which the 512-bit tile takes it (0: PAIR_ROWS) */
+    const float *sfac;  /* f16 == FACTORED: scale = sfac * (int8) scale, a factor per 256 columns */
+    const float *ofac;  /* the same for the offsets */
 } qweight_t;
+
+/* qweight_t.f16: scales and offsets stored as float32 (0), float16 (1), or as int8 multipliers of
+ * a float32 factor per row and 256 columns (FACTORED: the K-quants' sub-scales and super-block
+ * scale, whose products are exact in float32), laid [group][256-column block][8 rows]. */
+enum { FACTORED = 2 };
 
 /* One pass's activations, quantized: xq [N][D] int8; per row and 32-block: dx, and the sums of
  * its codes over each half (bs) as integers and as dx * sum (xs: whole block, first half, second). */

@@ -28,7 +28,7 @@
 #define QF_FMA _mm256_fmadd_ps
 #define QF_CVT _mm256_cvtepi32_ps
 #define QF_BCAST(p) _mm256_broadcast_ss(p)
-#define QF_SCALES(p, f16, i, stride) load8_scales(p, f16, i)
+#define QF_SCALES(p, fac, f16, i, fi, stride, fstride) load8_scales(p, fac, f16, i, fi)
 #elif QT_W == 512
 #define QT(x) x##_512
 #define QT_VI __m512i
@@ -53,9 +53,9 @@
 #define QF_FMA _mm512_fmadd_ps
 #define QF_CVT _mm512_cvtepi32_ps
 #define QF_BCAST(p) _mm512_set1_ps(*(p))
-#define QF_SCALES(p, f16, i, stride) \
-    _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8_scales(p, f16, i))), \
-                                        _mm256_castps_pd(load8_scales(p, f16, (i) + (stride))), 1))
+#define QF_SCALES(p, fac, f16, i, fi, stride, fstride) \
+    _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8_scales(p, fac, f16, i, fi))), \
+                                        _mm256_castps_pd(load8_scales(p, fac, f16, (i) + (stride), (fi) + (fstride))), 1))
 #endif
 
 static inline QT_VI QT(bcast4)(const int8_t *p) {
@@ -91,8 +91,10 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
     const int cb = code_bytes(kind);
     const int64_t gs = (int64_t)nb * cb;     /* bytes from one group's codes to the next one's */
     const int64_t ss = (int64_t)nb * sub * 8; /* scales from one group's to the next one's */
+    const int64_t fs = (int64_t)((nb + 7) / 8) * 8; /* factors (FACTORED) from one group's to the next one's */
     (void)gs;
     (void)ss;
+    (void)fs;
     (void)span;
     const uint8_t *blk = w->codes + g * gs;
     const int64_t sbase = g * ss;
@@ -177,7 +179,8 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
                 }
             }
             const int64_t si = sbase + ((int64_t)b * sub + s) * 8;
-            const QT_VF sc = QF_SCALES(w->scale, f16, si, ss);
+            const int64_t fi = g * fs + (b / 8) * 8;
+            const QT_VF sc = QF_SCALES(w->scale, w->sfac, f16, si, fi, ss, fs);
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
                 if (has_zb) {
@@ -187,7 +190,7 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
                 QT_VF f = QF_MUL(sc, QF_BCAST(dxr[r] + b));
                 acc[r] = QF_FMA(QF_CVT(isum[r]), f, acc[r]);
                 if (has_off)
-                    acc[r] = QF_FMA(QF_SCALES(w->offset, f16, si, ss), QF_BCAST(xsr[r] + 3 * b + (sub == 1 ? 0 : 1 + s)),
+                    acc[r] = QF_FMA(QF_SCALES(w->offset, w->ofac, f16, si, fi, ss, fs), QF_BCAST(xsr[r] + 3 * b + (sub == 1 ? 0 : 1 + s)),
                                     acc[r]);
             }
         }
@@ -196,8 +199,8 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
 }
 
 /* One tile of nr rows, constants chosen for the common weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
- * Q6_K, Q8_0) so that the tile's sums stay in registers; anything else (U8: a Q8_0 tensor with no
- * negative code) takes the same code with run-time flags at 256 bits, and is refused (0) at 512
+ * Q6_K, Q8_0; the K-quants with FACTORED scales, as their files give them) so that the tile's sums
+ * stay in registers; anything else (U8: a Q8_0 tensor with no negative code) takes the same code with run-time flags at 256 bits, and is refused (0) at 512
  * bits, where the caller runs it as two 256-bit groups: the 512-bit copies of those rare cases
  * would double the build's compile time for nothing. 1: done. */
 #if QT_W == 256
@@ -210,20 +213,20 @@ static inline __attribute__((always_inline)) int QT(tile)(const qweight_t *w, co
     const int zb = w->zb != 0, off = w->offset != NULL, f16 = w->f16;
 #define GT(K, S, SP, ZB, OFF, F16) QT(group_tile)(w, a, g, r0, nr, K, S, SP, ZB, OFF, F16, res)
     if (w->kind == U4 && w->sub == 1) {
-        if (!zb && off && f16) GT(U4, 1, 8, 0, 1, 1);
-        else if (!zb && off && !f16) GT(U4, 1, 8, 0, 1, 0);
-        else if (zb && !off && f16) GT(U4, 1, 8, 1, 0, 1);
+        if (!zb && off && f16 == 1) GT(U4, 1, 8, 0, 1, 1);
+        else if (!zb && off && f16 == FACTORED) GT(U4, 1, 8, 0, 1, FACTORED);
+        else if (zb && !off && f16 == 1) GT(U4, 1, 8, 1, 0, 1);
         else QT_GENERIC(GT(U4, 1, 8, zb, off, f16));
     } else if (w->kind == U5 && w->sub == 1 && span >= 4) {
-        if (zb && !off && f16) GT(U5, 1, 4, 1, 0, 1);
-        else if (!zb && off && f16) GT(U5, 1, 4, 0, 1, 1);
-        else if (!zb && off && !f16) GT(U5, 1, 4, 0, 1, 0);
+        if (zb && !off && f16 == 1) GT(U5, 1, 4, 1, 0, 1);
+        else if (!zb && off && f16 == 1) GT(U5, 1, 4, 0, 1, 1);
+        else if (!zb && off && f16 == FACTORED) GT(U5, 1, 4, 0, 1, FACTORED);
         else QT_GENERIC(GT(U5, 1, 4, zb, off, f16));
     } else if (w->kind == U6 && w->sub == 2 && span >= 2) {
-        if (zb && !off && !f16) GT(U6, 2, 2, 1, 0, 0);
+        if (zb && !off && f16 == FACTORED) GT(U6, 2, 2, 1, 0, FACTORED);
         else QT_GENERIC(GT(U6, 2, 2, zb, off, f16));
     } else if (w->kind == S8 && w->sub == 1) {
-        if (!zb && !off && f16) GT(S8, 1, 1, 0, 0, 1);
+        if (!zb && !off && f16 == 1) GT(S8, 1, 1, 0, 0, 1);
         else QT_GENERIC(GT(S8, 1, 1, zb, off, f16));
     } else if (w->kind == U4) QT_GENERIC(GT(U4, 2, 4, zb, off, f16));
     else if (w->kind == U5 || w->kind == U6) QT_GENERIC(GT(w->kind, w->sub, 1, zb, off, f16));

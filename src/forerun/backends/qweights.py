@@ -33,11 +33,37 @@ NIBBLE_KINDS = (U4, *PLANES)  # U4's 128 bytes of nibbles first in each block
 _ZB = {Q4_0: -8, Q5_0: -16, Q6_K: -32}  # codes stored unsigned, the type's signed offset added back
 
 
+FACTORED = 2  # QPart.f16: scales (offsets) as int8 multipliers of a float32 factor per 256 columns
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _factored(c: Codes, rows: int, groups: int) -> tuple | None:
+    """``c.factors`` where they hold every scale and offset exactly as int8 times a float32 per
+    256 columns (checked here, for the kernels take them so), else None."""
+    f = getattr(c, "factors", None)
+    if f is None or (f[2] is None) != (c.offset is None) or not f[0].shape[1]:
+        return None
+    per = groups // f[0].shape[1]
+    if per not in (8, 16) or f[0].shape != (rows, groups // per) or f[1].shape != (rows, groups):
+        return None
+    for fac, mul, full in ((f[0], f[1], c.scale), (f[2], f[3], c.offset)):
+        if fac is None:
+            continue
+        prod = np.repeat(fac.astype(np.float32), per, axis=1) * mul.astype(np.float32)
+        if not np.array_equal(prod.view(np.uint32), full.astype(np.float32).view(np.uint32)):
+            return None
+    return (f[0].astype(np.float32), f[1].astype(np.int8),
+            None if f[2] is None else f[2].astype(np.float32), None if f[3] is None else f[3].astype(np.int8))
+
+
 class QWeightC(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("V", ctypes.c_int64), ("D", ctypes.c_int32), ("kind", ctypes.c_int32), ("sub", ctypes.c_int32),
                 ("f16", ctypes.c_int32), ("zb", ctypes.c_int32), ("col", ctypes.c_int32),
-                ("cmax", ctypes.c_int32), ("wide", ctypes.c_int32)]
+                ("cmax", ctypes.c_int32), ("wide", ctypes.c_int32), ("sfac", ctypes.c_void_p), ("ofac", ctypes.c_void_p)]
 
 
 class QPart:
@@ -78,9 +104,9 @@ class QPart:
         self.codes = torch.from_numpy(np.ascontiguousarray(b).reshape(-1))
         sub = 32 // c.group
 
-        def lay(a: np.ndarray) -> np.ndarray:  # [rows, nb * sub] -> [group][block][sub][lane]
+        def lay(a: np.ndarray) -> np.ndarray:  # [rows, nb * sub] -> [group][block][sub][lane] (factors: [rows, nb / 8])
             a = np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) if pad else a
-            return np.ascontiguousarray(a.reshape(G, 8, nb * sub).transpose(0, 2, 1))
+            return np.ascontiguousarray(a.reshape(G, 8, a.shape[1]).transpose(0, 2, 1))
 
         sc = lay(c.scale.astype(np.float32))
         of = None if c.offset is None else lay(c.offset.astype(np.float32))
@@ -88,7 +114,15 @@ class QPart:
         dt = np.float16 if f16 else np.float32
         self.scale = torch.from_numpy(sc.astype(dt).reshape(-1))
         self.offset = None if of is None else torch.from_numpy(of.astype(dt).reshape(-1))
-        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col = rows, D, kind, sub, int(f16), zb, col
+        self.sfac = self.ofac = None
+        store = int(f16)
+        fac = _factored(c, rows, nb * sub) if not f16 else None
+        if fac is not None:  # K-quants: a float per 256 columns times an int8 per group, 1 byte a group
+            store = FACTORED
+            self.scale, self.sfac = torch.from_numpy(lay(fac[1]).reshape(-1)), torch.from_numpy(lay(fac[0]).reshape(-1))
+            if of is not None:
+                self.offset, self.ofac = torch.from_numpy(lay(fac[3]).reshape(-1)), torch.from_numpy(lay(fac[2]).reshape(-1))
+        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col = rows, D, kind, sub, store, zb, col
         self.cmax = int(stored.max()) if kind != S8 else 127  # how many u8 x s8 pair sums int16 holds
 
     wide = 0  # the fewest rows at which the 512-bit tile takes it (0: the build's default; see tune_wide)
@@ -96,11 +130,13 @@ class QPart:
     def struct(self) -> QWeightC:
         return QWeightC(self.codes.data_ptr(), self.scale.data_ptr(),
                         self.offset.data_ptr() if self.offset is not None else None,
-                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.cmax, self.wide)
+                        self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.cmax, self.wide,
+                        _ptr(self.sfac), _ptr(self.ofac))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset, self.sfac, self.ofac)
+                   if t is not None)
 
     def dequantize(self) -> np.ndarray:
         """The weights [V, D] in float64, from the packed layout (tests: the reference)."""
@@ -120,12 +156,15 @@ class QPart:
         codes = codes.astype(np.float64).transpose(0, 3, 1, 2, 4).reshape(G * 8, self.D)[: self.V] + self.zb
         per = 32 // self.sub
 
-        def unlay(t):
+        def unlay(t, fac=None):
             a = t.numpy().astype(np.float64).reshape(G, nb * self.sub, 8).transpose(0, 2, 1).reshape(G * 8, -1)
+            if fac is not None:  # FACTORED: the multiplier times its 256 columns' factor
+                f = fac.numpy().astype(np.float64).reshape(G, -1, 8).transpose(0, 2, 1).reshape(G * 8, -1)
+                a = a * np.repeat(f, 8 * self.sub, axis=1)[:, : a.shape[1]]
             return np.repeat(a[: self.V], per, axis=1)
 
-        w = codes * unlay(self.scale)
-        return w + unlay(self.offset) if self.offset is not None else w
+        w = codes * unlay(self.scale, self.sfac)
+        return w + unlay(self.offset, self.ofac) if self.offset is not None else w
 
 
 class QLinear:
