@@ -244,3 +244,29 @@ def test_cache_keys_round_to_float16_as_torch_does_on_every_build():
         lib.forerun_q_to_half.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.forerun_q_to_half(x.data_ptr(), out.data_ptr(), len(x))
         assert torch.equal(out, want), (isa, x[out != want][:5])
+
+
+def test_a_draft_model_recoded_to_4_bits_reads_fewer_bytes_and_changes_no_output():
+    """``requantize_4bit`` on a draft model: every layer weight 4 bits a code, and greedy and seeded
+    output through it still plain decoding's, its drafts often taken and sometimes not."""
+    from forerun.sampling import SamplingParams
+
+    _, target = integer_model("llama")
+    _, draft = integer_model("llama", mix="q8")  # the target's weights at 8 bits a code
+    be = draft.backend
+    before = sum(q.nbytes for q in be.quant)
+    assert be.requantize_4bit() and not be.requantize_4bit()  # once
+    assert sum(q.nbytes for q in be.quant) < 0.6 * before
+    assert all(p.kind == 0 for q in be.quant for p in q.parts)
+    plain = Engine(target.backend, None, target.eos_token_ids)
+    eng = Engine(target.backend, make_drafter("draft", target, draft_model=draft), target.eos_token_ids)
+    drafted = accepted = 0
+    for p in PROMPTS:
+        for k in (4, "auto"):
+            out = eng.generate(p, max_new_tokens=40, k=k)
+            assert out.token_ids == plain.generate(p, max_new_tokens=40, k=0).token_ids, (p, k)
+            drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+        params = SamplingParams(temperature=0.9, top_k=20, seed=3)
+        assert (eng.generate(p, max_new_tokens=30, k=4, params=params).token_ids
+                == plain.generate(p, max_new_tokens=30, k=0, params=params).token_ids), p
+    assert 0 < accepted < drafted

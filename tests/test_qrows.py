@@ -340,3 +340,21 @@ def test_factors_that_do_not_rebuild_the_scales_are_not_used():
     wrong = Codes(c.codes, c.scale, c.offset, c.group, (sfac * 2, smul, ofac, omul))
     part = QPart(wrong, Q4_K)
     assert part.f16 == 0 and np.array_equal(part.dequantize().astype(np.float32), c.dequantize())
+
+
+def test_requantized_weights_are_4_bit_codes_close_to_the_weights():
+    """``QLinear.requantized`` (a draft model re-coded to 4 bits): parts of more than 4 bits a code
+    become Q4_0 (fewer bytes), each weight within one code step of itself; 4-bit parts stay as they are."""
+    for typ in (Q5_0, Q6_K, Q8_0, Q5_K, Q4_K):
+        lin = QLinear([(unpack(random_blocks(typ, 16, 512, seed=11), typ), typ)])
+        r = lin.requantized()
+        if typ == Q4_K:
+            assert r.parts[0] is lin.parts[0]
+            continue
+        p = r.parts[0]
+        assert (p.kind, p.zb, p.f16) == (U4, -8, 1) and r.nbytes < 0.85 * lin.nbytes, typ
+        w = lin.parts[0].dequantize().reshape(16, -1, 32)
+        err = np.abs(p.dequantize().reshape(16, -1, 32) - w)
+        step = np.abs(w).max(-1, keepdims=True) / 8  # the scale d: codes -8..7 times d, the largest weight at -8 d
+        assert np.all(err <= step * 1.01 + 1e-12), typ  # within a step (7 d clips the far side)
+        assert err.mean() < 0.3 * step.mean(), typ  # rounded to nearest: about a quarter step on average

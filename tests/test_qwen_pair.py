@@ -75,3 +75,31 @@ def test_the_batch_engine_with_the_draft_model_equals_plain(pair):
         reqs = [BatchRequest(prompt=list(prompts[i % 3]), max_new_tokens=24) for i in range(4)]
         assert run_batch(eng, reqs) == [plain[i % 3] for i in range(4)], lookup
         assert sum(r.stats.drafted for r in reqs) > 0
+
+
+@pytest.fixture(scope="module")
+def draft_4bit(pair):
+    from forerun.models import load_model
+
+    draft = load_model(SMALL, backend="torch")
+    assert draft.backend.requantize_4bit()  # as forerun's --draft-quant q4_0 (the default) loads it
+    return draft
+
+
+def test_the_draft_model_recoded_to_4_bits_is_lossless(pair, draft_4bit):
+    target, _ = pair
+    eos = target.eos_token_ids
+    prompts = [_ids(target, p) for p in PROMPTS]
+    plain = Engine(target.backend, None, eos)
+    eng = Engine(target.backend, make_drafter("draft", target, draft_model=draft_4bit), eos)
+    accepted = 0
+    for p in prompts:
+        want = plain.generate(p, max_new_tokens=40).token_ids
+        for k in (4, "auto"):
+            out = eng.generate(p, max_new_tokens=40, k=k)
+            assert out.token_ids == want, k
+            accepted += out.stats.accepted
+    assert accepted > 40
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    assert (eng.generate(prompts[0], max_new_tokens=32, params=params, k=4).token_ids
+            == plain.generate(prompts[0], max_new_tokens=32, params=params).token_ids)

@@ -36,6 +36,7 @@ from forerun.split_models import default_draft
 
 # bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
 # where its chain comes from (prompt lookup, or suffix drafting over the context and earlier outputs)
+DRAFT_QUANTS = ("q4_0", "file")  # --draft-quant: the draft model re-coded to 4 bits, or as loaded
 DRAFT_LOOKUPS = {"draft+ngram": "ngram", "draft+suffix": "suffix"}  # bench names: --method draft --draft-lookup X
 TREE_SUFFIXES = {"-tree": (None, None), "-tree+lookup": ("always", "ngram"), "-tree+auto": ("auto", "ngram"),
                  "-tree+suffix": ("always", "suffix"), "-tree+suffix-auto": ("auto", "suffix")}
@@ -104,6 +105,7 @@ class Options:
     draft_window: int | None = None  # method draft: the most prompt tokens the draft model reads (None: default, 0: all)
     draft_p_min: float | None = None  # method draft: stop drafting under this draft probability (None: default)
     draft_lookup: str | None = None  # method draft: also a model-free chain each round, "ngram" or "suffix"
+    draft_quant: str = "q4_0"  # method draft: the draft model's weights re-coded to 4 bits ("q4_0") or as loaded ("file")
 
     def __post_init__(self):
         if self.method == "draft" and not self.draft:  # a named model's own draft model (the Qwen2.5-Coder pair)
@@ -130,6 +132,8 @@ class Options:
         if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
         check_draft_settings(self.draft_window, self.draft_p_min, self.draft_lookup)
+        if self.draft_quant not in DRAFT_QUANTS:
+            raise ForerunError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.draft_quant!r}")
         return self
 
     @property
@@ -163,11 +167,16 @@ def load_target(options: Options, methods=(), backend: str | None = None):
 
 
 def load_draft_model(options: Options, backend: str):
-    """Method draft's draft model, on the target's ``backend`` (None for other methods)."""
+    """Method draft's draft model, on the target's ``backend`` (None for other methods); with
+    ``draft_quant`` "q4_0", its weights of more than 4 bits a code re-coded to Q4_0 where it runs
+    on the integer kernels (``requantize_4bit``: cheaper steps; the target still decides every token)."""
     if options.method != "draft":
         return None
-    return load_model(options.draft, dtype=options.dtype, device=options.device, backend=backend,
-                      threads=options.threads, max_context=options.max_context)
+    model = load_model(options.draft, dtype=options.dtype, device=options.device, backend=backend,
+                       threads=options.threads, max_context=options.max_context)
+    if options.draft_quant == "q4_0" and hasattr(model.backend, "requantize_4bit"):
+        model.backend.requantize_4bit()
+    return model
 
 
 def drafter_for(options: Options, target, draft_model=None):

@@ -72,6 +72,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-p-min", type=float, default=None,
                    help="--method draft: stop drafting before a token the draft model gives less than this "
                         "probability (lossless; default 0: the draft-length policy alone decides)")
+    p.add_argument("--draft-quant", default="q4_0", choices=["q4_0", "file"],
+                   help="--method draft: q4_0 (default) re-codes the draft model's weights of more than 4 bits to "
+                        "4-bit Q4_0 on the integer kernels, so each draft step reads fewer bytes (lossless: the "
+                        "target verifies); file: as its file has them")
     p.add_argument("--draft-lookup", default=None, choices=["ngram", "suffix"],
                    help="--method draft: also offer a model-free chain every round (ngram: prompt lookup; suffix: the "
                         "suffix drafter's), verified alone where it promises more than the draft model's "

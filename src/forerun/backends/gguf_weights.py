@@ -87,6 +87,26 @@ class GGUFWeights:
                  (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
         return True
 
+    requantized = False  # requantize_4bit: every weight of more than 4 bits a code re-coded to Q4_0
+
+    def requantize_4bit(self) -> bool:
+        """Re-code every layer weight of more than 4 bits a code (Q5_0, Q6_K, Q8_0, ...) as Q4_0,
+        on the integer path (False, nothing changed, off it), and the LM heads cut from now on
+        (``integer_sub_head``: a draft vocabulary's); the full LM head stays as it is. For a model
+        that drafts: its steps read fewer bytes and its tokens stay the target's to accept, so the
+        output is unchanged; its logits are no longer the file's."""
+        if self.quant is None or self.requantized:
+            return False
+        before = sum(q.nbytes for q in self.quant)
+        for i, q in enumerate(self.quant):
+            q.set_linears({name: lin.requantized() for name, lin in q.linears.items()})
+            self._qlayers[i] = q.c  # in place: forks share this array
+        self.requantized = True
+        self._tune_wide_tiles()
+        log.info("layer weights re-coded to 4 bits: %.0f MB -> %.0f MB", before / 1e6,
+                 sum(q.nbytes for q in self.quant) / 1e6)
+        return True
+
     def integer_sub_head(self, rows: torch.Tensor):
         """An LM head over the vocabulary rows ``rows`` only (logits in that order), on the integer
         kernels from the file's own blocks of those rows: a draft model's head restricted to a
@@ -98,6 +118,8 @@ class GGUFWeights:
         typ = g.tensors[name].type
         head = PackedLinear(torch.empty(len(rows), self.hidden_size, device="meta"), False)
         head.qlin = QLinear([(unpack(g.raw_rows(name)[rows.cpu().numpy()], typ), typ)])
+        if self.requantized:
+            head.qlin = head.qlin.requantized()
         head.qlin.set_wide(self.lm_head.qlin.parts[0].wide)
         return head
 

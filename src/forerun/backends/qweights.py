@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from forerun.backends.block_weights import Codes
+from forerun.backends.block_weights import Codes, q4_0_codes
 from forerun.backends.ckernels import kernel
 from forerun.gguf_file import Q4_0, Q5_0, Q6_K
 
@@ -172,11 +172,12 @@ class QLinear:
 
     threads: int | None = None  # threads of its products (None: torch's setting at each call)
 
-    def __init__(self, parts: list[tuple[Codes, int]]):
+    def __init__(self, parts: list[tuple[Codes, int] | QPart]):
         col = 0
         self.parts = []
-        for c, typ in parts:
-            p = QPart(c, typ, col)
+        for item in parts:  # (Codes, GGUF type), or a part already packed (``requantized``)
+            p = item if isinstance(item, QPart) else QPart(*item, col)
+            p.col = col
             self.parts.append(p)
             col += p.V
         self.shape = (col, self.parts[0].D)
@@ -185,6 +186,16 @@ class QLinear:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def requantized(self) -> QLinear:
+        """The same weight with every part of more than 4 bits a code (5-, 6- and 8-bit codes:
+        Q5_0, Q5_K, Q6_K, Q8_0, ...) quantized again to Q4_0 (``q4_0_codes``), 4-bit parts as they
+        are: close to the weight, not equal to it. For a draft model, whose every step reads all its
+        weights: fewer bytes a step, while the target's verification keeps the output exact."""
+        parts = [p if p.kind == U4 else QPart(q4_0_codes(p.dequantize()), Q4_0) for p in self.parts]
+        out = QLinear(parts)
+        out.set_wide(self.parts[0].wide)
+        return out
 
     @property
     def signature(self) -> str:
@@ -345,6 +356,14 @@ class QLayer:
         c.n_q, c.n_kv, c.inter = layer.n_q, layer.n_kv, layer.inter
         c.sandwich, c.act, c.sliding = int(sandwich), ACT_CODES[act], int(layer.sliding)
         self.c = c
+
+    def set_linears(self, linears: dict[str, QLinear]) -> None:
+        """Other weights of the same shapes and part counts (``QLinear.requantized``) in place."""
+        parts = [p for name in ("qkv", "o", "gate_up", "down") for p in linears[name].parts]
+        if [len(linears[n].parts) for n in linears] != [len(self.linears[n].parts) for n in linears]:
+            raise ValueError("qrows: a layer's weights replaced by ones of other part counts")
+        self.linears, self.parts = linears, parts
+        self.refresh()
 
     def refresh(self) -> None:
         """Copy the weights' settings (``QLinear.set_wide``) into the layer's C struct again."""
