@@ -20,12 +20,21 @@ version=$("$py" -c "import importlib.metadata as m; print(m.version('llama_cpp_p
 dest=$(dirname "$("$py" -c "from forerun.bench_peers import llama_tools_dir; print(llama_tools_dir())")")
 isa_flags=(-DGGML_NATIVE=ON)
 case ${ISA:-native} in
-native) ;;
+native)
+    # A CPU that lists AMX: llama.cpp's native build then runs its AMX kernels for prompt passes,
+    # which stop with SIGILL where the kernel does not grant the tile state (seen on a cloud VM:
+    # llama-bench's pp512 killed, its tg128 fine). Such a CPU gets its AVX-512 set without AMX.
+    if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+        isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+                   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
+                   -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    fi ;;
 avx2) dest="$dest-avx2"; isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
       -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
 *) echo "ISA must be native or avx2, got $ISA" >&2; exit 2 ;;
 esac
-if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ]; then
+if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ] &&
+   [ "$(cat "$dest/build-flags" 2>/dev/null)" = "${isa_flags[*]}" ]; then
     echo "$dest/bin"; exit 0
 fi
 work=$(mktemp -d)
@@ -45,4 +54,5 @@ cp "$work/build/bin/llama-bench" "$work/build/bin/llama-server" "$work/build/bin
 cp -r "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$dest/" 2>/dev/null || true
 [ -d "$src/conversion" ] && cp -r "$src/conversion" "$dest/" || true
 echo "$version" > "$dest/llama-cpp-python-version"
+echo "${isa_flags[*]}" > "$dest/build-flags"  # a build made with other flags (an older script's) is made again
 echo "$dest/bin"

@@ -46,8 +46,8 @@ def _factored(c: Codes, rows: int, groups: int) -> tuple | None:
     f = getattr(c, "factors", None)
     if f is None or (f[2] is None) != (c.offset is None) or not f[0].shape[1]:
         return None
-    per = groups // f[0].shape[1]
-    if per not in (8, 16) or f[0].shape != (rows, groups // per) or f[1].shape != (rows, groups):
+    per = 8 * groups * 32 // c.codes.shape[1]  # scale groups in 256 columns (the kernels' factor span)
+    if f[0].shape != (rows, groups // per) or groups % per or f[1].shape != (rows, groups):
         return None
     for fac, mul, full in ((f[0], f[1], c.scale), (f[2], f[3], c.offset)):
         if fac is None:
