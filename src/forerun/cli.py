@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from forerun import kept
 from forerun.bench import load_prompts, run_bench
 from forerun.bench_peers import llama_tools_dir
-from forerun.build import Options, build, load_target, parse_method
+from forerun.build import DRAFT_QUANTS, Options, build, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
 from forerun.constrain import Grammar
 from forerun.draft_length import K_MAX
@@ -72,7 +72,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-p-min", type=float, default=None,
                    help="--method draft: stop drafting before a token the draft model gives less than this "
                         "probability (lossless; default 0: the draft-length policy alone decides)")
-    p.add_argument("--draft-quant", default="q4_0", choices=["q4_0", "file"],
+    p.add_argument("--draft-quant", default="q4_0", choices=list(DRAFT_QUANTS),
                    help="--method draft: q4_0 (default) re-codes the draft model's weights of more than 4 bits to "
                         "4-bit Q4_0 on the integer kernels, so each draft step reads fewer bytes (lossless: the "
                         "target verifies); file: as its file has them")

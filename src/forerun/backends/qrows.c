@@ -72,10 +72,10 @@ static inline float stored_at(const void *p, const float *fac, int f16, int64_t 
     if (f16 == FACTORED) return fac[fi] * (float)((const int8_t *)p)[i];
     return f16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
-/* The factor index of group g, 32-column block b (lane 0): [group][256-column block][8 rows]. */
-static inline int64_t fac_index(const qweight_t *w, int64_t g, int b) {
-    return (g * ((w->D / 32 + 7) / 8) + b / 8) * 8;
-}
+/* FACTORED factors are laid [group][256-column block][8 rows]: from one group's to the next one's, */
+static inline int64_t fac_stride(const qweight_t *w) { return (int64_t)((w->D / 32 + 7) / 8) * 8; }
+/* and the index of group g's factor for 32-column block b (lane 0). */
+static inline int64_t fac_index(const qweight_t *w, int64_t g, int b) { return g * fac_stride(w) + (b / 8) * 8; }
 
 /* Code of lane l (weight row), column c (0..31) of a block's interleaved codes, as an integer. */
 static inline int code_at(const uint8_t *blk, int kind, int l, int c) {

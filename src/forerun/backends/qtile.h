@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
     const int cb = code_bytes(kind);
     const int64_t gs = (int64_t)nb * cb;     /* bytes from one group's codes to the next one's */
     const int64_t ss = (int64_t)nb * sub * 8; /* scales from one group's to the next one's */
-    const int64_t fs = (int64_t)((nb + 7) / 8) * 8; /* factors (FACTORED) from one group's to the next one's */
+    const int64_t fs = fac_stride(w); /* factors (FACTORED) from one group's to the next one's */
     (void)gs;
     (void)ss;
     (void)fs;
@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
                 }
             }
             const int64_t si = sbase + ((int64_t)b * sub + s) * 8;
-            const int64_t fi = g * fs + (b / 8) * 8;
+            const int64_t fi = g * fs + (b / 8) * 8; /* fac_index(w, g, b) */
             const QT_VF sc = QF_SCALES(w->scale, w->sfac, f16, si, fi, ss, fs);
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
@@ -200,7 +200,8 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
 
 /* One tile of nr rows, constants chosen for the common weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
  * Q6_K, Q8_0; the K-quants with FACTORED scales, as their files give them) so that the tile's sums
- * stay in registers; anything else (U8: a Q8_0 tensor with no negative code) takes the same code with run-time flags at 256 bits, and is refused (0) at 512
+ * stay in registers; anything else (U8: a Q8_0 tensor with no negative code) takes the same code
+ * with run-time flags at 256 bits, and is refused (0) at 512
  * bits, where the caller runs it as two 256-bit groups: the 512-bit copies of those rare cases
  * would double the build's compile time for nothing. 1: done. */
 #if QT_W == 256

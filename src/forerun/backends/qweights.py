@@ -43,7 +43,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _factored(c: Codes, rows: int, groups: int) -> tuple | None:
     """``c.factors`` where they hold every scale and offset exactly as int8 times a float32 per
     256 columns (checked here, for the kernels take them so), else None."""
-    f = getattr(c, "factors", None)
+    f = c.factors
     if f is None or (f[2] is None) != (c.offset is None) or not f[0].shape[1]:
         return None
     per = 8 * groups * 32 // c.codes.shape[1]  # scale groups in 256 columns (the kernels' factor span)
@@ -111,17 +111,19 @@ class QPart:
         sc = lay(c.scale.astype(np.float32))
         of = None if c.offset is None else lay(c.offset.astype(np.float32))
         f16 = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (sc, of) if a is not None)
-        dt = np.float16 if f16 else np.float32
-        self.scale = torch.from_numpy(sc.astype(dt).reshape(-1))
-        self.offset = None if of is None else torch.from_numpy(of.astype(dt).reshape(-1))
+        fac = None if f16 else _factored(c, rows, nb * sub)
         self.sfac = self.ofac = None
-        store = int(f16)
-        fac = _factored(c, rows, nb * sub) if not f16 else None
         if fac is not None:  # K-quants: a float per 256 columns times an int8 per group, 1 byte a group
             store = FACTORED
             self.scale, self.sfac = torch.from_numpy(lay(fac[1]).reshape(-1)), torch.from_numpy(lay(fac[0]).reshape(-1))
             if of is not None:
                 self.offset, self.ofac = torch.from_numpy(lay(fac[3]).reshape(-1)), torch.from_numpy(lay(fac[2]).reshape(-1))
+            else:
+                self.offset = None
+        else:
+            store, dt = int(f16), np.float16 if f16 else np.float32
+            self.scale = torch.from_numpy(sc.astype(dt).reshape(-1))
+            self.offset = None if of is None else torch.from_numpy(of.astype(dt).reshape(-1))
         self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col = rows, D, kind, sub, store, zb, col
         self.cmax = int(stored.max()) if kind != S8 else 127  # how many u8 x s8 pair sums int16 holds
 
