@@ -2,7 +2,7 @@
 # llama.cpp's own tools (llama-bench, llama-server, llama-quantize) built from the very llama.cpp
 # source that the installed llama-cpp-python vendors, so the peers and the in-process peer are
 # the same code. Downloads that version's sdist from the package registry, builds with cmake
-# (native CPU flags, llama.cpp's defaults otherwise), and caches the result: the second call
+# (this CPU's flags from bench/llama_cpp_flags.sh, llama.cpp's defaults otherwise), and caches the result: the second call
 # only prints the folder. A few minutes once on 2 cores.
 #
 # Usage: bench/llama_cpp_tools.sh    prints the folder holding llama-bench, llama-server and
@@ -18,21 +18,10 @@ py=${PYTHON:-python}
 version=$("$py" -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))")
 # the folder forerun bench looks in (keyed by that version and this CPU's flags)
 dest=$(dirname "$("$py" -c "from forerun.bench_peers import llama_tools_dir; print(llama_tools_dir())")")
-isa_flags=(-DGGML_NATIVE=ON)
-case ${ISA:-native} in
-native)
-    # A CPU that lists AMX: llama.cpp's native build then runs its AMX kernels for prompt passes,
-    # which stop with SIGILL where the kernel does not grant the tile state (seen on a cloud VM:
-    # llama-bench's pp512 killed, its tg128 fine). Such a CPU gets its AVX-512 set without AMX.
-    if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
-        isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
-                   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
-                   -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-    fi ;;
-avx2) dest="$dest-avx2"; isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-      -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
-*) echo "ISA must be native or avx2, got $ISA" >&2; exit 2 ;;
-esac
+# this CPU's flags, or AVX2's (bench/llama_cpp_flags.sh: never AMX, which some VMs refuse)
+flags=$(bash "$(dirname "$0")/llama_cpp_flags.sh")
+read -r -a isa_flags <<<"$flags"
+[ "${ISA:-native}" = avx2 ] && dest="$dest-avx2"
 if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ] &&
    [ "$(cat "$dest/build-flags" 2>/dev/null)" = "${isa_flags[*]}" ]; then
     echo "$dest/bin"; exit 0

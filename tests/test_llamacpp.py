@@ -361,3 +361,22 @@ def test_llamacpp_peer_runs_at_llamacpp_defaults_in_its_own_process(lc, monkeypa
     finally:
         peer.close()
     assert peer.proc.returncode == 0
+
+
+def test_llamacpp_peer_killed_by_an_illegal_instruction_says_how_to_rebuild(monkeypatch):
+    """A llama.cpp built with instructions the CPU refuses (AMX on some VMs) dies of SIGILL in its
+    first prompt pass: the bench's error names the signal and the rebuild, not a bare exit code."""
+    import subprocess
+    import sys
+
+    import forerun.bench_peers as bp
+
+    child = "import os, signal, sys; print('@' + '{\"info\": {}}', flush=True); sys.stdin.readline(); os.kill(os.getpid(), signal.SIGILL)"
+    real = subprocess.Popen
+    monkeypatch.setattr(bp.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", child], **kw))
+    peer = bp.LlamaCppPeer("unused.gguf", 1, 64)
+    try:
+        with pytest.raises(ForerunError, match=r"SIGILL.*llama_cpp_flags\.sh"):
+            peer.generate([1, 2, 3], 4, {0})
+    finally:
+        peer.close()

@@ -15,6 +15,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,16 @@ def llama_defaults_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
 
 
+def _signal_hint(code: int | None) -> str:
+    """What a llama.cpp process killed by an illegal instruction most likely needs."""
+    if code != -signal.SIGILL:
+        return ""
+    return ("; it was killed by SIGILL: the installed llama-cpp-python runs instructions this CPU refuses "
+            "(a native build on a VM that lists AMX but does not grant it, or a build made on another CPU). "
+            "Reinstall it built for this CPU: CMAKE_ARGS=\"$(bench/llama_cpp_flags.sh)\" pip install --no-cache-dir "
+            "--force-reinstall --no-deps llama-cpp-python")
+
+
 class LlamaCppPeer:
     """The llama.cpp peer: a child process (``python -m forerun.llamacpp_peer``) with llama.cpp's
     defaults, asked one prompt at a time. ``info``: its llama-cpp-python version, llama.cpp's
@@ -68,9 +79,13 @@ class LlamaCppPeer:
         for line in self.proc.stdout:
             if line.startswith("@"):
                 return json.loads(line[1:])
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
         self._log.seek(0)
         tail = self._log.read().decode(errors="replace").strip().splitlines()[-5:]
-        raise ForerunError("the llama.cpp peer stopped: " + (" | ".join(tail) or f"exit code {self.proc.poll()}"))
+        raise ForerunError("the llama.cpp peer stopped: " + (" | ".join(tail) or f"exit code {code}") + _signal_hint(code))
 
     def generate(self, ids: list[int], max_new: int, eos) -> tuple[list[int], float, float]:
         """(tokens, wall seconds, prompt-pass seconds), timed inside the peer's process."""
