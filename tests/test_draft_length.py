@@ -271,7 +271,10 @@ def test_a_costly_drafter_drafts_while_the_next_token_pays():
     drafter whose first token stopped paying still gets a probe (its confidences are learnt only
     from its drafts)."""
     pol = DraftLength()
-    assert pol.draft_more([0.1])  # nothing measured yet: it drafts on
+    # nothing measured yet: it drafts on to k_start tokens, whatever the draft thinks (not to k_max:
+    # under load each longer draft made a batched pass of a row count never timed before)
+    assert pol.draft_more([0.1]) and pol.draft_more([0.1] * (pol.k_start - 1))
+    assert not pol.draft_more([0.9] * pol.k_start)
     _measured(pol, per_row=0.001)
     pol.observe_draft(4, 0.0108)
     pol.observe_draft(4, 0.0108)

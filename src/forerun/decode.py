@@ -291,7 +291,11 @@ class Decoder:
             if i in alive:
                 drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else len(d))
         drafted = [i for i, _ in planned if i in alive]
-        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(secs[i] - reading[i] for i in drafted),
+        # Alone, a sequence's reading (its prompt, mostly) is not what a drafted token costs. In a
+        # batch it is: a sequence drafts on and off there, and each time it resumes it first reads
+        # what was committed meanwhile, so drafting is priced with its reading.
+        apart = 0.0 if len(alive) > 1 else 1.0
+        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(secs[i] - apart * reading[i] for i in drafted),
                           apart=True)
 
     def _propose_batch(self, seqs, together, secs) -> dict[int, Draft] | None:

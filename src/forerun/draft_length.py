@@ -238,6 +238,11 @@ class DraftLength:
         if plain in self._seen and self._clock - self._seen[plain] > self.refresh_every:
             self._seen[plain] = self._clock  # its cost is stale: measure it again
             return [0] * n
+        if plain > 1 and self.costs["pass"].get(plain) is None:
+            # a batch whose step without drafts was never timed: time it (twice: the first pass of a
+            # row count is not a sample), or drafting is weighed against a guess from bigger passes
+            self._seen[plain] = self._clock
+            return [0] * n
         cands = []
         for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
             a, reach = self.acceptance(bucket), 1.0
@@ -284,9 +289,14 @@ class DraftLength:
         """While a costly drafter drafts (``stops_early``): after tokens of confidences ``conf``,
         whether drafting on is predicted to raise the round's tokens per second, the next tokens
         taken as likely as the last one (up to ``lookahead`` of them: a pass's cost need not rise
-        evenly with its rows). Drafting goes on until costs are measured."""
-        if self.fixed is not None or self.cost(1) is None or self.draft_cost is None:
+        evenly with its rows). Until costs are measured, ``k_start`` tokens (as ``choose`` plans
+        then): drafting on to ``k_max`` would make every batched pass a row count not seen before,
+        and the first pass of a row count is not a sample, so under load nothing would ever be
+        measured."""
+        if self.fixed is not None:
             return True
+        if self.cost(1) is None or self.draft_cost is None:
+            return len(conf) < self.k_start
         j = len(conf)
         if j >= self.k_max:
             return False
