@@ -109,6 +109,22 @@ def bound(probs: torch.Tensor, n: int = N) -> float:
     return 3.0 * 0.5 * float(torch.sqrt(2 * p * (1 - p) / (math.pi * n)).sum()) + 0.01
 
 
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's chi-square of counts against probs over the cells probs allows, and its degrees
+    of freedom; a count where probs is 0 makes it infinite."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    if bool((counts[probs == 0] > 0).any()):
+        return float("inf"), 1
+    keep = probs > 0
+    e = probs[keep] * counts.sum()
+    return float(((counts[keep] - e) ** 2 / e).sum()), int(keep.sum()) - 1
+
+
+def chi2_crit(df: int, z: float) -> float:
+    """Chi-square's upper point at ``z`` normal deviations (Wilson-Hilferty: within a percent here)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
 def sample(generate, setting: str, n: int = N, new: int = NEW, seed: int = 0, seeded: bool = False):
     """Counts of ``generate(params) -> (token ids, drafted)`` over n fresh seeds: per position
     [new, V], the joint of positions 0 and 1 [V, V], and the tokens drafted. ``seeded``: each

@@ -5,10 +5,9 @@ tiny transformers (where a bias under about a tenth of the mass passes), here to
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from spread import chi2, chi2_crit
 from table_model import TableBackend, near
 
 from forerun.drafters.draft_model import DraftModelDrafter
@@ -20,27 +19,6 @@ V, K, NEW = 6, 3, 4
 SETTING = dict(temperature=0.9, top_k=4)  # top-k cuts 2 of 6 tokens: q keeps some that p cut
 GENERATIONS = 50_000
 ALPHA_Z = 3.090  # one-sided normal point of 1e-3, for each of the five checks
-
-
-def chi2_crit(df: int, z: float = ALPHA_Z) -> float:
-    """Chi-square's upper point at ``z`` normal deviations (Wilson-Hilferty: within a percent here)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's chi-square over the cells probs allows, and its degrees of freedom; a count where
-    probs is 0 makes it infinite."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    if bool((counts[probs == 0] > 0).any()):
-        return float("inf"), 1
-    keep = probs > 0
-    e = probs[keep] * counts.sum()
-    return float(((counts[keep] - e) ** 2 / e).sum()), int(keep.sum()) - 1
-
-
-def passes(counts, joint, marg, jexact) -> bool:
-    tests = [chi2(c, m) for c, m in zip(counts, marg)] + [chi2(joint, jexact)]
-    return all(x < chi2_crit(df) for x, df in tests)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +86,7 @@ def test_the_check_sees_a_shift_of_a_hundredth(truth):
                 q[a] -= delta
                 q[b] += delta
                 return sum(chi2(torch.bincount(torch.multinomial(q.float(), GENERATIONS, replacement=True, generator=g),
-                                               minlength=V), p)[0] >= chi2_crit(len(kept) - 1) for _ in range(100))
+                                               minlength=V), p)[0] >= chi2_crit(len(kept) - 1, ALPHA_Z) for _ in range(100))
 
             assert failures(0.01) >= 85 and failures(0.0) <= 1, (a, b)
 
@@ -128,6 +106,6 @@ def test_the_engine_samples_the_target_to_a_hundredth(target, truth, seeded):
     assert drafted > GENERATIONS and whole > GENERATIONS // 10, (drafted, whole)
     for j, (c, m) in enumerate(zip(counts, marg)):
         x, df = chi2(c, m)
-        assert x < chi2_crit(df), (j, x, chi2_crit(df))
+        assert x < chi2_crit(df, ALPHA_Z), (j, x, chi2_crit(df, ALPHA_Z))
     x, df = chi2(joint, jexact)
-    assert x < chi2_crit(df), ("joint", x, chi2_crit(df))
+    assert x < chi2_crit(df, ALPHA_Z), ("joint", x, chi2_crit(df, ALPHA_Z))

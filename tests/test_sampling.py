@@ -1,5 +1,6 @@
 import pytest
 import torch
+from spread import chi2
 
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams, greedy_verify, logits_to_probs, rejection_sample, sample
@@ -89,9 +90,8 @@ def test_rejection_sampler_distribution_equals_p(onehot_q):
     tv = _tv(first, p1[0])
     assert tv < 0.01, tv
     # Chi-square, 7 degrees of freedom: 99.9% quantile is 24.3.
-    expected = p1[0] * B
-    chi2 = ((first - expected) ** 2 / expected).sum().item()
-    assert chi2 < 24.3, chi2
+    stat, df = chi2(first, p1[0])
+    assert df == 7 and stat < 24.3, stat
     # Given the first token was an accepted draft (n >= 1), the second output follows p_1.
     rows = n >= 1
     second = torch.bincount(out[rows, 1], minlength=V).float()
@@ -109,17 +109,6 @@ def test_sampler_detects_a_broken_residual():
     accept = torch.rand(B, generator=g) * qd <= pd
     wrong = torch.where(accept, d[:, 0], sample(p1[0].expand(B, V), g))
     assert _tv(torch.bincount(wrong, minlength=V).float(), p1[0]) > 0.02
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square of counts against probs, over the cells probs allows (a count where
-    probs is 0 makes it infinite)."""
-    n = counts.sum()
-    if bool((counts[probs == 0] > 0).any()):
-        return float("inf")
-    keep = probs > 0
-    e = probs[keep] * n
-    return float(((counts[keep] - e) ** 2 / e).sum())
 
 
 def test_a_draft_with_mass_where_the_target_has_none_still_samples_p_exactly():
@@ -140,12 +129,12 @@ def test_a_draft_with_mass_where_the_target_has_none_still_samples_p_exactly():
     out, n = rejection_sample(sample(q, g), q, p1.expand(B, k + 1, V), g)
     crit = 16.27  # chi-square's 99.9% point at 3 degrees of freedom (4 allowed tokens)
     first = torch.bincount(out[:, 0], minlength=V).double()
-    assert _chi2(first, p1[0].double()) < crit
+    assert chi2(first, p1[0])[0] < crit
     second = torch.bincount(out[n >= 1, 1], minlength=V).double()
-    assert _chi2(second, p1[1].double()) < crit
+    assert chi2(second, p1[1])[0] < crit
     shifted = p1[0].clone()
     a, b = torch.nonzero(shifted).flatten()[:2].tolist()
     shifted[a] += 0.01
     shifted[b] -= 0.01
     drawn = torch.bincount(torch.multinomial(shifted, B, replacement=True, generator=g), minlength=V).double()
-    assert _chi2(drawn, p1[0].double()) > crit
+    assert chi2(drawn, p1[0])[0] > crit

@@ -294,9 +294,8 @@ class Decoder:
         # Alone, a sequence's reading (its prompt, mostly) is not what a drafted token costs. In a
         # batch it is: a sequence drafts on and off there, and each time it resumes it first reads
         # what was committed meanwhile, so drafting is priced with its reading.
-        apart = 0.0 if len(alive) > 1 else 1.0
-        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(secs[i] - apart * reading[i] for i in drafted),
-                          apart=True)
+        spent = secs if len(alive) > 1 else [s - r for s, r in zip(secs, reading)]
+        pol.observe_draft(sum(drafts[i].steps or 0 for i in drafted), sum(spent[i] for i in drafted), apart=True)
 
     def _propose_batch(self, seqs, together, secs) -> dict[int, Draft] | None:
         """The drafts of ``together`` [(sequence, k)], every draft model step one batched pass;

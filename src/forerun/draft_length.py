@@ -235,12 +235,11 @@ class DraftLength:
         if self.cost(1) is None or (charge_drafting and self.draft_cost is None):  # nothing measured yet
             return [min(a, self.k_start, self.k_max) for a in available]
         plain = 1 if self.sequential else n  # the rows of a step without drafts
-        if plain in self._seen and self._clock - self._seen[plain] > self.refresh_every:
-            self._seen[plain] = self._clock  # its cost is stale: measure it again
-            return [0] * n
-        if plain > 1 and self.costs["pass"].get(plain) is None:
-            # a batch whose step without drafts was never timed: time it (twice: the first pass of a
-            # row count is not a sample), or drafting is weighed against a guess from bigger passes
+        # the step without drafts timed afresh where its cost is stale, and, in a batch, where it was
+        # never timed (twice: the first pass of a row count is not a sample), or drafting would be
+        # weighed against a guess from bigger passes
+        stale = plain in self._seen and self._clock - self._seen[plain] > self.refresh_every
+        if stale or (plain > 1 and self.costs["pass"].get(plain) is None):
             self._seen[plain] = self._clock
             return [0] * n
         cands = []
