@@ -13,24 +13,27 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
+
+
+def tree_depths(parents: torch.Tensor) -> list[int]:
+    """Each row's depth [n + 1] (the root's is 0), checking that parents come before their children."""
+    depth = [0]
+    for i, p in enumerate(parents.tolist()):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
+        depth.append(depth[p + 1] + 1)
+    return depth
 
 
 def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """depths [n + 1] (root 0) and the ancestor mask [n + 1, n + 1] (True: row i sees row j)."""
-    n = parents.numel()
-    par = parents.tolist()
-    depth = [0] * (n + 1)
-    anc = torch.zeros(n + 1, n + 1, dtype=torch.bool, device="cpu")
-    anc[0, 0] = True
-    for i, p in enumerate(par):
-        if not -1 <= p < i:
-            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
-        r, pr = i + 1, p + 1
-        depth[r] = depth[pr] + 1
-        anc[r] = anc[pr]
-        anc[r, r] = True
-    return torch.tensor(depth, device="cpu"), anc
+    depth = tree_depths(parents)
+    anc = np.eye(len(depth), dtype=bool)
+    for i, p in enumerate(parents.tolist()):  # a row sees what its parent sees, and itself
+        anc[i + 1, : i + 1] = anc[p + 1, : i + 1]
+    return torch.tensor(depth, device="cpu"), torch.from_numpy(anc)
 
 
 def children_lists(parents: torch.Tensor) -> list[list[int]]:

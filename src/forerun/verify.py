@@ -30,7 +30,7 @@ from forerun.sampling import (
     logits_to_probs,
     rejection_sample,
 )
-from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_layout
+from forerun.tree import greedy_tree_accept, greedy_tree_walk, sample_tree_accept, tree_depths
 
 
 @dataclass
@@ -160,7 +160,7 @@ def accept(draft: Draft, out, params: SamplingParams, generator=None, root: int 
     sample at its position: the row at depth j (row 0 at ``root``) predicts the token at
     root + 1 + j."""
     if isinstance(generator, SeededNoise) and not params.greedy:
-        depth = range(len(draft) + 1) if draft.parents is None else tree_layout(draft.parents)[0].tolist()
+        depth = range(len(draft) + 1) if draft.parents is None else tree_depths(draft.parents)
         targets = generator.samples(logits_to_probs(out.logits, params), [root + 1 + d for d in depth])
         if draft.parents is not None:
             rows, toks = greedy_tree_accept(draft.tokens, draft.parents, targets)

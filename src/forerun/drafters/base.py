@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun.sampling import SamplingParams
-from forerun.tree import tree_layout
+from forerun.tree import tree_depths
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Draft:
         if self.parents is None:
             return len(self)
 
-        return int(tree_layout(self.parents)[0].max())
+        return max(tree_depths(self.parents))
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
