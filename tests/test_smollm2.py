@@ -135,6 +135,7 @@ def test_bench_auto_backend_per_method(tmp_path, capsys, monkeypatch):
     import forerun.kept as kept
     import forerun.models as models
     from forerun.backend_timing import faster, kept_timing
+    from forerun.build import method_backend
 
     monkeypatch.setattr(kept, "BUSY", float("inf"))  # one measurement for the whole test, however busy
     path = models.smollm2_gguf_path()
@@ -145,8 +146,8 @@ def test_bench_auto_backend_per_method(tmp_path, capsys, monkeypatch):
         want = {"none": chosen, "ngram": chosen}  # one backend per file
     else:
         want = {"none": "llama.cpp", "ngram": "llama.cpp"}
-    assert {m: models.method_backend(m, "smollm2") for m in want} == want
-    assert models.method_backend("eagle", "smollm2") == "torch"
+    assert {m: method_backend(m, "smollm2") for m in want} == want
+    assert method_backend("eagle", "smollm2") == "torch"
     monkeypatch.setattr(models, "integer_ready", lambda path: False)
     from conftest import spec_bench_prompts  # noqa: F401  (skips without the prompts)
 

@@ -31,7 +31,7 @@ from forerun.bench_report import predicted_speedup, summarise, tree_pricing, wri
 from forerun.build import Options, backend_for, build, load_draft_model, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
 from forerun.draft_length import K_MAX
-from forerun.drafters import HEAD_METHODS
+from forerun.drafters import method_row
 from forerun.errors import ForerunError
 from forerun.machine import cpu_name
 from forerun.models import resolve_source
@@ -274,7 +274,7 @@ def run_bench(args) -> dict:
 
     def setup_of(m):
         tree_m = tree if m in tree_methods else None
-        opts = replace(options, method=kinds[m], draft=heads.get(kinds[m]) if kinds[m] in HEAD_METHODS else args.draft,
+        opts = replace(options, method=kinds[m], draft=heads.get(kinds[m]) if method_row(kinds[m]).head else args.draft,
                        tree_nodes=tree_m[0] if tree_m else 0, tree_depth=tree_m[1] if tree_m else None,
                        tree_lookup=parsed[m].lookup if m in parsed else None,
                        lookup_from=parsed[m].lookup_from if m in parsed else "ngram", adapt=m in parsed and parsed[m].adapt,

@@ -4,7 +4,7 @@ drafter, and the engine that drives them.
 ``forerun generate``, ``forerun bench``, ``forerun serve`` and ``eval-draft`` all build through
 here: a method runs on the same backend with the same checks however it is asked for, and every
 option is checked before a model loads. Which backend runs which method is
-``models.method_backend``'s answer, asked only from here.
+``method_backend``'s answer, from the method's row (``drafters.method_row``).
 
 Bench method names (also ``eval-draft --replay``):
 ``METHOD[-tree[+lookup|+auto|+suffix|+suffix-auto]][:K][+adapt]``, e.g. ``ngram:auto``,
@@ -15,23 +15,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from forerun import models
+from forerun.backends.llamacpp_lib import available
 from forerun.batching import BatchEngine
 from forerun.draft_length import K_MAX
 from forerun.drafters import (
-    HEAD_METHODS,
-    LOOKUP_SOURCES,
-    METHODS,
-    TREE_METHODS,
     check_adapt_args,
-    check_draft_settings,
     check_method,
+    check_method_options,
+    head_methods,
     make_drafter,
+    method_names,
+    method_row,
     parse_skip_layers,
+    tree_methods,
     tree_shape,
 )
 from forerun.engine import Engine, check_k
 from forerun.errors import ForerunError
-from forerun.models import load_model, method_backend
+from forerun.models import load_model
 from forerun.split_models import default_draft
 
 # bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
@@ -47,7 +49,7 @@ class Method:
     """A bench method name, parsed: ``eagle-tree+lookup:8`` -> kind eagle, tree "-tree+lookup", k 8."""
 
     name: str
-    kind: str  # the drafting method (METHODS)
+    kind: str  # the drafting method (a row of ``drafters.method_names()``)
     tree: str | None  # a key of TREE_SUFFIXES ("-tree", "-tree+lookup", ...) or None (a chain)
     k: int | str | None  # its own draft length, if it names one
     adapt: bool  # the head keeps learning over the run
@@ -69,15 +71,17 @@ def parse_method(name: str) -> Method:
         return Method(name, "draft", None, check_k(k) if k else None, False, DRAFT_LOOKUPS[base])
     tree = next((s for s in TREE_SUFFIXES if base.endswith(s)), None)
     kind = base.removesuffix(tree) if tree else base
-    if kind not in METHODS or (tree and kind not in TREE_METHODS):
-        raise ForerunError(f"unknown method {base!r} (choose {', '.join(METHODS)}; eagle and medusa also as "
-                           "eagle-tree, eagle-tree+lookup, eagle-tree+auto, eagle-tree+suffix or eagle-tree+suffix-auto; "
-                           "suffix as suffix-tree; draft as draft+ngram or draft+suffix)")
-    if tree and tree != "-tree" and kind not in HEAD_METHODS:
-        raise ForerunError(f"{name}: the lookup branch is grafted onto a head's tree (eagle or medusa)")
+    if kind not in method_names() or (tree and kind not in tree_methods()):
+        heads, trees = head_methods(), [m for m in tree_methods() if m not in head_methods()]
+        raise ForerunError(f"unknown method {base!r} (choose {', '.join(method_names())}; "
+                           + "".join(f"{h} also as {h}-tree, {h}-tree+lookup, {h}-tree+auto, {h}-tree+suffix or "
+                                     f"{h}-tree+suffix-auto; " for h in heads)
+                           + "".join(f"{t} as {t}-tree; " for t in trees) + "draft as draft+ngram or draft+suffix)")
+    if tree and tree != "-tree" and kind not in head_methods():
+        raise ForerunError(f"{name}: the lookup branch is grafted onto a head's tree ({' or '.join(head_methods())})")
     adapt = name.endswith("+adapt")
-    if adapt and kind not in HEAD_METHODS:
-        raise ForerunError(f"{name}: +adapt trains eagle and medusa heads only")
+    if adapt and kind not in head_methods():
+        raise ForerunError(f"{name}: +adapt trains {' and '.join(head_methods())} heads only")
     return Method(name, kind, tree, check_k(k) if k else None, adapt)
 
 
@@ -121,17 +125,15 @@ class Options:
         """Everything that can be checked before a model loads; returns itself."""
         check_method(self.method, bool(self.draft))
         check_adapt_args(self.method, self.adapt, self.adapt_save)
-        self.tree  # noqa: B018 - a bad shape fails now
-        self.skip  # noqa: B018
-        if self.threads is not None and self.threads < 1:
-            raise ForerunError(f"--threads must be >= 1, got {self.threads}")
-        if self.lookup_from not in LOOKUP_SOURCES:
-            raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {self.lookup_from!r}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
         if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
-        check_draft_settings(self.draft_window, self.draft_p_min, self.draft_lookup)
+        check_method_options(self.method, tree=self.tree, tree_lookup=self.tree_lookup, lookup_from=self.lookup_from,
+                             **self.draft_settings)
+        self.skip  # noqa: B018 - a bad list fails now
+        if self.threads is not None and self.threads < 1:
+            raise ForerunError(f"--threads must be >= 1, got {self.threads}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
         if self.draft_quant not in DRAFT_QUANTS:
             raise ForerunError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.draft_quant!r}")
         return self
@@ -146,12 +148,39 @@ class Options:
 
     @property
     def head_path(self):
-        return self.draft if self.method in HEAD_METHODS else None
+        return self.draft if method_row(self.method).head else None
+
+    @property
+    def draft_settings(self) -> dict:
+        """The draft model's settings, for a method that drafts with one (the command line gives
+        them to every method; a bench's other methods ignore them)."""
+        if not method_row(self.method).draft_model:
+            return {}
+        return dict(draft_tokens=self.draft_tokens, draft_window=self.draft_window, draft_p_min=self.draft_p_min,
+                    draft_lookup=self.draft_lookup)
+
+
+def method_backend(method: str, spec: str, device: str = "auto", serving: bool = False) -> str:
+    """``--backend auto`` per method: the one place that says which backend runs what (generate,
+    bench and serve ask it). On the CPU with llama-cpp-python installed, a GGUF model's methods
+    that run on its outputs alone (none, ngram, suffix, draft) take the faster backend measured on
+    this machine (``models.timed_backend``, one choice per file) where the integer path runs the
+    file, else llama.cpp; methods whose row ``needs_torch`` (they skip layers or read hidden
+    states: layerskip, eagle, medusa), and anything not a GGUF file, torch. A server
+    (``serving``) always takes torch: it batches sequences into one pass, where a llama.cpp
+    context holds one sequence."""
+    if serving:
+        return "torch"
+    kind, loc = models.resolve_source(spec)
+    on_cpu = models.resolve_device(device).type == "cpu"
+    if kind == "gguf" and on_cpu and available() and not method_row(method).needs_torch:
+        return models.timed_backend(loc) if models.integer_ready(loc) else "llama.cpp"
+    return "torch"
 
 
 def backend_for(options: Options, methods=()) -> str:
     """The backend that runs ``methods`` (default: the options' method): ``--backend`` as given,
-    else ``models.method_backend``'s choice (torch where the methods differ)."""
+    else ``method_backend``'s choice (torch where the methods differ)."""
     if options.backend != "auto":
         return options.backend
     chosen = {method_backend(m, options.model, options.device, serving=options.serving)
@@ -183,11 +212,7 @@ def drafter_for(options: Options, target, draft_model=None):
     """The drafter the options ask for, over ``target`` (None for plain decoding)."""
     return make_drafter(options.method, target, draft_model=draft_model, skip_layers=options.skip,
                         head_path=options.head_path, tree=options.tree, tree_lookup=options.tree_lookup,
-                        lookup_from=options.lookup_from, adapt=options.adapt,
-                        draft_tokens=options.draft_tokens if options.method == "draft" else None,
-                        draft_window=options.draft_window if options.method == "draft" else None,
-                        draft_p_min=options.draft_p_min if options.method == "draft" else None,
-                        draft_lookup=options.draft_lookup if options.method == "draft" else None)
+                        lookup_from=options.lookup_from, adapt=options.adapt, **options.draft_settings)
 
 
 @dataclass

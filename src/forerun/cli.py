@@ -23,7 +23,15 @@ from forerun.build import DRAFT_QUANTS, Options, build, load_target, parse_metho
 from forerun.chat import prompt_ids, uses_chat
 from forerun.constrain import Grammar
 from forerun.draft_length import K_MAX
-from forerun.drafters import LOOKUP_SOURCES, load_trained_head, require_hidden_states, tree_shape
+from forerun.drafters import (
+    LOOKUP_SOURCES,
+    MAX_TREE_NODES,
+    load_trained_head,
+    method_help,
+    require_hidden_states,
+    tree_methods,
+    tree_shape,
+)
 from forerun.drafters.adapt import save_adapted
 from forerun.drafters.layer_skip import calibrate, calibration_key, corpus_token_frequencies
 from forerun.engine import check_k
@@ -94,8 +102,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=0,
-                   help="eagle/medusa/suffix: verify a token tree of this many draft nodes per step, at most 64 (0 = a "
-                        "chain, the default)")
+                   help=f"{'/'.join(tree_methods())}: verify a token tree of this many draft nodes per step, at most "
+                        f"{MAX_TREE_NODES} (0 = a chain, the default)")
     p.add_argument("--tree-depth", type=int, default=None, help="tree depth (default: 6 for eagle, the head count for medusa)")
     p.add_argument("--tree-lookup", nargs="?", const="always", choices=("always", "auto"), default=None,
                    help="trees: also verify the prompt-lookup (n-gram) continuation as one more branch (up to --k "
@@ -128,8 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
     _model_args(g)
-    g.add_argument("--method", default="ngram",
-                   help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram)")
+    g.add_argument("--method", default="ngram", help=method_help())
     g.add_argument("--k", default="auto", type=_k_arg,
                    help="draft length 1..32, or auto: chosen every step from measured acceptance and costs (default)")
     _tree_args(g)
@@ -286,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (batched speculation)")
     _model_args(s)
     s.add_argument("--method", default="ngram",
-                   help="none | ngram | suffix | draft | layerskip | eagle | medusa (default ngram; token trees with "
-                        "--tree-nodes on the torch backend; suffix drafts from every earlier output of the server too)")
+                   help=method_help() + "; token trees with --tree-nodes on the torch backend; suffix drafts from every "
+                   "earlier output of the server too")
     _tree_args(s)
     _adapt_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

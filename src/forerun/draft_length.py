@@ -8,7 +8,7 @@ which times every pass itself. Drafters never time the engine.
 
 from __future__ import annotations
 
-MAX_K = 32  # the longest draft anyone may ask for (--k)
+LONGEST_DRAFT = 32  # the longest draft anyone may ask for (--k)
 K_MAX = 16  # the longest draft --k auto chooses, one sequence or a batch (the server's --k-max)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from forerun.backends.ckernels import release_threads
 from forerun.decode import Decoder, Sequence, check_request
-from forerun.draft_length import MAX_K, DraftLength
+from forerun.draft_length import LONGEST_DRAFT, DraftLength
 from forerun.drafters.base import Drafter
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
@@ -36,9 +36,9 @@ def check_k(k) -> int | str:
     try:
         k = int(k)
     except (TypeError, ValueError):
-        raise ForerunError(f"--k must be an integer in 1..{MAX_K} or 'auto', got {k!r}") from None
-    if not 1 <= k <= MAX_K:
-        raise ForerunError(f"--k must be in 1..{MAX_K} or 'auto', got {k}")
+        raise ForerunError(f"--k must be an integer in 1..{LONGEST_DRAFT} or 'auto', got {k!r}") from None
+    if not 1 <= k <= LONGEST_DRAFT:
+        raise ForerunError(f"--k must be in 1..{LONGEST_DRAFT} or 'auto', got {k}")
     return k
 
 

@@ -344,27 +344,6 @@ def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None 
     return backend
 
 
-TORCH_METHODS = ("layerskip", "eagle", "medusa")  # need the torch backend: layer skipping, hidden states, trees
-
-
-def method_backend(method: str, spec: str, device: str = "auto", serving: bool = False) -> str:
-    """``--backend auto`` per method: the one place that says which backend runs what (generate,
-    bench and serve ask it). On the CPU with llama-cpp-python installed, a GGUF model's methods
-    that run on its outputs alone (none, ngram, suffix, draft) take the faster backend measured on
-    this machine (``timed_backend``, one choice per file) where the integer path runs the file,
-    else llama.cpp; methods that skip layers or
-    read hidden states (layerskip, eagle, medusa), and anything not a GGUF file, torch. A server
-    (``serving``) always takes torch: it batches sequences into one pass, where a llama.cpp
-    context holds one sequence."""
-    if serving:
-        return "torch"
-    kind, loc = resolve_source(spec)
-    on_cpu = resolve_device(device).type == "cpu"
-    if kind == "gguf" and on_cpu and available() and method not in TORCH_METHODS:
-        return timed_backend(loc) if integer_ready(loc) else "llama.cpp"
-    return "torch"
-
-
 def model_key(model: LoadedModel) -> list:
     """What identifies a loaded model's weights, for keeping measurements made on it
     (``forerun.kept``): a file or folder by path, size and time; anything else (a hub id, a model

@@ -52,7 +52,7 @@ CUDA_GRAPHS = True  # replay captured graphs of chain chunks on CUDA
 def fixed_takes(rows: int, tree) -> bool:
     """Whether a pass of ``rows`` rows (``tree``: a token tree's parents, or None) runs in fixed
     shapes: every token tree, whatever its size, and every chain of up to ``MAX_ROWS`` rows (a
-    verify chain is at most ``draft_length.MAX_K`` + 1 rows). A longer chain is a prompt, read once
+    verify chain is at most ``draft_length.LONGEST_DRAFT`` + 1 rows). A longer chain is a prompt, read once
     and the same way by every method."""
     return tree is not None or rows <= MAX_ROWS
 

@@ -26,7 +26,7 @@ from forerun import kept
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.greedy_head import Q8Head
 from forerun.backends.llamacpp_lib import HiddenTap, load_llama_cpp, tap_lib
-from forerun.draft_length import MAX_K
+from forerun.draft_length import LONGEST_DRAFT
 from forerun.errors import ForerunError
 from forerun.gguf_file import Q8_0, GGUFFile
 from forerun.timing import median_s
@@ -155,13 +155,13 @@ class LlamaCppModel:
         Greedy speculation is token-identical to plain decoding only if they do. Exact mode
         (the default) chooses llama.cpp settings under which ggml computes every row the same
         way whatever the pass size; the probe confirms it on this machine and build (a pass of
-        the longest verification, MAX_K + 1 tokens, after a 600-token prompt, against one-token
+        the longest verification, LONGEST_DRAFT + 1 tokens, after a 600-token prompt, against one-token
         steps).
         """
         if self._invariant is None:
             rng = np.random.default_rng(0)
             hi = min(self.n_vocab, 20000)
-            n = MAX_K + 1
+            n = LONGEST_DRAFT + 1
             P = 600  # the pass straddles 512 and 640 cached cells, where the one-token attention kernel used to change
             prompt = rng.integers(100, hi, P).astype(np.int32)
             extra = rng.integers(100, hi, n).astype(np.int32)

@@ -1,8 +1,13 @@
-"""Drafters, one module each, and the factory that builds one by method name."""
+"""Drafters, one module each, and the method table: one row per drafting method (its name, what it
+drafts from, what it can do, how it is built), from which the method lists, the command line's
+help, the option checks and the backend choice are all derived. Adding a method is a ``Drafter``
+class and a row (``register_method``)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -19,10 +24,7 @@ from forerun.drafters.ngram import NgramDrafter
 from forerun.drafters.suffix import SuffixDrafter
 from forerun.errors import ForerunError
 
-METHODS = ("none", "ngram", "suffix", "draft", "layerskip", "eagle", "medusa")
-TREE_METHODS = ("eagle", "medusa", "suffix")  # methods that can draft token trees (--tree-nodes)
 LOOKUP_SOURCES = ("ngram", "suffix")  # where a tree's lookup branch comes from (--lookup-from)
-HEAD_METHODS = ("eagle", "medusa")  # trained heads that read the target's hidden states
 MAX_TREE_NODES = 64  # the most draft nodes a token tree may have (--tree-nodes)
 # method draft's defaults (docs/drafters.md, "What a draft model reads"): the draft model reads the
 # whole context (None; a window of its last N tokens lost half the accepted tokens on summaries), and
@@ -119,12 +121,138 @@ def lookup_source(source: str, ngram_max: int, ngram_min: int):
     return SuffixLookup() if source == "suffix" else NgramLookup(ngram_max, ngram_min)
 
 
+@dataclass
+class DraftRequest:
+    """What ``make_drafter`` was asked for, as a row's ``make`` reads it (see ``make_drafter``)."""
+
+    method: str
+    target: object
+    draft_model: object = None
+    skip_layers: list[int] | None = None
+    ngram_max: int = 4
+    ngram_min: int = 1
+    head_path: object = None
+    tree: tuple | None = None
+    tree_lookup: bool | str | None = None
+    lookup_from: str = "ngram"
+    adapt: object = None
+    draft_tokens: int | None = None
+    draft_window: int | None = None
+    draft_p_min: float | None = None
+    draft_lookup: str | None = None
+
+
+@dataclass(frozen=True)
+class DraftingMethod:
+    """One row of the method table."""
+
+    name: str
+    about: str  # what it drafts from (the command line's help)
+    make: Callable[[DraftRequest], Drafter | None]  # the drafter, once the option checks passed
+    trees: bool = False  # can draft token trees (tree=, --tree-nodes)
+    head: bool = False  # a trained head on the target's hidden states (head_path=, adapt=, tree_lookup=)
+    needs_torch: bool = False  # reads what only the torch backend gives (skipped layers, hidden states)
+    draft_model: bool = False  # drafts with a second model (draft_model=, --draft MODEL)
+
+
+def _ngram(r: DraftRequest):
+    return NgramDrafter(max_ngram=r.ngram_max, min_ngram=r.ngram_min)
+
+
+def _suffix(r: DraftRequest):
+    if r.tree is not None and not r.target.backend.capabilities.token_trees:
+        raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp suffix drafts chains")
+    return SuffixDrafter(tree_nodes=r.tree[0] if r.tree else None, max_depth=r.tree[1] if r.tree else None)
+
+
+def _draft_model(r: DraftRequest):
+    target, draft_model = r.target, r.draft_model
+    check_vocab(target, draft_model)
+    cuttable = hasattr(draft_model.backend, "sub_head")  # the llama.cpp backend runs its whole head
+    if r.draft_tokens and not cuttable:
+        raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
+    n = auto_draft_tokens(draft_model.backend.vocab_size, r.draft_tokens) if cuttable else 0
+    lookup = lookup_source(r.draft_lookup, r.ngram_max, r.ngram_min) if r.draft_lookup else None
+    return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None,
+                             window=r.draft_window or DRAFT_WINDOW,
+                             p_min=DRAFT_P_MIN if r.draft_p_min is None else r.draft_p_min, lookup=lookup)
+
+
+def _layer_skip(r: DraftRequest):
+    if not r.target.backend.capabilities.layer_skip:
+        raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
+                           "llama.cpp has no per-call layer selection")
+    calib = default_calibration(r.target) if r.skip_layers is None else {}
+    layers = r.skip_layers if r.skip_layers is not None else calib["best"]["skip"]
+    return LayerSkipDrafter(r.target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
+
+
+def _head(r: DraftRequest):
+    lookup = lookup_source(r.lookup_from, r.ngram_max, r.ngram_min) if r.tree_lookup else None
+    return load_head_drafter(r.method, r.target, r.head_path, r.tree, lookup, adaptive=r.tree_lookup == "auto",
+                             adapt=r.adapt)
+
+
+_TABLE: dict[str, DraftingMethod] = {}
+
+
+def register_method(row: DraftingMethod) -> DraftingMethod:
+    """Add a row to the method table (or replace the row of that name); returns it."""
+    _TABLE[row.name] = row
+    return row
+
+
+def unregister_method(name: str) -> None:
+    _TABLE.pop(name, None)
+
+
+for _row in (
+    DraftingMethod("none", "plain decoding, no drafts", lambda r: None),
+    DraftingMethod("ngram", "prompt lookup: what followed the context's last n-gram where it occurred before", _ngram),
+    DraftingMethod("suffix", "the longest match of the context's end in the context and earlier outputs", _suffix,
+                   trees=True),
+    DraftingMethod("draft", "a smaller model with the target's vocabulary (--draft MODEL)", _draft_model,
+                   draft_model=True),
+    DraftingMethod("layerskip", "the target itself with some layers skipped", _layer_skip, needs_torch=True),
+    DraftingMethod("eagle", "a trained head reading the target's hidden states, one token after another", _head,
+                   trees=True, head=True, needs_torch=True),
+    DraftingMethod("medusa", "trained heads reading the target's last hidden state, one per position", _head,
+                   trees=True, head=True, needs_torch=True),
+):
+    register_method(_row)
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(_TABLE)
+
+
+def tree_methods() -> tuple[str, ...]:
+    """Methods that can draft token trees (--tree-nodes)."""
+    return tuple(n for n, m in _TABLE.items() if m.trees)
+
+
+def head_methods() -> tuple[str, ...]:
+    """Trained heads on the target's hidden states (--adapt, --tree-lookup, --draft HEAD_FOLDER)."""
+    return tuple(n for n, m in _TABLE.items() if m.head)
+
+
+def method_row(method: str) -> DraftingMethod:
+    """The table's row for ``method`` (an unknown name is a clear error)."""
+    row = _TABLE.get(method)
+    if row is None:
+        raise ForerunError(f"unknown method {method!r} (choose {', '.join(_TABLE)})")
+    return row
+
+
+def method_help(default: str = "ngram") -> str:
+    """The command line's --method help, from the table."""
+    return " | ".join(_TABLE) + f" (default {default})"
+
+
 def check_method(method: str, has_draft: bool) -> None:
-    """Before any model loads: the method exists, and method draft has its draft model."""
-    if method not in METHODS:
-        raise ForerunError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
-    if method == "draft" and not has_draft:
-        raise ForerunError("method draft needs a draft model (--draft MODEL)")
+    """Before any model loads: the method exists, and a draft-model method has its draft model."""
+    if method_row(method).draft_model and not has_draft:
+        raise ForerunError(f"method {method} needs a draft model (--draft MODEL)")
 
 
 def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
@@ -132,12 +260,42 @@ def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
     model loads (``generate`` and ``serve`` share it)."""
     if adapt_save and not adapt:
         raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
-    if adapt and method not in HEAD_METHODS:
-        raise ForerunError(f"--adapt trains eagle and medusa heads, not {method}")
+    check_method_options(method, adapt=adapt)
     if adapt_save:
         out = Path(adapt_save)
         if out.exists() and not out.is_dir():
             raise ForerunError(f"--adapt-save {out} exists and is not a folder")
+
+
+def check_method_options(method: str, *, tree=None, tree_lookup: bool | str | None = None, lookup_from: str = "ngram",
+                         adapt=None, draft_tokens: int | None = None, draft_window: int | None = None,
+                         draft_p_min: float | None = None, draft_lookup: str | None = None) -> None:
+    """The one check of a method's options against its row, before any model loads (``make_drafter``
+    and ``build.Options.check`` both ask it): what only some methods take is refused elsewhere."""
+    row = method_row(method)
+    if (draft_window is not None or draft_p_min is not None or draft_lookup) and not row.draft_model:
+        raise ForerunError(f"--draft-window, --draft-p-min and --draft-lookup set method draft's draft model, not {method}")
+    check_draft_settings(draft_window, draft_p_min, draft_lookup)
+    if draft_tokens is not None and (not row.draft_model or draft_tokens < 0):
+        raise ForerunError(f"--draft-tokens cuts a draft model's vocabulary: method draft and a count >= 0, "
+                           f"not {method} with {draft_tokens}")
+    if adapt and not row.head:
+        raise ForerunError(f"--adapt trains {' and '.join(head_methods())} heads, not {method}")
+    if tree_lookup not in (None, False, True, "always", "auto"):
+        raise ForerunError(f"--tree-lookup must be 'always' or 'auto', got {tree_lookup!r}")
+    if tree is not None and not row.trees:
+        raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(tree_methods())}, not {method}")
+    if tree is not None:
+        tree_shape(*tree)
+    if tree_lookup and not row.head:
+        raise ForerunError(f"--tree-lookup adds a lookup branch to a trained head's tree ({', '.join(head_methods())}), "
+                           f"not {method}'s" + ("; suffix trees already draft from lookups" if method == "suffix" else ""))
+    if lookup_from not in LOOKUP_SOURCES:
+        raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {lookup_from!r}")
+    if lookup_from != "ngram" and not tree_lookup:
+        raise ForerunError(f"--lookup-from {lookup_from} names where --tree-lookup's chain comes from: give --tree-lookup too")
+    if tree_lookup and tree is None:
+        raise ForerunError("--tree-lookup adds a branch to a token tree: give --tree-nodes too")
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
@@ -160,64 +318,20 @@ def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngr
     probability (None: ``DRAFT_P_MIN``); ``draft_lookup``: method draft also offers a model-free
     chain every round, "ngram" (prompt lookup) or "suffix" (the suffix drafter's), verified alone
     where it promises more than the model's draft."""
-    if (draft_window is not None or draft_p_min is not None or draft_lookup) and method != "draft":
-        raise ForerunError(f"--draft-window, --draft-p-min and --draft-lookup set method draft's draft model, not {method}")
-    check_draft_settings(draft_window, draft_p_min, draft_lookup)
-    if draft_tokens is not None and (method != "draft" or draft_tokens < 0):
-        raise ForerunError(f"--draft-tokens cuts a draft model's vocabulary: method draft and a count >= 0, "
-                           f"not {method} with {draft_tokens}")
-    if adapt and method not in HEAD_METHODS:
-        raise ForerunError(f"online adaptation (--adapt) trains eagle and medusa heads, not {method}")
-    if tree_lookup not in (None, False, True, "always", "auto"):
-        raise ForerunError(f"--tree-lookup must be 'always' or 'auto', got {tree_lookup!r}")
-    if tree is not None and method not in TREE_METHODS:
-        raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(TREE_METHODS)}, not {method}")
-    if tree is not None:
-        tree = tree_shape(*tree)
-    if tree_lookup and method == "suffix":
-        raise ForerunError("--tree-lookup adds a lookup branch to a head's tree; suffix trees already draft from lookups")
-    if lookup_from not in LOOKUP_SOURCES:
-        raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {lookup_from!r}")
-    if lookup_from != "ngram" and not tree_lookup:
-        raise ForerunError(f"--lookup-from {lookup_from} names where --tree-lookup's chain comes from: give --tree-lookup too")
-    if tree_lookup and tree is None:
-        raise ForerunError("--tree-lookup adds a branch to a token tree: give --tree-nodes too")
+    check_method_options(method, tree=tree, tree_lookup=tree_lookup, lookup_from=lookup_from, adapt=adapt,
+                         draft_tokens=draft_tokens, draft_window=draft_window, draft_p_min=draft_p_min,
+                         draft_lookup=draft_lookup)
     check_method(method, draft_model is not None)
-    if method == "none":
-        return None
-    if method == "ngram":
-        return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
-    if method == "suffix":
-        if tree is not None and not target.backend.capabilities.token_trees:
-            raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp suffix drafts chains")
-        return SuffixDrafter(tree_nodes=tree[0] if tree else None, max_depth=tree[1] if tree else None)
-    if method in HEAD_METHODS:
-        lookup = None
-        if tree_lookup:
-            lookup = lookup_source(lookup_from, ngram_max, ngram_min)
-        return load_head_drafter(method, target, head_path, tree, lookup,
-                                 adaptive=tree_lookup == "auto", adapt=adapt)
-    if method == "draft":
-        check_vocab(target, draft_model)
-        cuttable = hasattr(draft_model.backend, "sub_head")  # the llama.cpp backend runs its whole head
-        if draft_tokens and not cuttable:
-            raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
-        n = auto_draft_tokens(draft_model.backend.vocab_size, draft_tokens) if cuttable else 0
-        window = draft_window or DRAFT_WINDOW
-        lookup = lookup_source(draft_lookup, ngram_max, ngram_min) if draft_lookup else None
-        return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None,
-                                 window=window, p_min=DRAFT_P_MIN if draft_p_min is None else draft_p_min, lookup=lookup)
-    if not target.backend.capabilities.layer_skip:
-        raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
-                           "llama.cpp has no per-call layer selection")
-
-    calib = default_calibration(target) if skip_layers is None else {}
-    layers = skip_layers if skip_layers is not None else calib["best"]["skip"]
-    return LayerSkipDrafter(target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
+    return method_row(method).make(DraftRequest(
+        method, target, draft_model=draft_model, skip_layers=skip_layers, ngram_max=ngram_max, ngram_min=ngram_min,
+        head_path=head_path, tree=tree_shape(*tree) if tree is not None else None, tree_lookup=tree_lookup,
+        lookup_from=lookup_from, adapt=adapt, draft_tokens=draft_tokens, draft_window=draft_window,
+        draft_p_min=draft_p_min, draft_lookup=draft_lookup))
 
 
-__all__ = ["Draft", "Drafter", "METHODS", "HEAD_METHODS", "MAX_TREE_NODES", "TREE_METHODS", "LOOKUP_SOURCES", "make_drafter",
-           "check_method", "check_vocab", "parse_skip_layers"]
+__all__ = ["Draft", "Drafter", "DraftingMethod", "DraftRequest", "MAX_TREE_NODES", "LOOKUP_SOURCES", "make_drafter",
+           "check_method", "check_method_options", "check_vocab", "head_methods", "method_help", "method_names",
+           "method_row", "parse_skip_layers", "register_method", "tree_methods", "unregister_method"]
 
 
 def tree_shape(nodes: int, depth: int | None):

@@ -26,12 +26,11 @@ from forerun.batching import BatchEngine, BatchRequest, EngineStopped, QueueFull
 from forerun.chat import chat_ids
 from forerun.server.metrics import Metrics
 from forerun.server.openapi import openapi_schema
-from forerun.server.requests import ApiError, Job, bad_request, has_lone_surrogate, validate
+from forerun.server.requests import TIMED_OUT, ApiError, Job, bad_request, has_lone_surrogate, validate
 
 # The engine's finish reasons as the OpenAI API names them: it has no reason of its own for the
 # context limit, so a generation cut there ends with "length", as one cut by max_tokens does.
 API_FINISH = {"context": "length"}
-TIMED_OUT = "forerun.read_timed_out"  # scope key: the request was answered 408 at the socket (server.limits)
 
 
 class Service:

@@ -26,8 +26,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forerun.errors import ForerunError
-from forerun.server.app import TIMED_OUT
-from forerun.server.requests import ApiError
+from forerun.server.requests import TIMED_OUT, ApiError
 
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 

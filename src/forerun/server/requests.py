@@ -12,6 +12,8 @@ from forerun.constrain import Grammar
 from forerun.errors import ForerunError
 from forerun.sampling import SamplingParams
 
+TIMED_OUT = "forerun.read_timed_out"  # scope key: the request was answered 408 at the socket (server.limits)
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,

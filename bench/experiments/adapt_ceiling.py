@@ -4,7 +4,7 @@ against heads that adapt with far more updates than the default, over Spec-Bench
 Only tau is compared (the updates' time is ignored); each configuration starts from the shipped
 head and runs the prompts in file order, greedy, 128 new tokens, torch backend.
 
-    python bench/adapt_ceiling.py MODEL LIMIT_PER_CATEGORY OUT.json \\
+    python bench/experiments/adapt_ceiling.py MODEL LIMIT_PER_CATEGORY OUT.json \\
         '{"fixed": null, "heavy": {"every": 2, "batch": 4, "lr": 0.0003, "tolerance": 1.0}}'
 
 A configuration is ``null`` (no adaptation), ``true`` (the defaults) or ``OnlineAdapter`` options.
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def main() -> None:

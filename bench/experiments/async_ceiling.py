@@ -9,7 +9,7 @@ Measures, for one model on the torch backend:
 The ceiling of asynchronous drafting is the drafting share of a round, if a concurrent draft cost
 the verify pass nothing; part 2 shows what running them together costs.
 
-Usage: python bench/async_ceiling.py --model bundled --out FILE.json
+Usage: python bench/experiments/async_ceiling.py --model bundled --out FILE.json
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled")
-    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"))
+    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"))
     ap.add_argument("--categories", default="writing,math,summarization,coding")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--out", required=True)

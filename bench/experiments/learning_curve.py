@@ -1,7 +1,7 @@
 """Learning curve of trained heads: validation agreement per position, and the tokens per pass a chain
 of them would give, against training time, from each head's ``training.history`` (config.json).
 
-Usage: python bench/learning_curve.py OUT.png HEAD_DIR [HEAD_DIR ...]
+Usage: python bench/experiments/learning_curve.py OUT.png HEAD_DIR [HEAD_DIR ...]
 Also prints the points as a Markdown table.
 """
 

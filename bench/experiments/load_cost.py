@@ -3,7 +3,7 @@ to load, read straight from the file (the default) against the transformers conv
 replaced (float32 model, then the blocks matched to it). Each load runs in a fresh process, after
 one untimed load that builds every cache (conversion, tokenizer, config, kernels).
 
-    python bench/load_cost.py [--models smollm2,bundled] [--out bench/results/load-cost.json]
+    python bench/experiments/load_cost.py [--models smollm2,bundled] [--out bench/results/load-cost.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 GGUFs with SmolLM2's tokenizer, quantized by llama.cpp's own quantizer, on our integer path and on
 llama.cpp (exact mode and default settings).
 
-    python bench/size_sweep.py --out bench/results/size-sweep [--sizes 135m,0.5b,1b] [--types q4_k_m,q8_0]
+    python bench/experiments/size_sweep.py --out bench/results/size-sweep [--sizes 135m,0.5b,1b] [--types q4_k_m,q8_0]
 
 Writes ``sweep.json`` and ``sweep.md`` (a table, and the machine's measured memory bandwidth with
 each path's one-token step as a share of the bandwidth floor), plus a chart ``verify_cost.png``.

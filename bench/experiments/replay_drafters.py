@@ -8,8 +8,8 @@ each pass the verify cost a ``forerun bench`` run measured on this machine (its
 real time. So drafters and their settings compare in seconds instead of a full benchmark each,
 with no run-to-run noise; a benchmark run then confirms the choice.
 
-    python bench/replay_drafters.py record --model bundled --limit-per-category 20 --out rec.jsonl
-    python bench/replay_drafters.py replay rec.jsonl --costs bench/results/X/results.json \\
+    python bench/experiments/replay_drafters.py record --model bundled --limit-per-category 20 --out rec.jsonl
+    python bench/experiments/replay_drafters.py replay rec.jsonl --costs bench/results/X/results.json \\
         [--limit-per-category 3] [--out replay.json]
 
 ``replay`` reports, for ``ngram:auto`` and ``suffix:auto`` over the recorded stream in prompt
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
