@@ -53,7 +53,7 @@ def test_one_attention_call_for_all_sequences_equals_one_per_sequence(gemma, eac
     spots = [(5, 3), (17, 1), (9, 4)]
     for n, (pos, T) in enumerate(spots):
         s = be.fork()
-        s._ensure_capacity(pos + T)
+        s.ensure_capacity(pos + T)
         s.k_cache.copy_(torch.randn(s.k_cache.shape, generator=g))
         s.v_cache.copy_(torch.randn(s.v_cache.shape, generator=g))
         seqs.append(s)
@@ -70,7 +70,7 @@ def test_one_attention_call_for_all_sequences_equals_one_per_sequence(gemma, eac
     twins = [s.fork() for s in seqs]
     r = 0
     for t, s, (pos, T) in zip(twins, seqs, spots):
-        t._ensure_capacity(s.k_cache.shape[2])
+        t.ensure_capacity(s.k_cache.shape[2])
         t.k_cache.copy_(s.k_cache)
         t.v_cache.copy_(s.v_cache)
         t._store(1, k[r: r + T], v[r: r + T], pos)

@@ -338,7 +338,7 @@ def test_each_sequence_replays_only_graphs_captured_on_its_own_cache(monkeypatch
 
     def replay(self, seq, ins, span, layers, want_logits, n):
         out = real_replay(self, seq, ins, span, layers, want_logits, n)
-        seen.append(seq._graphs[(span, layers, want_logits)][0].be is seq)
+        seen.append(seq.graphs[(span, layers, want_logits)][0].be is seq)
         return out
 
     monkeypatch.setattr(FixedRows, "_capture", capture)
@@ -346,7 +346,7 @@ def test_each_sequence_replays_only_graphs_captured_on_its_own_cache(monkeypatch
     be._fixed.graphs_off = False
     for p, want in zip(prompts, eager):
         fork = be.fork()
-        assert fork._graphs == {}
+        assert fork.graphs == {}
         assert Engine(fork, None, {1}).generate(p, max_new_tokens=12).token_ids == want
         del fork  # its graphs go with it
     assert seen and all(seen)

@@ -56,7 +56,7 @@ def test_read_from_the_file_equals_the_conversion(tmp_path, arch, tied):
     assert lean._embed["t"].is_meta  # decoding read embedding rows only
     files.ROWS_KEPT = 3  # rows dropped oldest first still come back the same
     files._rows.clear()
-    assert torch.equal(lean._embeddings(ids), torch.nn.functional.embedding(ids, full.embed)) and len(files._rows) <= 3
+    assert torch.equal(lean.embeddings(ids), torch.nn.functional.embedding(ids, full.embed)) and len(files._rows) <= 3
     # whole tensors when asked for: the conversion's values
     assert torch.equal(lean.embed, full.embed)
     assert torch.equal(lean.lm_head.weight, ref.lm_head.weight)

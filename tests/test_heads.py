@@ -194,7 +194,7 @@ def test_soft_labels_are_the_targets_own_distribution(gemma, tmp_path):
     head, _ = tr.train(data, tmp_path, log=lambda s: None)
     t2d = torch.full((be.embed.shape[0],), -1, dtype=torch.long)
     t2d[head.draft_to_target] = torch.arange(len(head.draft_to_target))
-    batch = tr._batch(data, list(range(len(data))))
+    batch = tr.batch(data, list(range(len(data))))
     with torch.no_grad():
         after = tr.loss(head, *batch, t2d)[0].item()
         before = tr.loss(tr.new_head(head.draft_to_target), *batch, t2d)[0].item()

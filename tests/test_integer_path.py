@@ -163,7 +163,7 @@ def test_greedy_rows_take_the_argmax_of_the_logits(arch):
     ids = torch.randint(4, 96, (40,), generator=torch.Generator().manual_seed(3))
     be.reset()
     h = be.forward(ids, 0, logits=False, return_hidden=True).hidden
-    assert torch.equal(be.argmax_hidden(h), be._logits(h).argmax(-1))
+    assert torch.equal(be.argmax_hidden(h), be.lm_logits(h).argmax(-1))
     a, b = be.fork(), be.fork()
     a.forward(ids[:30], 0, logits=False)
     b.forward(ids[:20], 0, logits=False)

@@ -127,6 +127,84 @@ def test_no_private_imports_across_modules():
     assert not bad, bad
 
 
+# obj._name outside obj's own module and classes, and why each is kept
+PRIVATE_USES = {
+    ("backends/linear.py", "torch._C._nn"): "oneDNN's product with a pre-packed weight (mkldnn_linear) has no "
+                                            "public entry of the same cost",
+    ("backends/linear.py", "torch._C"): "the same call",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _class_privates(trees) -> dict:
+    """class name -> (the private names it defines: methods, ``self._x`` and class-level ``_x``;
+    its bases' names), over the package (classes of one name merged)."""
+    out: dict = {}
+    for tree in trees:
+        for c in ast.walk(tree):
+            if not isinstance(c, ast.ClassDef):
+                continue
+            names = set()
+            for n in ast.walk(c):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(n.name):
+                    names.add(n.name)
+                elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and _private(n.attr)
+                      and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                    names.add(n.attr)
+                elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and _private(n.id):
+                    names.add(n.id)
+            bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in c.bases}
+            old = out.get(c.name, (set(), set()))
+            out[c.name] = (old[0] | names, old[1] | bases)
+    return out
+
+
+def test_no_private_names_across_modules():
+    """``obj._name`` only where ``_name`` is the module's own: a top-level name of the module, or a
+    private name of one of its classes or their ancestors (another instance of the same class,
+    as a backend's forks in one batched pass); ``self`` and ``cls`` always. The few uses of a
+    library's private names are listed with their reason (``PRIVATE_USES``)."""
+    trees = {f: ast.parse(f.read_text()) for f in sorted(ROOT.rglob("*.py"))}
+    classes = _class_privates(trees.values())
+    bad = []
+    for f, tree in trees.items():
+        own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        own |= {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        todo, seen = [c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)], set()
+        while todo:
+            c = todo.pop()
+            if c not in seen and c in classes:
+                seen.add(c)
+                own |= classes[c][0]
+                todo += classes[c][1]
+        rel = f.relative_to(ROOT).as_posix()
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and _private(n.attr) and n.attr not in own
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+                    and (rel, ast.unparse(n)) not in PRIVATE_USES):
+                bad.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    assert not bad, bad
+
+
+def test_the_private_name_rule_sees_a_foreign_private_name(tmp_path, monkeypatch):
+    """The rule above fails on a module reading another class's private attribute."""
+    fake = tmp_path / "forerun"
+    (fake / "backends").mkdir(parents=True)
+    (fake / "backends" / "a.py").write_text("class A:\n    def __init__(self):\n        self._x = 1\n")
+    (fake / "b.py").write_text("def f(a):\n    return a._x\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    try:
+        test_no_private_names_across_modules()
+    except AssertionError as e:
+        assert "b.py:2 a._x" in str(e)
+    else:
+        raise AssertionError("a foreign private name passed")
+
+
 def test_importing_the_package_changes_no_global_state():
     """Importing every module leaves warnings filters, environment variables and torch's thread
     count as they were: the library sets nothing behind its caller's back."""

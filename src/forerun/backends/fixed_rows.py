@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from forerun.backends.arch import add_bias
+from forerun.backends.arch import add_bias, decoder_layer
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")
@@ -91,7 +92,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 class FixedRows:
     """The fixed-shape passes of one ``NativeBackend`` and its forks. The graphs of a sequence live
-    in its backend's ``_graphs`` (keyed by key span, layers and logits), made anew with its cache;
+    in its backend's ``graphs`` (keyed by key span, layers and logits), made anew with its cache;
     what is shared here: the capture stream and memory pool, and the counts."""
 
     def __init__(self, be):
@@ -180,7 +181,7 @@ class FixedRows:
             part = h[c: c + ROW_BUCKET]
             pad = part.new_zeros(ROW_BUCKET, part.shape[1])
             pad[: part.shape[0]] = part
-            out.append(be._logits(pad)[: part.shape[0]])
+            out.append(be.lm_logits(pad)[: part.shape[0]])
         return torch.cat(out) if out else h.new_zeros(0, be.vocab_size, dtype=torch.float32)
 
     def core(self, be, ins, rows, layers, want_logits):
@@ -217,22 +218,20 @@ class FixedRows:
                 hidden[(span, window)] = m
             return hidden[(span, window)]
 
-        h = be._embeddings(tok) * be.embed_scale
-        ropes = _rotary(be, be._rope(p))  # elementwise per row
+        h = be.embeddings(tok) * be.embed_scale
+        ropes = _rotary(be, be.rope(p))  # elementwise per row
         sanitize = be.dtype == torch.float16  # a stale overflow in a masked value slot would give 0 x Inf = NaN
         want = {}
-        for i, layer in enumerate(be.layers):
-            x = _norm(be, h, layer.norms[0])
-            qkv = _linear(layer.qkv, x, layer.qkv_bias)
-            qk = qkv[:, : layer.n_q + layer.n_kv].view(B, H + KVH, D)  # queries and keys, side by side
-            v = qkv[:, layer.n_q + layer.n_kv:].view(B, KVH, D)
+        def qkv(i, layer, t):
+            qk = t[:, : layer.n_q + layer.n_kv].view(B, H + KVH, D)  # queries and keys, side by side
+            v = t[:, layer.n_q + layer.n_kv:].view(B, KVH, D)
             if self.qk_norm[i] is not None:
                 qk = _norm(be, qk, self.qk_norm[i])
             kind = "sliding_attention" if layer.sliding else "full_attention"
             qk = _rotate(qk, *(ropes[kind] if kind in ropes else next(iter(ropes.values()))))
-            q, k = qk[:, :H], qk[:, H:]
-            if sanitize:
-                v = torch.nan_to_num(v)
+            return qk[:, :H], qk[:, H:], torch.nan_to_num(v) if sanitize else v
+
+        def attend(i, layer, q, k, v):
             for seq, sl in writes:  # [kv_heads, slots, D] per layer
                 seq.k_cache[i].index_copy_(1, sl, k.transpose(0, 1))
                 seq.v_cache[i].index_copy_(1, sl, v.transpose(0, 1))
@@ -250,20 +249,15 @@ class FixedRows:
                 else:
                     att = torch.zeros_like(out) if att is None else att
                     att[members] = out[members]
-            x = _linear(layer.o, att, layer.o_bias)
-            if be.arch.sandwich:
-                h = h + _norm(be, x, layer.norms[1])
-                x = _norm(be, h, layer.norms[2])
-            else:
-                h = h + x
-                x = _norm(be, h, layer.norms[1])
-            gu = _linear(layer.gate_up, x, layer.gate_up_bias)
-            x = _linear(layer.down, layer.act(gu[:, : layer.inter]) * gu[:, layer.inter:], layer.down_bias)
-            h = h + (_norm(be, x, layer.norms[3]) if be.arch.sandwich else x)
+            return att
+
+        for i, layer in enumerate(be.layers):
+            h = decoder_layer(layer, h, be.arch.sandwich, partial(_norm, be), _linear, partial(qkv, i, layer),
+                              partial(attend, i, layer))
             if i in layers:
                 want[i] = h
         hn = _norm(be, h, be.final_norm)
-        logits = be._logits(hn) if want_logits else None
+        logits = be.lm_logits(hn) if want_logits else None
         return hn, logits, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @staticmethod
@@ -293,9 +287,9 @@ class FixedRows:
         idx[:pos] = torch.arange(pos, device="cpu")
         idx[pos: pos + len(path)] = torch.tensor(path, device="cpu")
         idx = idx.to(be.device)
-        scratch = be._tree_scratch
+        scratch = be.tree_scratch
         if scratch is None or scratch[0].shape != kc.shape or scratch[0].dtype != kc.dtype:
-            scratch = be._tree_scratch = (torch.empty_like(kc), torch.empty_like(vc))
+            scratch = be.tree_scratch = (torch.empty_like(kc), torch.empty_like(vc))
         kk, vk = scratch[0][:, :span], scratch[1][:, :span]
         kk.copy_(kc.index_select(1, idx))
         vk.copy_(vc.index_select(1, idx))
@@ -308,7 +302,7 @@ class FixedRows:
         padding rows' spare slot is all they write. Returns how many were captured."""
         if self.graphs_off:
             return 0
-        be._ensure_capacity(1)
+        be.ensure_capacity(1)
         last = min(up_to, be.max_context) - 1
         spans = sorted({key_span(q, be.max_context) for q in [0, last] + [1 << i for i in range(last.bit_length())]})
         before, t0 = self.captures, self.capture_s
@@ -326,9 +320,9 @@ class FixedRows:
         """The chain chunk ``ins`` (on the CPU) through ``be``'s graph of this shape, captured on
         first use; the first ``n`` rows of its outputs (copies: the buffers are the next replay's)."""
         key = (span, layers, want_logits)
-        entry = be._graphs.get(key)
+        entry = be.graphs.get(key)
         if entry is None:
-            entry = be._graphs[key] = self._capture(be, ins, span, layers, want_logits)
+            entry = be.graphs[key] = self._capture(be, ins, span, layers, want_logits)
         if entry is False:  # this shape failed to capture (counted in ``failures``): eager
             h, lg, ft = self.core(be, ins.to(be.device), span, layers, want_logits)
             return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]

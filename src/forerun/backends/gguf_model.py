@@ -79,10 +79,10 @@ def _set(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     old = getattr(mod, leaf)
     if tuple(old.shape) != tuple(value.shape):
         raise ValueError(f"{name}: the file has shape {tuple(value.shape)}, the model {tuple(old.shape)}")
-    if leaf in mod._parameters:
-        mod._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-    else:
-        mod._buffers[leaf] = value
+    if leaf in dict(mod.named_parameters(recurse=False)):
+        setattr(mod, leaf, torch.nn.Parameter(value, requires_grad=False))
+    else:  # a buffer: assigned in place, its persistence kept
+        setattr(mod, leaf, value)
 
 
 class FileTensors:

@@ -62,7 +62,7 @@ class GGUFWeights:
                     return False
                 lins[attr] = QLinear(codes)
             quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
-        codes = codes_of(["output"], self.lm_head._weight)  # not built from a file where it was left there
+        codes = codes_of(["output"], self.lm_head.stored)  # not built from a file where it was left there
         if codes is None:
             log.info("LM head: a weight type the integer kernels do not take; float32 path")
             return False

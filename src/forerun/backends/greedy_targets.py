@@ -89,7 +89,7 @@ class GreedyTargets:
             h = self._norm(torch.randn(1, self.hidden_size, generator=g, device="cpu").to(self.device, self.dtype), self.final_norm)
         row = h[-1:].float().cpu()
         exact_s = median_s(lambda: head.argmax(row), 3)
-        float_s = median_s(lambda: self._logits(row.to(self.device, self.dtype)).argmax(-1), 3)
+        float_s = median_s(lambda: self.lm_logits(row.to(self.device, self.dtype)).argmax(-1), 3)
         log.info("greedy head: %s (one row: screened exact %.1f ms, float32 logits %.1f ms)",
                  "screened exact" if exact_s < float_s else "float32 logits", exact_s * 1000, float_s * 1000)
         return exact_s < float_s
@@ -104,7 +104,7 @@ class GreedyTargets:
         if self._greedy_from_chunks:
             return self._fixed.chunk_logits(self, h).argmax(-1)
         fn = self._argmax_without_logits(h)
-        return self._logits(h).argmax(-1) if fn is None else fn(h)
+        return self.lm_logits(h).argmax(-1) if fn is None else fn(h)
 
     def _argmax_without_logits(self, h: torch.Tensor | None = None):
         """What ``argmax_hidden`` runs instead of float32 logits, or None."""
@@ -142,7 +142,7 @@ class GreedyTargets:
         passed = self.forward(tokens, pos, layers=layers, logits=False, return_hidden=True, **tree_kw)
         return ArgmaxOutput(self.argmax_hidden(passed.hidden), passed.layers if layers else None)
 
-    def _logits(self, h: torch.Tensor, head: PackedLinear | None = None, batched: bool = False) -> torch.Tensor:
+    def lm_logits(self, h: torch.Tensor, head: PackedLinear | None = None, batched: bool = False) -> torch.Tensor:
         """Float32 logits of normed hidden states h [rows, hidden] (soft-capped where the model caps).
         On a batch-invariant backend a row gets the same bits in a pass of any size, as in the body:
         passes of up to ``INVARIANT_ROWS`` rows, and every ``batched`` pass (several sequences'

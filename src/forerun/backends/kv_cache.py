@@ -22,7 +22,7 @@ class KVCache:
         the model's."""
         return torch.float16 if self.quant is not None else self.dtype
 
-    def _ensure_capacity(self, n: int) -> None:
+    def ensure_capacity(self, n: int) -> None:
         if n <= self._cap:
             return
         if self._fixed is not None:  # whole at once (its strides never change), and a spare slot for padding rows
@@ -39,11 +39,11 @@ class KVCache:
             k[:, :, : self._cap] = self.k_cache
             v[:, :, : self._cap] = self.v_cache
         self.k_cache, self.v_cache, self._cap = k, v, cap
-        self._graphs = {}  # graphs captured on the old cache read the old cache
+        self.graphs = {}  # graphs captured on the old cache read the old cache
 
     def reserve(self, n: int) -> None:
         """Allocate the cache for ``n`` positions now (a server slot: memory stays flat afterwards)."""
-        self._ensure_capacity(min(n, self.max_context))
+        self.ensure_capacity(min(n, self.max_context))
 
     def truncate(self, length: int) -> None:
         # Static cache: positions past `length` are overwritten by the next forward.
@@ -65,7 +65,7 @@ class KVCache:
         n = k.shape[2]
         if pos > self._len or pos + n > self.max_context:
             raise ValueError(f"load_kv_segment at {pos} of {n} positions with {self._len} cached")
-        self._ensure_capacity(pos + n)
+        self.ensure_capacity(pos + n)
         self.k_cache[:, :, pos: pos + n] = k
         self.v_cache[:, :, pos: pos + n] = v
         self._len = pos + n

@@ -65,6 +65,11 @@ class PackedLinear:
                 self.half = w16.contiguous()
 
     @property
+    def stored(self) -> torch.Tensor:
+        """The weight as held now, not built from its source (a meta tensor where it was left in its file)."""
+        return self._weight
+
+    @property
     def weight(self) -> torch.Tensor:
         if self._source is not None and self._weight.is_meta:
             self._weight, self._source = self._source(), None

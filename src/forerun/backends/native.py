@@ -16,11 +16,12 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from forerun.backends.arch import Arch, Layer, add_bias, norm_weight, rms_norm, rotate_half
+from forerun.backends.arch import Arch, Layer, add_bias, decoder_layer, norm_weight, rms_norm, rotate_half
 from forerun.backends.attention import CacheAttention, SequenceRows, attn_rows_kernel
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows, fixed_takes
@@ -126,8 +127,8 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         self._len = 0
         self.k_cache = self.v_cache = None
         self._fixed = FixedRows(self) if fixed_rows and self.quant is None else None
-        self._tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
-        self._graphs = {}  # this sequence's CUDA graphs (``fixed_rows``): they read its cache, and go with it
+        self.tree_scratch = None  # keys and values of a tree row, laid out for its pass (``fixed_rows``)
+        self.graphs = {}  # this sequence's CUDA graphs (``fixed_rows``): they read its cache, and go with it
         if self.quant is not None:
             self._tune_wide_tiles()  # measured once per model shape and machine, then kept
 
@@ -141,7 +142,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             box["t"] = self._files.full(self._files.embed_name)
         return box["t"]
 
-    def _embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self._embed["t"]
         if t.is_meta:
             return self._files.embed_rows(tokens).to(self.dtype)
@@ -158,7 +159,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
     def _twin(self) -> NativeBackend:
         twin = object.__new__(NativeBackend)
         twin.__dict__.update(self.__dict__)
-        twin._cap, twin._len, twin.k_cache, twin.v_cache, twin._graphs = 0, 0, None, None, {}
+        twin._cap, twin._len, twin.k_cache, twin.v_cache, twin.graphs = 0, 0, None, None, {}
         return twin
 
     @property
@@ -166,7 +167,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         """Whether every row of a pass of up to ``INVARIANT_ROWS`` rows (a chain, a token tree) is
         computed bit for bit as a one-token step at that position computes it: the layers' products
         by ``rows`` (each row's sums alone), attention row by row over exactly the keys that row
-        sees, in cache order, and the LM head's logits by the same row kernel (``_logits``; also in
+        sees, in cache order, and the LM head's logits by the same row kernel (``lm_logits``; also in
         a batched pass of any size), so sampled rows read the logits a one-token step gives them.
         With the screened exact head deciding each row from its hidden state,
         greedy verification then cannot differ from plain decoding, not even on near ties. On by
@@ -213,7 +214,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         self._check_forward(tokens, pos)
         T = tokens.numel()
         end = pos + T
-        self._ensure_capacity(end)
+        self.ensure_capacity(end)
         if self._fixed is not None and fixed_takes(T, tree) and not skip_layers and head is None:
             h, lg, feats = self._fixed.forward(self, tokens, pos, tree, layers, logits)  # tokens go in with positions
             self._len = end
@@ -224,17 +225,17 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         if tree is None:
             positions = torch.arange(pos, end, device=self.device)
             masks = self._masks(pos, T)
-            rope = self._rope(positions, pos)
+            rope = self.rope(positions, pos)
         else:
             positions, masks = self._tree_masks(pos, tree)
-            rope = self._rope(positions)
-        h = self._embeddings(tokens) * self.embed_scale  # [T, hidden]
+            rope = self.rope(positions)
+        h = self.embeddings(tokens) * self.embed_scale  # [T, hidden]
         h, feats = self._body(h, [(self, pos, T, rope, masks)], set(skip_layers), layers)
         self._len = end
         if not logits and not return_hidden:
             return ForwardOutput(logits=None, layers=feats)
         h = self._norm(h[-1:] if last_only else h, self.final_norm)
-        return ForwardOutput(logits=self._logits(h, head) if logits else None, hidden=h if return_hidden else None,
+        return ForwardOutput(logits=self.lm_logits(h, head) if logits else None, hidden=h if return_hidden else None,
                              layers=feats)
 
 
@@ -261,41 +262,38 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
                 and attn_rows_kernel() is not None and all(len(p[4][sl]) > 2 for p in parts for sl in p[4])):
             joined = {sl: SequenceRows([p[0] for p in parts], [p[4][sl][2] for p in parts], [p[1] for p in parts])
                       for sl in parts[0][4]}
-        for i, layer in enumerate(self.layers):
-            if i in skip:
-                continue
-            x = self._norm(h, layer.norms[0])
-            qkv = add_bias(layer.qkv(x, how), layer.qkv_bias)
-            q = qkv[:, : layer.n_q].view(n_all, self.n_heads, D)
-            k = qkv[:, layer.n_q : layer.n_q + layer.n_kv].view(n_all, self.n_kv_heads, D)
-            v = qkv[:, layer.n_q + layer.n_kv :].view(n_all, self.n_kv_heads, D)
+
+        def linear(lin, x, bias):
+            return add_bias(lin(x, how), bias)
+
+        def qkv(layer, t):
+            q = t[:, : layer.n_q].view(n_all, self.n_heads, D)
+            k = t[:, layer.n_q : layer.n_q + layer.n_kv].view(n_all, self.n_kv_heads, D)
+            v = t[:, layer.n_q + layer.n_kv :].view(n_all, self.n_kv_heads, D)
             if layer.q_norm is not None:
                 q = self._norm(q, layer.q_norm)
                 k = self._norm(k, layer.k_norm)
             kind = "sliding_attention" if layer.sliding else "full_attention"
             cos, sin = ropes[kind] if kind in ropes else next(iter(ropes.values()))
             c, s = cos[:, None, :], sin[:, None, :]
-            q = q * c + rotate_half(q) * s
-            k = k * c + rotate_half(k) * s
-            if joined is None:
-                outs, r = [], 0
-                for seq, pos, T, _, masks in parts:
-                    outs.append(seq._attention(layer, i, q[r: r + T], k[r: r + T], v[r: r + T], pos, masks[layer.sliding]))
-                    r += T
-            else:
+            return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
+
+        def attend(i, layer, q, k, v):
+            if joined is not None:
                 rows = joined[layer.sliding]
                 rows.store(k, v, i)
-                outs = [rows.attend(q, i, self.scale)]
-            x = add_bias(layer.o(outs[0] if len(outs) == 1 else torch.cat(outs), how), layer.o_bias)
-            if self.arch.sandwich:  # Gemma 2/3: normed outputs, then a norm before the MLP
-                h = h + self._norm(x, layer.norms[1])
-                x = self._norm(h, layer.norms[2])
-            else:
-                h = h + x
-                x = self._norm(h, layer.norms[1])
-            gu = add_bias(layer.gate_up(x, how), layer.gate_up_bias)
-            x = add_bias(layer.down(layer.act(gu[:, : layer.inter]) * gu[:, layer.inter :], how), layer.down_bias)
-            h = h + (self._norm(x, layer.norms[3]) if self.arch.sandwich else x)
+                return rows.attend(q, i, self.scale)
+            outs, r = [], 0
+            for seq, pos, T, _, masks in parts:
+                outs.append(seq._attention(layer, i, q[r: r + T], k[r: r + T], v[r: r + T], pos, masks[layer.sliding]))
+                r += T
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        for i, layer in enumerate(self.layers):
+            if i in skip:
+                continue
+            h = decoder_layer(layer, h, self.arch.sandwich, self._norm, linear, partial(qkv, layer),
+                              partial(attend, i, layer))
             if i in want:
                 want[i] = h
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
@@ -345,7 +343,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         trees = [trees[i] if i < len(trees) else None for i in range(len(feeds))]
         for seq, feed, pos, tree in zip(seqs, feeds, positions, trees):
             seq._check_forward(feed, pos)
-            seq._ensure_capacity(pos + feed.numel())
+            seq.ensure_capacity(pos + feed.numel())
             if tree is not None and tree.numel() != feed.numel() - 1:
                 raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
         chunked = [i for i, (f, t) in enumerate(zip(feeds, trees)) if fixed_takes(f.numel(), t)]
@@ -383,18 +381,18 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
             seq._check_forward(feed, pos)
             T = feed.numel()
-            seq._ensure_capacity(pos + T)
+            seq.ensure_capacity(pos + T)
             tree = trees[i] if i < len(trees) else None
             if tree is None:
-                rope, masks = self._rope(torch.arange(pos, pos + T, device=self.device), pos), seq._masks(pos, T)
+                rope, masks = self.rope(torch.arange(pos, pos + T, device=self.device), pos), seq._masks(pos, T)
             else:
                 if tree.numel() != T - 1:
                     raise ValueError(f"a tree of {tree.numel()} parents for a feed of {T} rows")
                 qpos, masks = seq._tree_masks(pos, tree)
-                rope = self._rope(qpos)
+                rope = self.rope(qpos)
             parts.append((seq, pos, T, rope, masks))
             ids.append(feed.to(self.device))
-        h = self._embeddings(torch.cat(ids)) * self.embed_scale  # [rows, hidden]
+        h = self.embeddings(torch.cat(ids)) * self.embed_scale  # [rows, hidden]
         h, feats = self._body(h, parts, set(), layers)
         for seq, pos, T, _, _ in parts:
             seq._len = pos + T
@@ -410,6 +408,6 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
             rows = [x for x, f in zip(hn, flags) if f == chosen]
             return iter(fn(torch.cat(rows)).split([len(x) for x in rows]) if rows else [])
 
-        lg, am = run(lambda x: self._logits(x, head, batched=len(parts) > 1), False), run(argmax, True)
+        lg, am = run(lambda x: self.lm_logits(x, head, batched=len(parts) > 1), False), run(argmax, True)
         return [ArgmaxOutput(next(am), f) if g else ForwardOutput(logits=next(lg), layers=f)
                 for g, f in zip(flags, per_seq)]

@@ -13,7 +13,7 @@ from forerun.tree import tree_layout
 class PassPositions:
     """Rotary and mask methods of ``NativeBackend``."""
 
-    def _rope(self, positions: torch.Tensor, start: int | None = None):
+    def rope(self, positions: torch.Tensor, start: int | None = None):
         """Rotary cos and sin [T, head_dim] per attention type for ``positions`` (``start``: they
         are start, start + 1, ..., read as a slice). The integer path reads them from tables kept
         for every cached position (``_rope_table``); the float path computes them as transformers does."""

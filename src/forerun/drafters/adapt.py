@@ -135,7 +135,7 @@ class OnlineAdapter:
     def _step(self, wins) -> bool:
         t0 = time.perf_counter()
         examples = [Example(ids, start, feats) for ids, feats, start in wins]
-        ids, feats, real, learn = self.trainer._batch(examples, list(range(len(examples))))
+        ids, feats, real, learn = self.trainer.batch(examples, list(range(len(examples))))
         with torch.enable_grad():
             loss, _ = self.trainer.loss(self.head, ids, feats, real, learn, self.t2d)
             if not torch.is_tensor(loss):

@@ -263,7 +263,7 @@ class Trainer:
                 head.lm_head.weight[dst] = init.lm_head.weight.to(head.lm_head.weight)[src]
         return len(rows)
 
-    def _batch(self, examples: list[Example], idx: list[int]):
+    def batch(self, examples: list[Example], idx: list[int]):
         """Padded tensors for one batch: ids [B, T], feats [B, T, F], real [B, T], learn [B, T]."""
         T = max(len(examples[i].ids) for i in idx)
         B = len(idx)
@@ -359,7 +359,7 @@ class Trainer:
         total = torch.zeros(self.tc.steps_ahead)
         d2t = head.draft_to_target
         for idx in _batches(examples, self.tc.batch_tokens, None):
-            ids, feats, real, learn = self._batch(examples, idx)
+            ids, feats, real, learn = self.batch(examples, idx)
             for j, g in enumerate(self.depth_hidden(head, ids, feats, real), 1):
                 s = j + 1
                 if s >= ids.shape[1]:
@@ -447,7 +447,7 @@ class Trainer:
             for b_i, idx in enumerate(batches):
                 if epoch * per_epoch + b_i < step:
                     continue  # done before the resume
-                ids, feats, real, learn = self._batch(train, idx)
+                ids, feats, real, learn = self.batch(train, idx)
                 loss, parts = self.loss(head, ids, feats, real, learn, t2d)
                 opt.zero_grad(set_to_none=True)
                 if torch.is_tensor(loss):
