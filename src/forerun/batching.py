@@ -26,9 +26,11 @@ import torch
 from tqdm import tqdm
 
 from forerun import kept
+from forerun.backends.base import Backend
 from forerun.backends.ckernels import release_threads, sources_id
 from forerun.decode import Decoder, Sequence, check_request
 from forerun.draft_length import K_MAX, DraftLength
+from forerun.drafters.base import Drafter
 from forerun.errors import ForerunError
 from forerun.prefix_cache import PrefixCache
 from forerun.sampling import SamplingParams
@@ -79,8 +81,8 @@ class BatchRequest:
 
 @dataclass
 class _Slot:
-    backend: object
-    drafter: object
+    backend: Backend
+    drafter: Drafter | None
 
 
 class BatchEngine:

@@ -31,9 +31,10 @@ from forerun.drafters import (
     tree_methods,
     tree_shape,
 )
+from forerun.drafters.base import Drafter
 from forerun.engine import Engine, check_k
 from forerun.errors import ForerunError
-from forerun.models import load_model
+from forerun.models import LoadedModel, load_model
 from forerun.split_models import default_draft
 
 # bench's tree suffixes -> the drafter's lookup branch (none, on every tree, or chosen per step) and
@@ -220,9 +221,9 @@ class Setup:
     """A target, its drafter and what built them, ready to decode."""
 
     options: Options
-    target: object  # a models.LoadedModel
-    drafter: object | None
-    draft_model: object | None = None
+    target: LoadedModel
+    drafter: Drafter | None
+    draft_model: LoadedModel | None = None
 
     def engine(self) -> Engine:
         """One sequence at a time (``Engine``)."""

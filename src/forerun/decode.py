@@ -28,6 +28,7 @@ from functools import partial
 
 import torch
 
+from forerun.backends.base import Backend
 from forerun.draft_length import DraftLength
 from forerun.drafters.base import Draft, Drafter, empty_draft
 from forerun.errors import ForerunError
@@ -46,7 +47,7 @@ class Sequence:
 
     tokens: list[int]
     max_new_tokens: int
-    backend: object  # a Backend holding this sequence's cache
+    backend: Backend  # holding this sequence's cache
     drafter: Drafter | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     stats: GenerationStats = field(default_factory=GenerationStats)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from forerun.backends.base import Capabilities
+from forerun.backends.base import Backend, Capabilities
 from forerun.drafters.base import Draft
 from forerun.sampling import (
     SamplingParams,
@@ -61,7 +61,7 @@ class Check:
     """One sequence's question for a verify round: its ``draft`` after ``last_token``, run at
     positions ``root``.. on ``backend`` (the sequence's own cache), accepted under ``params``."""
 
-    backend: object
+    backend: Backend
     draft: Draft
     last_token: int
     root: int

@@ -23,6 +23,7 @@ from forerun.drafters.lookup import NgramLookup, SuffixLookup
 from forerun.drafters.ngram import NgramDrafter
 from forerun.drafters.suffix import SuffixDrafter
 from forerun.errors import ForerunError
+from forerun.models import LoadedModel
 
 LOOKUP_SOURCES = ("ngram", "suffix")  # where a tree's lookup branch comes from (--lookup-from)
 MAX_TREE_NODES = 64  # the most draft nodes a token tree may have (--tree-nodes)
@@ -126,8 +127,8 @@ class DraftRequest:
     """What ``make_drafter`` was asked for, as a row's ``make`` reads it (see ``make_drafter``)."""
 
     method: str
-    target: object
-    draft_model: object = None
+    target: LoadedModel
+    draft_model: LoadedModel | None = None
     skip_layers: list[int] | None = None
     ngram_max: int = 4
     ngram_min: int = 1
