@@ -20,7 +20,7 @@ from forerun.backends.llamacpp_lib import available
 from forerun.batching import BatchEngine
 from forerun.draft_length import K_MAX
 from forerun.drafters import (
-    check_adapt_args,
+    check_adapt_save,
     check_method,
     check_method_options,
     head_methods,
@@ -125,11 +125,11 @@ class Options:
     def check(self) -> Options:
         """Everything that can be checked before a model loads; returns itself."""
         check_method(self.method, bool(self.draft))
-        check_adapt_args(self.method, self.adapt, self.adapt_save)
+        check_adapt_save(self.adapt, self.adapt_save)
         if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
         check_method_options(self.method, tree=self.tree, tree_lookup=self.tree_lookup, lookup_from=self.lookup_from,
-                             **self.draft_settings)
+                             adapt=self.adapt, **self.draft_settings)
         self.skip  # noqa: B018 - a bad list fails now
         if self.threads is not None and self.threads < 1:
             raise ForerunError(f"--threads must be >= 1, got {self.threads}")

@@ -115,17 +115,17 @@ def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x if bias is None else x + bias
 
 
-def decoder_layer(layer: Layer, h: torch.Tensor, sandwich: bool, norm, linear, qkv, attend) -> torch.Tensor:
-    """One decoder layer over the rows ``h`` [rows, hidden], written once for the torch paths (the
+def decoder_layer(i: int, layer: Layer, h: torch.Tensor, sandwich: bool, norm, linear, qkv, attend) -> torch.Tensor:
+    """Decoder layer ``i`` over the rows ``h`` [rows, hidden], written once for the torch paths (the
     float rows of ``NativeBackend`` and the fixed-shape chunks of ``fixed_rows``; the integer path
     runs the same layer in C, ``qlayer.c``, checked against this one by the tests). What differs
     between the paths comes in as functions: ``norm(x, weight)``, ``linear(linear, x, bias)``,
-    ``qkv(projected)`` -> (q, k, v) split, normed where the architecture norms them and rotated,
-    and ``attend(q, k, v)`` -> the attention output [rows, heads * head_dim], the cache written.
+    ``qkv(i, layer, projected)`` -> (q, k, v) split, normed where the architecture norms them and
+    rotated, and ``attend(i, layer, q, k, v)`` -> the attention output [rows, heads * head_dim], the cache written.
     ``sandwich``: Gemma 2/3's normed outputs, then a norm before the MLP."""
     x = norm(h, layer.norms[0])
-    q, k, v = qkv(linear(layer.qkv, x, layer.qkv_bias))
-    x = linear(layer.o, attend(q, k, v), layer.o_bias)
+    q, k, v = qkv(i, layer, linear(layer.qkv, x, layer.qkv_bias))
+    x = linear(layer.o, attend(i, layer, q, k, v), layer.o_bias)
     if sandwich:
         h = h + norm(x, layer.norms[1])
         x = norm(h, layer.norms[2])

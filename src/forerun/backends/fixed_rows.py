@@ -251,9 +251,9 @@ class FixedRows:
                     att[members] = out[members]
             return att
 
+        norm = partial(_norm, be)
         for i, layer in enumerate(be.layers):
-            h = decoder_layer(layer, h, be.arch.sandwich, partial(_norm, be), _linear, partial(qkv, i, layer),
-                              partial(attend, i, layer))
+            h = decoder_layer(i, layer, h, be.arch.sandwich, norm, _linear, qkv, attend)
             if i in layers:
                 want[i] = h
         hn = _norm(be, h, be.final_norm)

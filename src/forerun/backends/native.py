@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -266,7 +265,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         def linear(lin, x, bias):
             return add_bias(lin(x, how), bias)
 
-        def qkv(layer, t):
+        def qkv(i, layer, t):
             q = t[:, : layer.n_q].view(n_all, self.n_heads, D)
             k = t[:, layer.n_q : layer.n_q + layer.n_kv].view(n_all, self.n_kv_heads, D)
             v = t[:, layer.n_q + layer.n_kv :].view(n_all, self.n_kv_heads, D)
@@ -292,8 +291,7 @@ class NativeBackend(KVCache, PassPositions, CacheAttention, BodyKernelChoice, Gr
         for i, layer in enumerate(self.layers):
             if i in skip:
                 continue
-            h = decoder_layer(layer, h, self.arch.sandwich, self._norm, linear, partial(qkv, layer),
-                              partial(attend, i, layer))
+            h = decoder_layer(i, layer, h, self.arch.sandwich, self._norm, linear, qkv, attend)
             if i in want:
                 want[i] = h
         return h, (torch.cat([want[l] for l in layers], -1) if layers else None)

@@ -256,12 +256,11 @@ def check_method(method: str, has_draft: bool) -> None:
         raise ForerunError(f"method {method} needs a draft model (--draft MODEL)")
 
 
-def check_adapt_args(method: str, adapt: bool, adapt_save) -> None:
-    """The command line's --adapt / --adapt-save for ``method``, refused with a reason before a
-    model loads (``generate`` and ``serve`` share it)."""
+def check_adapt_save(adapt: bool, adapt_save) -> None:
+    """--adapt-save, refused with a reason before a model loads (whether the method takes --adapt
+    is ``check_method_options``'s)."""
     if adapt_save and not adapt:
         raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
-    check_method_options(method, adapt=adapt)
     if adapt_save:
         out = Path(adapt_save)
         if out.exists() and not out.is_dir():
