@@ -191,7 +191,7 @@ def profile_step(be, run, dev, steps: int = 20) -> dict:
         if e.name.startswith("cuda") and e.name[4:5].isupper():  # runtime calls: launches, copies, syncs
             host[e.name] = host.get(e.name, 0) + 1
     out["host_calls_per_step"] = {k: round(v / steps, 2) for k, v in sorted(host.items(), key=lambda kv: -kv[1])}
-    fixed = be._fixed
+    fixed = be.model.fixed
     if fixed is not None:  # the eager pass: what a graph holds
         off = fixed.graphs_off
         fixed.graphs_off = True
@@ -219,14 +219,14 @@ def check_model(shape, dtype, dev, args, bandwidth, log, path: Path, full: bool)
     lm = LoadedModel(name=f"random-{shape}", hf_model=model, tokenizer=tok, backend=be, eos_token_ids=set())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     row = Row(path, model=shape, dtype=str(dtype).replace("torch.", ""), params_M=round(weight_bytes / 2 / 1e6, 1),
-              fixed_rows=be._fixed is not None)
+              fixed_rows=be.model.fixed is not None)
     d = row.data
     ids = torch.randint(300, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
 
     def prepare():
         t0 = time.perf_counter()
-        if be._fixed is not None:  # the graphs of every key span the prompts reach, with a progress bar
-            d["graphs_prepared"] = be._fixed.prepare(be, 4096, progress=False)
+        if be.model.fixed is not None:  # the graphs of every key span the prompts reach
+            d["graphs_prepared"] = be.prepare_graphs(4096, progress=False)
         d["capture_s"] = round(time.perf_counter() - t0, 2)
         be.reset()
         t0 = time.perf_counter()
@@ -287,8 +287,8 @@ def check_model(shape, dtype, dev, args, bandwidth, log, path: Path, full: bool)
     row.stage("batch", batch, log)
     if full:
         row.stage("profile", profile, log)
-    if be._fixed is not None:
-        d["graphs"] = {**be._fixed.stats(), "off": be._fixed.graphs_off}
+    if be.model.fixed is not None:
+        d["graphs"] = {**be.model.fixed.stats(), "off": be.model.fixed.graphs_off}
         if d["graphs"]["failed"]:
             d["errors"].append(f"CUDA graph capture failed {len(d['graphs']['failed'])} times: {d['graphs']['failed'][0]}")
     for k in [k for k in d if k.startswith("tok_s_")]:

@@ -62,7 +62,7 @@ def wrap(model, backend="auto", name="tiny"):
 
     model = model.to(TEST_DEVICE)
     lm = wrap_model(name, model, word_tokenizer(model.config.vocab_size), backend=backend)
-    if FIXED_ROWS and isinstance(lm.backend, NativeBackend) and lm.backend._fixed is None:
+    if FIXED_ROWS and isinstance(lm.backend, NativeBackend) and lm.backend.model.fixed is None:
         lm.backend = NativeBackend(model, fixed_rows=True)
     return lm
 

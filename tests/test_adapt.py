@@ -24,7 +24,7 @@ def untrained(gemma, tmp_path_factory):
     out = {}
     for kind in ("eagle", "medusa"):
         tc = TrainConfig(kind=kind, draft_vocab=80, n_heads=2, head_dim=16, intermediate=64, steps_ahead=3)
-        tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+        tr = Trainer.of_target(tc, be.model)
         path = tmp_path_factory.mktemp(kind + "-untrained")
         tr.new_head(torch.arange(4, 84)).save(path)
         out[kind] = path
@@ -140,7 +140,7 @@ def test_sampling_distribution_while_adapting(tmp_path):
     lm = spread_target()
     be = lm.backend
     tc = TrainConfig(kind="eagle", draft_vocab=80, n_heads=2, head_dim=16, intermediate=64, steps_ahead=3)
-    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    tr = Trainer.of_target(tc, be.model)
     tr.new_head(torch.arange(4, 84)).save(tmp_path / "head")
     d = make_drafter("eagle", lm, head_path=tmp_path / "head", adapt=dict(FAST, every=40, guard_rounds=4))
     eng = Engine(be, d, eos_token_ids=())

@@ -48,36 +48,37 @@ def test_one_attention_call_for_all_sequences_equals_one_per_sequence(gemma, eac
     if attn_rows_kernel() is None:
         pytest.skip("no C compiler")
     be = gemma.backend
+    m = be.model
     g = torch.Generator().manual_seed(0)
     seqs, keys, qs = [], [], []
     spots = [(5, 3), (17, 1), (9, 4)]
     for n, (pos, T) in enumerate(spots):
-        s = be.fork()
+        s = be.fork().cache
         s.ensure_capacity(pos + T)
-        s.k_cache.copy_(torch.randn(s.k_cache.shape, generator=g))
-        s.v_cache.copy_(torch.randn(s.v_cache.shape, generator=g))
+        s.k.copy_(torch.randn(s.k.shape, generator=g))
+        s.v.copy_(torch.randn(s.v.shape, generator=g))
         seqs.append(s)
         keys.append(RowKeys.chain(pos, T, 8 if n == 1 else None))
-        qs.append(torch.randn(T, be.n_heads, be.head_dim, generator=g))
+        qs.append(torch.randn(T, m.n_heads, m.head_dim, generator=g))
     joined = SequenceRows(seqs, keys, [p for p, _ in spots])
     for idx in range(be.num_layers):
-        alone = torch.cat([attention_rows(q, s.k_cache[idx], s.v_cache[idx], k, be.scale) for s, k, q in zip(seqs, keys, qs)])
-        assert torch.equal(joined.attend(torch.cat(qs), idx, be.scale), alone)
+        alone = torch.cat([attention_rows(q, s.k[idx], s.v[idx], k, m.scale) for s, k, q in zip(seqs, keys, qs)])
+        assert torch.equal(joined.attend(torch.cat(qs), idx, m.scale), alone)
     # and the rows' keys and values go where each sequence's own store puts them
     rows = sum(T for _, T in spots)
-    k = torch.randn(rows, be.n_kv_heads, be.head_dim, generator=g)
-    v = torch.randn(rows, be.n_kv_heads, be.head_dim, generator=g)
-    twins = [s.fork() for s in seqs]
+    k = torch.randn(rows, m.n_kv_heads, m.head_dim, generator=g)
+    v = torch.randn(rows, m.n_kv_heads, m.head_dim, generator=g)
+    twins = [be.fork().cache for _ in seqs]
     r = 0
     for t, s, (pos, T) in zip(twins, seqs, spots):
-        t.ensure_capacity(s.k_cache.shape[2])
-        t.k_cache.copy_(s.k_cache)
-        t.v_cache.copy_(s.v_cache)
-        t._store(1, k[r: r + T], v[r: r + T], pos)
+        t.ensure_capacity(s.k.shape[2])
+        t.k.copy_(s.k)
+        t.v.copy_(s.v)
+        t.store(1, k[r: r + T], v[r: r + T], pos)
         r += T
     joined.store(k, v, 1)
     for t, s in zip(twins, seqs):
-        assert torch.equal(t.k_cache, s.k_cache) and torch.equal(t.v_cache, s.v_cache)
+        assert torch.equal(t.k, s.k) and torch.equal(t.v, s.v)
 
 
 @pytest.mark.parametrize("speculate", [True, False])

@@ -82,19 +82,19 @@ def test_real_models_run_every_layer_from_blocks_with_identical_outputs(name, re
     lm = request.getfixturevalue(name)
     path = (smollm2_gguf_path if name == "smollm2" else bundled_gguf_path)()
     be = NativeBackend(lm.hf_model, gguf=str(path), integer=False)  # the float32 path on the blocks
-    linears = [getattr(layer, a) for layer in be.layers for a in ("qkv", "o", "gate_up", "down")]
+    linears = [getattr(layer, a) for layer in be.model.layers for a in ("qkv", "o", "gate_up", "down")]
     assert all(lin.blocks is not None for lin in linears)
     floats = NativeBackend(lm.hf_model)  # the same model without its GGUF blocks
-    assert all(lin.blocks is None for layer in floats.layers for lin in (layer.qkv, layer.down))
+    assert all(lin.blocks is None for layer in floats.model.layers for lin in (layer.qkv, layer.down))
     ids = torch.tensor(lm.tokenizer("def squares(xs):\n    return [x * x for x in xs]\n").input_ids)
     for b in (be, floats):
         b.reset()
         b.forward(ids[:-5], 0, logits=False)
     chain = [b.forward(ids[-5:], len(ids) - 5, return_hidden=True) for b in (be, floats)]
     assert torch.equal(chain[0].hidden, chain[1].hidden)
-    logits = f32_rows(floats.lm_head.weight, chain[1].hidden)  # the head's blocks sum as f32_rows does
-    if be.softcap:
-        logits = torch.tanh(logits / be.softcap) * be.softcap
+    logits = f32_rows(floats.model.lm_head.weight, chain[1].hidden)  # the head's blocks sum as f32_rows does
+    if be.model.softcap:
+        logits = torch.tanh(logits / be.model.softcap) * be.model.softcap
     assert torch.equal(chain[0].logits, logits)
     # batch invariance holds on the blocks: one-token steps give the chain's hidden states
     be.truncate(len(ids) - 5)

@@ -22,7 +22,7 @@ def test_native_matches_transformers(bundled):
     with torch.no_grad():
         ref = bundled.hf_model(ids[None]).logits[0]
     integer = bundled.backend.forward(ids, 0).logits
-    assert bundled.backend.quant is not None
+    assert bundled.backend.model.quant is not None
     assert (integer.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
     assert (integer - ref).abs().max() < 0.1 * ref.abs().max()
     out = NativeBackend(bundled.hf_model).forward(ids, 0).logits

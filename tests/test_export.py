@@ -242,8 +242,7 @@ def test_refusals_say_why(heads, llama8, tmp_path):
         export_head(head, tmp_path / "no", fmt="eagle3", target=cfg, verifier="t")
     assert not (tmp_path / "no").exists()  # nothing written
     with pytest.raises(ForerunError, match="medusa"):
-        Trainer(TrainConfig(kind="medusa", shape="eagle3"), llama8.backend.embed, 1.0, llama8.backend.lm_head.weight,
-                llama8.backend.final_norm, LAYERS)
+        Trainer.of_target(TrainConfig(kind="medusa", shape="eagle3"), llama8.backend.model)
 
 
 def test_llama_cpp_format_refuses_feature_norms_and_needs_the_converter(heads, llama8, tmp_path):

@@ -201,7 +201,7 @@ def test_greedy_trees_and_the_batch_engine_equal_plain_decoding_in_half_precisio
     lm.backend = be
     prompts = TIE_PROMPTS
     plain = [Engine(be, None, {1}).generate(p, max_new_tokens=24).token_ids for p in prompts]
-    exact = ExactFloatArgmax(be.lm_head.weight.cpu(), threads=1)
+    exact = ExactFloatArgmax(be.model.lm_head.weight.cpu(), threads=1)
     s = be.fork()
     rows = s.forward(torch.tensor(prompts[0] + plain[0]), 0, return_hidden=True)
     assert (exact.argmax(rows.hidden.float().cpu()) != rows.logits.argmax(-1).cpu()).sum() > 5, \
@@ -303,10 +303,10 @@ def test_a_float16_overflow_in_a_masked_value_slot_cannot_turn_a_row_into_nan():
 # -- CUDA graphs' bookkeeping, on the CPU -----------------------------------------------------------
 class _Replayer:
     """Stands in for a CUDA graph: replay recomputes the captured chunk into its static outputs, on
-    the cache of the backend it was captured for (which is what a real graph reads)."""
+    the cache it was captured for (which is what a real graph reads)."""
 
-    def __init__(self, fixed, be, static_in, span, layers, want_logits, outs):
-        self.be, self.run = be, lambda: fixed.core(be, static_in, span, layers, want_logits)
+    def __init__(self, fixed, model, cache, static_in, span, layers, want_logits, outs):
+        self.cache, self.run = cache, lambda: fixed.core(model, static_in, span, layers, want_logits, cache)
         self.outs = outs
 
     def replay(self):
@@ -316,7 +316,7 @@ class _Replayer:
 
 
 def test_each_sequence_replays_only_graphs_captured_on_its_own_cache(monkeypatch):
-    """Graphs live with the backend whose cache they read: a fork captures its own, a dead fork's
+    """Graphs live with the cache they read: a fork captures its own, a dead fork's
     graphs go with it, and every replay is of a graph captured for the sequence replaying it; the
     text equals eager decoding's, and captures and replays are counted."""
     from forerun.backends.fixed_rows import FixedRows
@@ -328,29 +328,30 @@ def test_each_sequence_replays_only_graphs_captured_on_its_own_cache(monkeypatch
     eager = [Engine(be.fork(), None, {1}).generate(p, max_new_tokens=12).token_ids for p in prompts]
     seen = []
 
-    def capture(self, seq, ins, span, layers, want_logits):
-        static_in = ins.to(seq.device)
-        outs = tuple(None if o is None else o.clone() for o in self.core(seq, static_in, span, layers, want_logits))
+    def capture(self, model, cache, ins, span, layers, want_logits):
+        static_in = ins.to(model.device)
+        outs = tuple(None if o is None else o.clone()
+                     for o in self.core(model, static_in, span, layers, want_logits, cache))
         self.captures += 1
-        return _Replayer(self, seq, static_in, span, layers, want_logits, outs), static_in, outs
+        return _Replayer(self, model, cache, static_in, span, layers, want_logits, outs), static_in, outs
 
     real_replay = FixedRows._replay
 
-    def replay(self, seq, ins, span, layers, want_logits, n):
-        out = real_replay(self, seq, ins, span, layers, want_logits, n)
-        seen.append(seq.graphs[(span, layers, want_logits)][0].be is seq)
+    def replay(self, model, cache, ins, span, layers, want_logits, n):
+        out = real_replay(self, model, cache, ins, span, layers, want_logits, n)
+        seen.append(cache.graphs[(span, layers, want_logits)][0].cache is cache)
         return out
 
     monkeypatch.setattr(FixedRows, "_capture", capture)
     monkeypatch.setattr(FixedRows, "_replay", replay)
-    be._fixed.graphs_off = False
+    be.model.fixed.graphs_off = False
     for p, want in zip(prompts, eager):
         fork = be.fork()
-        assert fork.graphs == {}
+        assert fork.cache.graphs == {}
         assert Engine(fork, None, {1}).generate(p, max_new_tokens=12).token_ids == want
         del fork  # its graphs go with it
     assert seen and all(seen)
-    st = be._fixed.stats()
+    st = be.model.fixed.stats()
     assert st["captured"] >= len(prompts) and st["replayed"] == len(seen) and not st["failed"]
 
 
@@ -366,7 +367,7 @@ def test_a_failed_capture_is_recorded_as_an_error_and_the_pass_still_runs(monkey
     s = be.fork()
     s.forward(ids[:10], 0, logits=False)
     want = s.forward(ids[10:11], 10).logits
-    be._fixed.graphs_off = False
+    be.model.fixed.graphs_off = False
     s.truncate(10)
     assert torch.equal(s.forward(ids[10:11], 10).logits, want)
-    assert be._fixed.stats()["failed"] and be._fixed.stats()["captured"] == 0
+    assert be.model.fixed.stats()["failed"] and be.model.fixed.stats()["captured"] == 0

@@ -29,7 +29,7 @@ def _both(path):
     model, files = skeleton(path, cfg)
     lean = NativeBackend(model, gguf=str(path), file_tensors=files)
     full = NativeBackend(ref, gguf=str(path))
-    assert lean.quant is not None and full.quant is not None
+    assert lean.model.quant is not None and full.model.quant is not None
     return lean, full, model, ref, files
 
 
@@ -38,7 +38,7 @@ def test_read_from_the_file_equals_the_conversion(tmp_path, arch, tied):
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, tied=tied)
     lean, full, model, ref, files = _both(path)
     # no float32 copy of a layer weight exists, and the embeddings stay in the file while decoding
-    assert all(getattr(layer, a).weight.is_meta for layer in lean.layers for a in ("qkv", "o", "gate_up", "down"))
+    assert all(getattr(layer, a).weight.is_meta for layer in lean.model.layers for a in ("qkv", "o", "gate_up", "down"))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (20,), generator=g)
     assert torch.equal(lean.forward(ids[:12], 0).logits, full.forward(ids[:12], 0).logits)
@@ -53,14 +53,14 @@ def test_read_from_the_file_equals_the_conversion(tmp_path, arch, tied):
     feeds, pos = [ids[8:11], ids[8:9]], [8, 8]
     for x, y in zip(lean.forward_batch([la, lb_], feeds, pos), full.forward_batch([fa, fb], feeds, pos)):
         assert torch.equal(x.logits, y.logits)
-    assert lean._embed["t"].is_meta  # decoding read embedding rows only
+    assert lean.model.embed_in_file  # decoding read embedding rows only
     files.ROWS_KEPT = 3  # rows dropped oldest first still come back the same
     files._rows.clear()
-    assert torch.equal(lean.embeddings(ids), torch.nn.functional.embedding(ids, full.embed)) and len(files._rows) <= 3
+    assert torch.equal(lean.model.embeddings(ids), torch.nn.functional.embedding(ids, full.embed)) and len(files._rows) <= 3
     # whole tensors when asked for: the conversion's values
     assert torch.equal(lean.embed, full.embed)
-    assert torch.equal(lean.lm_head.weight, ref.lm_head.weight)
-    assert (lean.lm_head.weight.data_ptr() == lean.embed.data_ptr()) == tied
+    assert torch.equal(lean.model.lm_head.weight, ref.lm_head.weight)
+    assert (lean.model.lm_head.weight.data_ptr() == lean.embed.data_ptr()) == tied
     if arch == "llama":  # its query and key rows are stored permuted: the order is not the file's
         assert sum(o is not None for o in files.row_orders.values()) == 2 * 2
 
@@ -117,7 +117,7 @@ def test_load_model_reads_a_gguf_file_without_converting_it(tmp_path, monkeypatc
     converted = []
     monkeypatch.setattr(models, "_convert_gguf", lambda p: converted.append(p) or _convert(p, tmp_path / "conv"))
     lm = models.load_model(str(path), backend="torch")
-    assert lm.backend.quant is not None and lm._hf is None and not converted
+    assert lm.backend.model.quant is not None and lm._hf is None and not converted
     assert lm.config.num_hidden_layers == 2 and lm.eos_token_ids
     ids = torch.arange(3, 9)
     lean_logits = lm.backend.forward(ids, 0).logits
@@ -149,12 +149,12 @@ def test_real_models_are_read_from_their_files_with_the_conversions_numbers(name
 
     lm = request.getfixturevalue(name)
     lean = lm.backend
-    if lean.quant is None:
+    if lean.model.quant is None:
         pytest.skip("the integer kernels do not build here (no C compiler)")
-    assert lean._files is not None and lean.layers[0].qkv.weight.is_meta
+    assert lean.model.files is not None and lean.model.layers[0].qkv.weight.is_meta
     path = (smollm2_gguf_path if name == "smollm2" else bundled_gguf_path)()
     full = NativeBackend(lm.hf_model, gguf=str(path))  # the conversion, built on first use
-    assert full.quant is not None and full._files is None
+    assert full.model.quant is not None and full.model.files is None
     ids = torch.tensor(lm.tokenizer("Write a short poem about the sea, then explain its rhyme.").input_ids)
     a, b = lean.fork(), full.fork()
     assert torch.equal(a.forward(ids, 0).logits, b.forward(ids, 0).logits)

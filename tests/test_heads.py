@@ -49,7 +49,7 @@ def _train(lm, kind, tmp_path, epochs=None, stop_after=None, seqs=None, **config
     # problem needs a high learning rate to move them in a few steps.
     tc = TrainConfig(kind=kind, draft_vocab=80, epochs=epochs or 10, batch_tokens=256, n_heads=2,
                      head_dim=16, intermediate=64, lr=1e-2, val_fraction=0.2, steps_ahead=3, **config)
-    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    tr = Trainer.of_target(tc, be.model)
     ex = extract_features(be, seqs or _sequences(), tr.extract_layers, None, log=lambda s: None)
     head, report = tr.train(ex, tmp_path, log=lambda s: None, stop_after=stop_after)
     return head, report
@@ -139,7 +139,7 @@ def test_warm_start_continues_from_a_trained_head(heads, gemma, kind, tmp_path):
     trained = load_head(heads[kind][0], fingerprint=fp)
     tc = TrainConfig(kind=kind, draft_vocab=80, epochs=1, batch_tokens=256, n_heads=2, head_dim=16, intermediate=64,
                      lr=1e-2, val_fraction=0.2, steps_ahead=3)
-    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    tr = Trainer.of_target(tc, be.model)
     ex = extract_features(be, _sequences(), tr.feature_layers, None, log=lambda s: None)
     _, fresh = tr.train(ex, tmp_path / "a", log=lambda s: None, stop_after=1)
     _, warm = tr.train(ex, tmp_path / "b", log=lambda s: None, stop_after=1, init=trained)
@@ -153,7 +153,7 @@ def test_warm_start_continues_from_a_trained_head(heads, gemma, kind, tmp_path):
     old = {int(t): i for i, t in enumerate(trained.draft_to_target.tolist())}
     assert copied == sum(int(t) in old for t in d2t.tolist()) > 0
     for j, t in enumerate(d2t.tolist()):
-        want = trained.lm_head.weight[old[t]] if t in old else be.lm_head.weight[t].float()
+        want = trained.lm_head.weight[old[t]] if t in old else be.model.lm_head.weight[t].float()
         assert torch.equal(head.lm_head.weight[j].detach(), want.detach()), t
     # keep_vocab: the trained head's own vocabulary, every output row carried over, whatever these examples hold.
     few, said = ex[:4], []
@@ -165,8 +165,7 @@ def test_warm_start_continues_from_a_trained_head(heads, gemma, kind, tmp_path):
     assert not torch.equal(chosen.draft_to_target.cpu(), trained.draft_to_target.cpu())
     with pytest.raises(ForerunError, match="--init"):
         tr.train(few, tmp_path / "e", log=lambda s: None, stop_after=1, keep_vocab=True)
-    wide = Trainer(TrainConfig(kind=kind, draft_vocab=80, n_heads=2, head_dim=16, intermediate=128, steps_ahead=3),
-                   be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    wide = Trainer.of_target(TrainConfig(kind=kind, draft_vocab=80, n_heads=2, head_dim=16, intermediate=128, steps_ahead=3), be.model)
     with pytest.raises(ForerunError, match="intermediate"):
         wide.warm_start(wide.new_head(d2t), trained)
 
@@ -177,8 +176,7 @@ def test_soft_labels_are_the_targets_own_distribution(gemma, tmp_path):
     be = gemma.backend
     tc = TrainConfig(kind="eagle", draft_vocab=80, epochs=6, batch_tokens=256, n_heads=2, head_dim=16,
                      intermediate=64, lr=1e-2, val_fraction=0.2, steps_ahead=3, soft_labels=1.0)
-    tr = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers,
-                 eps=be.eps, softcap=be.softcap)
+    tr = Trainer.of_target(tc, be.model)
     seq = _sequences(n=1)[0]
     ex = extract_features(be, [seq], tr.feature_layers, None, log=lambda s: None)[0]
     d2t = torch.arange(3, 83)
@@ -534,8 +532,7 @@ def test_eval_draft_scores_a_trained_head_above_an_untrained_one(gemma, tmp_path
     seqs = [Sequence(p + eng.generate(p, max_new_tokens=12).token_ids, len(p)) for p in train_prompts]
     trained, _ = _train(gemma, "eagle", tmp_path / "w", seqs=seqs)
     be = gemma.backend
-    fresh = Trainer(TrainConfig(kind="eagle", draft_vocab=80, n_heads=2, head_dim=16, intermediate=64, steps_ahead=3),
-                    be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers)
+    fresh = Trainer.of_target(TrainConfig(kind="eagle", draft_vocab=80, n_heads=2, head_dim=16, intermediate=64, steps_ahead=3), be.model)
     untrained = fresh.new_head(trained.draft_to_target.clone())
     untrained.fuse.weight.data.normal_()  # not the "top layer" start: a head that knows nothing
     prompts = [{"text": " ".join(f"w{4 + (11 * i + 3 * j) % 90}" for j in range(4)), "category": "ab"[i % 2]}

@@ -14,6 +14,7 @@ from test_engine import PROMPTS
 from test_qrows import quantize_reference
 
 from forerun.backends.block_weights import Codes
+from forerun.backends.gguf_weights import GGUF_PARTS
 from forerun.backends.qweights import qrows_lib
 from forerun.drafters import make_drafter
 from forerun.engine import Engine
@@ -58,7 +59,7 @@ def integer_model(arch: str, mix: str = "mixed", seed: int = 0):
     model = _build(arch, seed)
     lm = wrap(model, name=f"tiny-{arch}-int")
     assert lm.backend.attach_integer(codes_of(mix))
-    assert lm.backend.greedy_head == "integer" and lm.backend.batch_invariant
+    assert lm.backend.model.greedy.kind == "integer" and lm.backend.model.batch_invariant
     return model, lm
 
 
@@ -81,17 +82,18 @@ def test_layers_compute_what_the_reference_computes(arch):
     wrong norm, rotation, attention, activation or residual gives errors far above rounding."""
     model, lm = integer_model(arch)
     ref = wrap(model, name="tiny-reference").backend
-    ref._fixed = None  # its products are replaced below: the library path, whatever the test run asks
+    m = ref.model
+    m.fixed = None  # its products are replaced below: the library path, whatever the test run asks
     get = codes_of("mixed")
-    for i, layer in enumerate(ref.layers):
-        for attr, parts in ref._GGUF_PARTS.items():
+    for i, layer in enumerate(m.layers):
+        for attr, parts in GGUF_PARTS.items():
             lin = getattr(layer, attr)
             setattr(layer, attr, _Reference(get([f"blk.{i}.{p}.weight" for p in parts], lin.weight)[0][0]))
-    ref.lm_head = _Reference(get(["output"], ref.lm_head.weight)[0][0])
-    ref._body_choice["kernel"], ref._want_invariant, ref._exact = "onednn", False, False
-    assert lm.backend.kv_dtype == torch.float16  # the integer path keeps float16 keys and values: so does the reference
-    store = ref._store
-    ref._store = lambda idx, k, v, pos: store(idx, k.half().float(), v.half().float(), pos)
+    m.lm_head = _Reference(get(["output"], m.lm_head.weight)[0][0])
+    m.body_kernel, m.want_invariant, m.greedy.exact = "onednn", False, False
+    assert lm.backend.model.kv_dtype == torch.float16  # the integer path keeps float16 keys and values: so does the reference
+    store = ref.cache.store
+    ref.cache.store = lambda idx, k, v, pos: store(idx, k.half().float(), v.half().float(), pos)
     ids = torch.tensor([2, 7, 8, 9, 10, 7, 8, 9, 11, 12, 13, 7, 8])
     got = lm.backend.forward(ids, 0).logits
     want = ref.forward(ids, 0).logits
@@ -163,14 +165,14 @@ def test_greedy_rows_take_the_argmax_of_the_logits(arch):
     ids = torch.randint(4, 96, (40,), generator=torch.Generator().manual_seed(3))
     be.reset()
     h = be.forward(ids, 0, logits=False, return_hidden=True).hidden
-    assert torch.equal(be.argmax_hidden(h), be.lm_logits(h).argmax(-1))
+    assert torch.equal(be.argmax_hidden(h), be.model.lm_logits(h).argmax(-1))
     a, b = be.fork(), be.fork()
     a.forward(ids[:30], 0, logits=False)
     b.forward(ids[:20], 0, logits=False)
     both = be.forward_batch([a, b], [ids[30:35], ids[20:22]], [30, 20], greedy=[True, False])
     a.truncate(30)
     want = a.forward(ids[30:35], 30).logits.argmax(-1)
-    if be.softcap:  # Gemma 2: logits, as for sampled rows
+    if be.model.softcap:  # Gemma 2: logits, as for sampled rows
         assert torch.equal(both[0].logits.argmax(-1), want)
     else:
         assert torch.equal(both[0].ids, want)
@@ -254,10 +256,10 @@ def test_a_draft_model_recoded_to_4_bits_reads_fewer_bytes_and_changes_no_output
     _, target = integer_model("llama")
     _, draft = integer_model("llama", mix="q8")  # the target's weights at 8 bits a code
     be = draft.backend
-    before = sum(q.nbytes for q in be.quant)
+    before = sum(q.nbytes for q in be.model.quant)
     assert be.requantize_4bit() and not be.requantize_4bit()  # once
-    assert sum(q.nbytes for q in be.quant) < 0.6 * before
-    assert all(p.kind == 0 for q in be.quant for p in q.parts)
+    assert sum(q.nbytes for q in be.model.quant) < 0.6 * before
+    assert all(p.kind == 0 for q in be.model.quant for p in q.parts)
     plain = Engine(target.backend, None, target.eos_token_ids)
     eng = Engine(target.backend, make_drafter("draft", target, draft_model=draft), target.eos_token_ids)
     drafted = accepted = 0

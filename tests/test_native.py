@@ -146,8 +146,8 @@ def test_q8_head_products_match_exact_products(each_build):
 
 def test_argmax_forward_matches_logits_for_chains_and_trees():
     be = wrap(tiny_gemma(0)).backend
-    be.exact_greedy = True  # opt-in (see README, performance notes)
-    if be.exact_head() is None:
+    be.model.greedy.exact_greedy = True  # opt-in (see README, performance notes)
+    if be.model.greedy.exact_head() is None:
         import pytest
 
         pytest.skip("no C compiler for the Q8_0 kernel")
@@ -235,16 +235,16 @@ def test_body_kernel_is_chosen_once_and_both_kernels_agree():
     from forerun.engine import Engine
 
     be = wrap(tiny_gemma(1)).backend
-    kernel = be.body_kernel
+    kernel = be.model.body_kernel
     assert kernel in ("onednn", "rows")
     twin = be.fork()
-    assert twin.body_kernel == kernel and twin._body_choice is be._body_choice
-    if f32_rows_kernel() is None or be._pack is False:
+    assert twin.model is be.model and twin.model.body_kernel == kernel
+    if f32_rows_kernel() is None or be.model.pack is False:
         pytest.skip("no C compiler for the f32_rows kernel")
     ids = torch.randint(4, 96, (30,), generator=torch.Generator().manual_seed(5))
     out = {}
     for how in ("onednn", "rows"):
-        be._body_choice["kernel"] = how
+        be.model.body_kernel = how
         be.reset()
         be.forward(ids[:20], 0)
         out[how] = (be.forward(ids[20:26], 20).logits, Engine(be, None, set()).generate(ids[:8].tolist(), max_new_tokens=12).token_ids)
@@ -257,9 +257,9 @@ def test_greedy_head_auto_decides_once_and_matches_float_argmax():
     first use and keeps one answer for the model and its forks; either way greedy tokens are the
     argmax of the logits (no near ties on the tiny model)."""
     be = wrap(tiny_gemma(2)).backend
-    assert be.exact_greedy == "auto"
+    assert be.model.greedy.exact_greedy == "auto"
     twin = be.fork()  # decides first
-    assert be.greedy_head in ("exact-q8-screened", "float32") and twin._exact is be._exact
+    assert be.model.greedy.kind in ("exact-q8-screened", "float32") and twin.model.greedy is be.model.greedy
     ids = torch.randint(4, 96, (20,), generator=torch.Generator().manual_seed(6))
     be.reset()
     ref = be.forward(ids, 0).logits.double().argmax(-1)
@@ -305,7 +305,7 @@ def test_verify_rows_equal_one_token_steps_bit_for_bit():
     import pytest
 
     be = wrap(tiny_gemma(2)).backend
-    if not be.batch_invariant:
+    if not be.model.batch_invariant:
         pytest.skip("no C compiler for the row kernels")
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(4, 96, (40,), generator=g)
@@ -337,7 +337,7 @@ def test_verify_rows_equal_one_token_steps_bit_for_bit():
         assert torch.equal(steps(tokens[path].tolist())[-1], tree_h[r]), r
     # the library path (batch_invariant=False) computes the same values up to float32 rounding
     be2 = wrap(tiny_gemma(2)).backend
-    be2._want_invariant = False
+    be2.model.want_invariant = False
     be2.reset()
     be2.forward(ids[:pos], 0, logits=False)
     assert torch.allclose(be2.forward(ids[pos: pos + 12], pos, logits=False, return_hidden=True).hidden, chain, atol=1e-4)
@@ -410,7 +410,7 @@ def test_lm_head_logits_are_a_rows_own_in_passes_of_every_size():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.3)
     be = wrap(LlamaForCausalLM(cfg).eval()).backend
-    if not be.batch_invariant:
+    if not be.model.batch_invariant:
         pytest.skip("no C compiler for the row kernels")
     ids = torch.randint(4, 3000, (100,), generator=torch.Generator().manual_seed(5))
     pos = 20

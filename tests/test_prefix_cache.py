@@ -66,8 +66,8 @@ def test_prefill_from_the_cache_equals_prefill_computed(gemma, chunk16):
         assert cache.hits - before == hits
         n = len(prompt)
         assert b.length == ref.length == n
-        assert torch.equal(b.k_cache[:, :, :n], ref.k_cache[:, :, :n])
-        assert torch.equal(b.v_cache[:, :, :n], ref.v_cache[:, :, :n])
+        assert torch.equal(b.cache.k[:, :, :n], ref.cache.k[:, :, :n])
+        assert torch.equal(b.cache.v[:, :, :n], ref.cache.v[:, :, :n])
 
 
 def test_served_with_the_cache_equals_plain_decoding(gemma, chunk16):
@@ -93,7 +93,7 @@ def test_a_batched_pass_past_the_invariant_rows_is_still_row_by_row(gemma):
     from forerun.backends.linear import INVARIANT_ROWS
 
     be = gemma.backend
-    if not be.batch_invariant:
+    if not be.model.batch_invariant:
         pytest.skip("the backend is not batch-invariant here (no C compiler)")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, 96, (10 + i,), generator=g) for i in range(16)]

@@ -38,7 +38,7 @@ def _lossless(lm, drafter, prompts=PROMPTS, max_new_tokens=40, k=4) -> int:
 def test_runs_on_the_native_backend_and_matches_transformers(smollm2):
     from forerun.backends.native import NativeBackend
 
-    assert type(smollm2.backend).__name__ == "NativeBackend" and smollm2.backend.quant is not None
+    assert type(smollm2.backend).__name__ == "NativeBackend" and smollm2.backend.model.quant is not None
     be = NativeBackend(smollm2.hf_model)  # the float32 path: transformers' numbers
     assert be.vocab_size == 49152
     ids = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 3).input_ids
@@ -255,7 +255,7 @@ def test_export_draft_for_llama_cpp_writes_a_gguf_llama_cpp_loads(smollm2, tmp_p
     gguf = pytest.importorskip("gguf")
     be = smollm2.backend
     layers = eagle3_feature_layers(be.num_layers)
-    cfg = HeadConfig(kind="eagle", hidden_size=be.hidden_size, vocab_size=be.vocab_size, draft_vocab=512,
+    cfg = HeadConfig(kind="eagle", hidden_size=be.model.hidden_size, vocab_size=be.vocab_size, draft_vocab=512,
                      feature_layers=layers, target=target_fingerprint(be.embed, be.num_layers),
                      n_heads=9, head_dim=64, feature_norms=False)
     torch.manual_seed(0)
@@ -275,7 +275,7 @@ def test_export_draft_for_llama_cpp_writes_a_gguf_llama_cpp_loads(smollm2, tmp_p
     params = L.llama_model_default_params()
     model = L.llama_model_load_from_file(str(out).encode(), params)
     assert model, "llama.cpp could not load the exported draft"
-    assert L.llama_model_n_embd(model) == be.hidden_size
+    assert L.llama_model_n_embd(model) == be.model.hidden_size
     L.llama_model_free(model)
 
 def test_seeded_sampling_gives_plain_decodings_text_for_every_method(smollm2):

@@ -203,8 +203,8 @@ def test_engine_keeps_an_accepted_path_off_the_first_branch(gemma):
     assert be.length == n
     fresh = be.fork()
     fresh.forward(torch.tensor(prompt + ref[:-1]), 0)
-    assert torch.allclose(be.k_cache[:, :, :n], fresh.k_cache[:, :, :n], atol=1e-5)
-    assert torch.allclose(be.v_cache[:, :, :n], fresh.v_cache[:, :, :n], atol=1e-5)
+    assert torch.allclose(be.cache.k[:, :, :n], fresh.cache.k[:, :, :n], atol=1e-5)
+    assert torch.allclose(be.cache.v[:, :, :n], fresh.cache.v[:, :, :n], atol=1e-5)
 
 
 def test_trees_are_cut_to_the_room_left_before_the_context_limit(gemma):

@@ -21,11 +21,11 @@ import forerun.models as m
 spec, mode = sys.argv[1], sys.argv[2]
 if mode == "file":
     lm = m.load_model(spec, backend="torch")
-    assert lm._hf is None and lm.backend.quant is not None
+    assert lm._hf is None and lm.backend.model.quant is not None
 else:
     kind, loc = m.resolve_source(spec)
     lm = m._load_transformers(spec, kind, loc, torch.float32, torch.device("cpu"), "native", None)
-    assert lm.backend.quant is not None
+    assert lm.backend.model.quant is not None
 s = time.perf_counter() - t
 rss = int(open("/proc/self/statm").read().split()[1]) * 4096 / 1e6
 print(json.dumps({"seconds": s, "rss_mb": rss, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))

@@ -127,8 +127,8 @@ def measure(path: Path, threads: int) -> dict:
                      "decode_tps": decode_tps(be)}
         print(f"  {name}: step {r['step_ms']:.1f} ms, K=1 {r['1']:.2f}, K=4 {r['4']:.2f}, "
               f"decode {out[name]['decode_tps']:.1f} tok/s", flush=True)
-    out["forerun"]["weight_mb"] = (sum(q.nbytes for q in lm.backend.quant) + lm.backend.lm_head.qlin.nbytes) / 1e6 \
-        if lm.backend.quant else None
+    out["forerun"]["weight_mb"] = (sum(q.nbytes for q in lm.backend.model.quant) + lm.backend.model.lm_head.qlin.nbytes) / 1e6 \
+        if lm.backend.model.quant else None
     return out
 
 

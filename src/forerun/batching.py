@@ -223,7 +223,7 @@ class BatchEngine:
             return {}
         if keep_as is not None:
             key = [*keep_as, self.max_batch, self.policy.k_max, rows, reps, torch.get_num_threads(),
-                   type(self.target).__name__, getattr(self.target, "body_kernel", None), sources_id()]
+                   type(self.target).__name__, self.target.report().get("body_kernel"), sources_id()]
             costs = kept.measured("batch-costs", key, lambda: {str(r): t for r, t in self.calibrate(
                 rows, reps, budget_s, progress).items()}, "timing batched passes once for this model and machine")
             self.policy.costs["pass"].update({int(r): t for r, t in costs.items()})

@@ -64,11 +64,11 @@ class SequenceRows:
     """The rows of a batched pass over several sequences, for one ``attn_rows.c`` call per layer:
     every row's keys (``RowKeys`` joined), and where each row's sequence keeps its cache."""
 
-    def __init__(self, seqs: Sequence, keys: Sequence[RowKeys], positions: Sequence[int]):  # seqs: forks of one NativeBackend
+    def __init__(self, caches: Sequence, keys: Sequence[RowKeys], positions: Sequence[int]):  # one KVCache a sequence
         """``positions``: where each sequence's rows start in its cache. Built from plain lists, one
         tensor per field: a one-token step spends little here."""
         pos, lo, hi, xp, extra, kb, vb, caps = [], [], [], [0], [], [], [], []
-        for s, k, p in zip(seqs, keys, positions):
+        for s, k, p in zip(caches, keys, positions):
             n = len(k.rows)
             pos += range(p, p + n)
             for a, b, e in k.rows:
@@ -76,14 +76,14 @@ class SequenceRows:
                 hi.append(b)
                 extra += e
                 xp.append(xp[-1] + len(e))
-            kb += [s.k_cache.data_ptr()] * n
-            vb += [s.v_cache.data_ptr()] * n
-            caps += [s.k_cache.shape[2]] * n
+            kb += [s.k.data_ptr()] * n
+            vb += [s.v.data_ptr()] * n
+            caps += [s.k.shape[2]] * n
         i32 = lambda v: torch.from_numpy(np.array(v, dtype=np.int32))  # noqa: E731  (numpy: cheaper than torch.tensor)
         i64 = lambda v: torch.from_numpy(np.array(v, dtype=np.int64))  # noqa: E731
         self.pos, self.lo, self.hi, self.xp, self.extra = i32(pos), i32(lo), i32(hi), i32(xp), i32(extra + [0])
         self.k_base, self.v_base, self.caps = i64(kb), i64(vb), i64(caps)
-        _, self.kv_heads, _, D = seqs[0].k_cache.shape  # [layers, kv_heads, cap, D]
+        _, self.kv_heads, _, D = caches[0].k.shape  # [layers, kv_heads, cap, D]
         self.layer_bytes = i64([c * self.kv_heads * D * 4 for c in caps])  # one layer of one cache, float32
 
     def store(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> None:
@@ -136,55 +136,53 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowK
     return out.view(T, H * D)
 
 
-class CacheAttention:
-    """Attention over ``NativeBackend``'s own cache for the library path (prompt passes, backends
-    that need not be batch-invariant) and the batch-invariant one row by row (``attention_rows``)."""
+def cache_attention(model, cache, layer, idx: int, q, k, v, pos: int, mask_info) -> torch.Tensor:
+    """Attention of rows q [T, heads, D] at pos.. over one sequence's ``cache`` (a ``KVCache``),
+    after their keys and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D],
+    before the output projection. The library's fused kernel for prompt passes and backends that
+    need not be batch-invariant; the batch-invariant one row by row (``attention_rows``)."""
+    T, D = q.shape[0], model.head_dim
+    end = pos + T
+    cache.store(idx, k, v, pos)
+    start, mask = mask_info[:2]
+    if model.arch.attn_softcap:
+        return _capped_attention(model, cache, q, idx, start, end, mask_info)
+    if len(mask_info) > 2:  # batch-invariant: every row as a one-token step over its own keys
+        return attention_rows(q, cache.k[idx], cache.v[idx], mask_info[2], model.scale)
+    keys = cache.k[idx, :, start:end]  # [kv_heads, S, D]
+    vals = cache.v[idx, :, start:end]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        vals[None],
+        attn_mask=None if mask is None else mask[None, None],
+        scale=model.scale,
+        enable_gqa=model.n_heads != model.n_kv_heads,
+    )  # [1, heads, T, D]
+    return out[0].transpose(0, 1).reshape(T, model.n_heads * D)
 
-    def _attention(self, layer, idx: int, q, k, v, pos, mask_info):
-        """Attention of rows q [T, heads, D] at pos.. over this backend's cache, after their keys
-        and values k, v [T, kv_heads, D] (normed and rotated) join it; [T, heads * D], before the
-        output projection."""
-        T, D = q.shape[0], self.head_dim
-        end = pos + T
-        self._store(idx, k, v, pos)
-        start, mask = mask_info[:2]
-        if self.arch.attn_softcap:
-            return self._capped_attention(q, idx, start, end, mask_info)
-        if len(mask_info) > 2:  # batch-invariant: every row as a one-token step over its own keys
-            return attention_rows(q, self.k_cache[idx], self.v_cache[idx], mask_info[2], self.scale)
-        keys = self.k_cache[idx, :, start:end]  # [kv_heads, S, D]
-        vals = self.v_cache[idx, :, start:end]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys[None],
-            vals[None],
-            attn_mask=None if mask is None else mask[None, None],
-            scale=self.scale,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )  # [1, heads, T, D]
-        return out[0].transpose(0, 1).reshape(T, self.n_heads * D)
 
-    def _capped_attention(self, q, idx, start, end, mask_info):
-        """Attention with Gemma 2's soft cap on the scores (cap * tanh(s / cap)), which the fused
-        kernels lack: q [T, heads, D] -> [T, heads * D]. Batch-invariant passes take each row alone
-        over its own keys (as a one-token step does)."""
-        T, H, D = q.shape
-        cap, group = self.arch.attn_softcap, self.n_heads // self.n_kv_heads
-        k_all, v_all = self.k_cache[idx], self.v_cache[idx]
+def _capped_attention(model, cache, q, idx, start, end, mask_info):
+    """Attention with Gemma 2's soft cap on the scores (cap * tanh(s / cap)), which the fused
+    kernels lack: q [T, heads, D] -> [T, heads * D]. Batch-invariant passes take each row alone
+    over its own keys (as a one-token step does)."""
+    T, H, D = q.shape
+    cap, group = model.arch.attn_softcap, model.n_heads // model.n_kv_heads
+    k_all, v_all = cache.k[idx], cache.v[idx]
 
-        def attend(qr, kk, vv, mask=None):  # qr [H, t, D], kk/vv [kv_heads, S, D]
-            kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
-            scores = torch.tanh((qr @ kk.transpose(1, 2)).float() * self.scale / cap) * cap
-            if mask is not None:
-                scores = scores.masked_fill(~mask[None], float("-inf"))
-            return (scores.softmax(-1).to(vv.dtype) @ vv).transpose(0, 1)  # [t, H, D]
+    def attend(qr, kk, vv, mask=None):  # qr [H, t, D], kk/vv [kv_heads, S, D]
+        kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
+        scores = torch.tanh((qr @ kk.transpose(1, 2)).float() * model.scale / cap) * cap
+        if mask is not None:
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+        return (scores.softmax(-1).to(vv.dtype) @ vv).transpose(0, 1)  # [t, H, D]
 
-        qt = q.transpose(0, 1)
-        if len(mask_info) > 2:
-            keys = mask_info[2]
-            outs = [attend(qt[:, t: t + 1], *keys.keys_values(t, k_all, v_all)) for t in range(T)]
-            return torch.cat(outs).reshape(T, H * D)
-        mask = mask_info[1]
-        if mask is None:
-            mask = torch.ones(T, end - start, dtype=torch.bool, device=q.device)
-        return attend(qt, k_all[:, start:end], v_all[:, start:end], mask).reshape(T, H * D)
+    qt = q.transpose(0, 1)
+    if len(mask_info) > 2:
+        keys = mask_info[2]
+        outs = [attend(qt[:, t: t + 1], *keys.keys_values(t, k_all, v_all)) for t in range(T)]
+        return torch.cat(outs).reshape(T, H * D)
+    mask = mask_info[1]
+    if mask is None:
+        mask = torch.ones(T, end - start, dtype=torch.bool, device=q.device)
+    return attend(qt, k_all[:, start:end], v_all[:, start:end], mask).reshape(T, H * D)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from forerun.backends.arch import add_bias, decoder_layer
+from forerun.backends.positions import rope
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")
@@ -68,14 +69,14 @@ def _linear(lin, x: torch.Tensor, bias) -> torch.Tensor:
     return add_bias(F.linear(x, lin.weight), bias)  # the library product at this chunk's fixed shape
 
 
-def _norm(be, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _norm(model, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """RMS norm over the last dimension, as ``arch.rms_norm`` (its weight before or after the cast
     back), through torch's own norm (one kernel where the device has a fused one)."""
-    xf = F.rms_norm(x.float(), (x.shape[-1],), eps=be.eps)
-    return (xf * weight).type_as(x) if be.arch.gemma_norms else weight * xf.type_as(x)
+    xf = F.rms_norm(x.float(), (x.shape[-1],), eps=model.eps)
+    return (xf * weight).type_as(x) if model.arch.gemma_norms else weight * xf.type_as(x)
 
 
-def _rotary(be, ropes: dict) -> dict:
+def _rotary(ropes: dict) -> dict:
     """Per attention type, (cos, signed sin) [B, 1, head_dim] for ``_rotate``: the sin's first half
     negated, so that x * cos + roll(x) * signed sin is ``x * cos + rotate_half(x) * sin``."""
     out = {}
@@ -91,20 +92,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class FixedRows:
-    """The fixed-shape passes of one ``NativeBackend`` and its forks. The graphs of a sequence live
-    in its backend's ``graphs`` (keyed by key span, layers and logits), made anew with its cache;
-    what is shared here: the capture stream and memory pool, and the counts."""
+    """The fixed-shape passes of one ``NativeModel``, for every sequence over it. The graphs of a
+    sequence live in its ``KVCache``'s ``graphs`` (keyed by key span, layers and logits), made anew
+    with the cache; what is shared here: the capture stream and memory pool, and the counts."""
 
-    def __init__(self, be):
-        self.graphs_off = not (CUDA_GRAPHS and be.device.type == "cuda")
+    def __init__(self, model):
+        self.graphs_off = not (CUDA_GRAPHS and model.device.type == "cuda")
         self.captures = self.replays = 0
         self.capture_s = 0.0
         self.failures: list[str] = []  # why each failed capture failed (that shape then runs eagerly)
         self._pool = self._stream = None
         # per layer with query/key norms: one weight [heads + kv heads, D] norming both in one call
-        H, KVH = be.n_heads, be.n_kv_heads
+        H, KVH = model.n_heads, model.n_kv_heads
         self.qk_norm = [None if l.q_norm is None else
-                        torch.cat([l.q_norm.expand(H, -1), l.k_norm.expand(KVH, -1)]).contiguous() for l in be.layers]
+                        torch.cat([l.q_norm.expand(H, -1), l.k_norm.expand(KVH, -1)]).contiguous() for l in model.layers]
 
     def stats(self) -> dict:
         """Graphs captured and replayed, capture seconds, and failed captures (each an error)."""
@@ -114,7 +115,7 @@ class FixedRows:
     # -- passes ------------------------------------------------------------------------------
     @staticmethod
     def _rows(seq, pos: int, T: int, tree) -> list[tuple]:
-        """A pass's rows: (position, slot written, key map or None, sequence's backend)."""
+        """A pass's rows: (position, slot written, key map or None, sequence's cache)."""
         if tree is None:
             return [(pos + r, pos + r, None, seq) for r in range(T)]
         depth, anc = tree_layout(tree)
@@ -126,13 +127,13 @@ class FixedRows:
             rows.append((pos + int(depth[r]), pos + r, path, seq))
         return rows
 
-    def forward(self, be, tokens: torch.Tensor, pos: int, tree, layers, want_logits: bool):
+    def forward(self, model, cache, tokens: torch.Tensor, pos: int, tree, layers, want_logits: bool):
         """Final normed hidden states [T, hidden], float32 logits [T, vocab] (or None) and the
-        outputs of ``layers`` [T, len(layers) * hidden] (or None) of a pass at ``pos``."""
-        return self._run(be, tokens.cpu(), self._rows(be, pos, tokens.numel(), tree), tuple(layers), want_logits)
+        outputs of ``layers`` [T, len(layers) * hidden] (or None) of a pass at ``pos`` on ``cache``."""
+        return self._run(model, tokens.cpu(), self._rows(cache, pos, tokens.numel(), tree), tuple(layers), want_logits)
 
-    def forward_batch(self, be, seqs, feeds, positions, trees, layers, want_logits: bool) -> list[tuple]:
-        """One pass over several sequences (forks of ``be``): their rows one after another, in
+    def forward_batch(self, model, seqs, feeds, positions, trees, layers, want_logits: bool) -> list[tuple]:
+        """One pass over several sequences (``seqs``: their caches): their rows one after another, in
         chunks that may hold rows of several sequences (the products read each weight once per
         chunk); each sequence's rows write and read its own cache. Per sequence, as ``forward``."""
         rows, sizes = [], []
@@ -140,26 +141,26 @@ class FixedRows:
             rows += self._rows(seq, pos, feed.numel(), trees[i] if i < len(trees) else None)
             sizes.append(feed.numel())
         tokens = torch.cat([f.cpu() for f in feeds])
-        outs = self._run(be, tokens, rows, tuple(layers), want_logits)
+        outs = self._run(model, tokens, rows, tuple(layers), want_logits)
         split = [x.split(sizes) if x is not None else [None] * len(sizes) for x in outs]
         return list(zip(*split))
 
-    def _run(self, be, tokens, rows, layers, want_logits):
+    def _run(self, model, tokens, rows, layers, want_logits):
         hs, logits, feats = [], [], []
         for c in range(0, len(rows), ROW_BUCKET):
-            h, lg, ft = self._chunk(be, tokens[c: c + ROW_BUCKET], rows[c: c + ROW_BUCKET], layers, want_logits)
+            h, lg, ft = self._chunk(model, tokens[c: c + ROW_BUCKET], rows[c: c + ROW_BUCKET], layers, want_logits)
             hs.append(h)
             logits.append(lg)
             feats.append(ft)
         cat = lambda xs: None if xs[0] is None else torch.cat(xs) if len(xs) > 1 else xs[0]  # noqa: E731
         return cat(hs), cat(logits), cat(feats)
 
-    def _chunk(self, be, tokens, rows, layers, want_logits):
+    def _chunk(self, model, tokens, rows, layers, want_logits):
         """One chunk of up to ``ROW_BUCKET`` rows (tokens on the CPU): its inputs go to the device in
         one copy ([3, ROW_BUCKET]: tokens, positions, slots; padding rows at position 0, writing the
         spare slot), then its graph replays or the layers run eagerly."""
         n, B = len(rows), ROW_BUCKET
-        limit = be.max_context
+        limit = model.max_context
         spans = {key_span(r[0], limit) for r in rows}
         ins = torch.zeros(3, B, dtype=torch.long, device="cpu")
         ins[0, :n] = tokens
@@ -169,11 +170,11 @@ class FixedRows:
         seq = rows[0][3]
         one_chain = all(r[2] is None and r[3] is seq for r in rows) and len(spans) == 1
         if one_chain and not self.graphs_off:
-            return self._replay(seq, ins, spans.pop(), layers, want_logits, n)
-        h, lg, ft = self.core(be, ins.to(be.device), rows, layers, want_logits)
+            return self._replay(model, seq, ins, spans.pop(), layers, want_logits, n)
+        h, lg, ft = self.core(model, ins.to(model.device), rows, layers, want_logits)
         return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]
 
-    def chunk_logits(self, be, h: torch.Tensor) -> torch.Tensor:
+    def chunk_logits(self, model, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of final normed hidden states h [n, hidden], each row through
         the LM head in a ``ROW_BUCKET``-row product as a pass's chunk forms it (same shape, same bits)."""
         out = []
@@ -181,20 +182,20 @@ class FixedRows:
             part = h[c: c + ROW_BUCKET]
             pad = part.new_zeros(ROW_BUCKET, part.shape[1])
             pad[: part.shape[0]] = part
-            out.append(be.lm_logits(pad)[: part.shape[0]])
-        return torch.cat(out) if out else h.new_zeros(0, be.vocab_size, dtype=torch.float32)
+            out.append(model.lm_logits(pad)[: part.shape[0]])
+        return torch.cat(out) if out else h.new_zeros(0, model.vocab_size, dtype=torch.float32)
 
-    def core(self, be, ins, rows, layers, want_logits):
+    def core(self, model, ins, rows, layers, want_logits, cache=None):
         """The layers over one chunk of ``ROW_BUCKET`` rows (static shapes: what a graph captures).
         ``ins`` [3, ROW_BUCKET] on the device: tokens, positions, slots. ``rows``: an int, the one
-        key span of a chain chunk of ``be``'s own rows, whose cache slots are ``ins[2]``; or per
-        real row (position, slot, key map or None, sequence's backend)."""
-        B, D, H, KVH = ROW_BUCKET, be.head_dim, be.n_heads, be.n_kv_heads
-        limit = be.max_context
+        key span of a chain chunk of ``cache``'s own rows, whose cache slots are ``ins[2]``; or per
+        real row (position, slot, key map or None, sequence's cache)."""
+        B, D, H, KVH = ROW_BUCKET, model.head_dim, model.n_heads, model.n_kv_heads
+        limit = model.max_context
         tok, p = ins[0], ins[1]
         if isinstance(rows, int):
-            writes = [(be, ins[2])]
-            groups = {(be, rows, None): None}  # every row: one key span, keys in cache order
+            writes = [(cache, ins[2])]
+            groups = {(cache, rows, None): None}  # every row: one key span, keys in cache order
         else:
             writes = []  # per sequence: where each row's keys and values go (other rows: the spare slot)
             for seq in dict.fromkeys(r[3] for r in rows):
@@ -202,11 +203,11 @@ class FixedRows:
                 for j, r in enumerate(rows):
                     if r[3] is seq:
                         sl[j] = r[1]
-                writes.append((seq, sl.to(be.device)))
+                writes.append((seq, sl.to(model.device)))
             groups = {}  # rows of a sequence sharing a key span attend together; a tree row alone
             for j, (pos_j, _, path, seq) in enumerate(rows):
                 groups.setdefault((seq, key_span(pos_j, limit), None if path is None else j), []).append(j)
-        keys_at = torch.arange(limit, device=be.device)
+        keys_at = torch.arange(limit, device=model.device)
         hidden: dict = {}  # (key span, window) -> the slots each row must not see [B, span], once a chunk
 
         def hide(span, window):
@@ -218,32 +219,32 @@ class FixedRows:
                 hidden[(span, window)] = m
             return hidden[(span, window)]
 
-        h = be.embeddings(tok) * be.embed_scale
-        ropes = _rotary(be, be.rope(p))  # elementwise per row
-        sanitize = be.dtype == torch.float16  # a stale overflow in a masked value slot would give 0 x Inf = NaN
+        h = model.embeddings(tok) * model.embed_scale
+        ropes = _rotary(rope(model, p))  # elementwise per row
+        sanitize = model.dtype == torch.float16  # a stale overflow in a masked value slot would give 0 x Inf = NaN
         want = {}
         def qkv(i, layer, t):
             qk = t[:, : layer.n_q + layer.n_kv].view(B, H + KVH, D)  # queries and keys, side by side
             v = t[:, layer.n_q + layer.n_kv:].view(B, KVH, D)
             if self.qk_norm[i] is not None:
-                qk = _norm(be, qk, self.qk_norm[i])
+                qk = _norm(model, qk, self.qk_norm[i])
             kind = "sliding_attention" if layer.sliding else "full_attention"
             qk = _rotate(qk, *(ropes[kind] if kind in ropes else next(iter(ropes.values()))))
             return qk[:, :H], qk[:, H:], torch.nan_to_num(v) if sanitize else v
 
         def attend(i, layer, q, k, v):
             for seq, sl in writes:  # [kv_heads, slots, D] per layer
-                seq.k_cache[i].index_copy_(1, sl, k.transpose(0, 1))
-                seq.v_cache[i].index_copy_(1, sl, v.transpose(0, 1))
-            window = be.window if layer.sliding else None
+                seq.k[i].index_copy_(1, sl, k.transpose(0, 1))
+                seq.v[i].index_copy_(1, sl, v.transpose(0, 1))
+            window = model.window if layer.sliding else None
             att = None
             for (seq, span, tree_row), members in groups.items():
-                kc, vc = seq.k_cache[i], seq.v_cache[i]
+                kc, vc = seq.k[i], seq.v[i]
                 if tree_row is None:
-                    out = self._attend(be, q, kc[:, :span], vc[:, :span], hide(span, window))
+                    out = self._attend(model, q, kc[:, :span], vc[:, :span], hide(span, window))
                 else:  # the row's keys laid out as a one-token step at its position reads them
                     kk, vk = self._gathered(seq, kc, vc, rows[tree_row], span)
-                    out = self._attend(be, q, kk, vk, hide(span, window))
+                    out = self._attend(model, q, kk, vk, hide(span, window))
                 if members is None or len(groups) == 1:
                     att = out
                 else:
@@ -251,26 +252,26 @@ class FixedRows:
                     att[members] = out[members]
             return att
 
-        norm = partial(_norm, be)
-        for i, layer in enumerate(be.layers):
-            h = decoder_layer(i, layer, h, be.arch.sandwich, norm, _linear, qkv, attend)
+        norm = partial(_norm, model)
+        for i, layer in enumerate(model.layers):
+            h = decoder_layer(i, layer, h, model.arch.sandwich, norm, _linear, qkv, attend)
             if i in layers:
                 want[i] = h
-        hn = _norm(be, h, be.final_norm)
-        logits = be.lm_logits(hn) if want_logits else None
+        hn = _norm(model, h, model.final_norm)
+        logits = model.lm_logits(hn) if want_logits else None
         return hn, logits, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
     @staticmethod
-    def _attend(be, q, kk, vv, hide):
+    def _attend(model, q, kk, vv, hide):
         """q [B, heads, D] over keys kk, vv [kv_heads, L, D], slot j hidden from row b where
         ``hide[b, j]``; [B, heads * D]."""
         B, H, D = q.shape
         KVH = kk.shape[0]
         g = H // KVH
         qg = q.reshape(B, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * B, D)
-        scores = torch.matmul(qg, kk.transpose(1, 2)).float() * be.scale  # [kv_heads, g * B, L]
-        if be.arch.attn_softcap:
-            cap = be.arch.attn_softcap
+        scores = torch.matmul(qg, kk.transpose(1, 2)).float() * model.scale  # [kv_heads, g * B, L]
+        if model.arch.attn_softcap:
+            cap = model.arch.attn_softcap
             scores = torch.tanh(scores / cap) * cap
         scores = scores.view(KVH, g, B, -1).masked_fill(hide[None, None], float("-inf"))
         w = torch.softmax(scores, -1).to(vv.dtype).view(KVH, g * B, -1)
@@ -278,7 +279,7 @@ class FixedRows:
         return out.view(KVH, g, B, D).permute(2, 0, 1, 3).reshape(B, H * D)
 
     @staticmethod
-    def _gathered(be, kc, vc, row, span):
+    def _gathered(cache, kc, vc, row, span):
         """A tree row's keys and values in a scratch buffer shaped like the cache: slot s < pos is
         cache slot s, slot pos + d is its ancestor at depth d; the rest masked (slot 0)."""
         position, _, path, _ = row
@@ -286,45 +287,45 @@ class FixedRows:
         idx = torch.zeros(span, dtype=torch.long, device="cpu")
         idx[:pos] = torch.arange(pos, device="cpu")
         idx[pos: pos + len(path)] = torch.tensor(path, device="cpu")
-        idx = idx.to(be.device)
-        scratch = be.tree_scratch
+        idx = idx.to(kc.device)
+        scratch = cache.tree_scratch
         if scratch is None or scratch[0].shape != kc.shape or scratch[0].dtype != kc.dtype:
-            scratch = be.tree_scratch = (torch.empty_like(kc), torch.empty_like(vc))
+            scratch = cache.tree_scratch = (torch.empty_like(kc), torch.empty_like(vc))
         kk, vk = scratch[0][:, :span], scratch[1][:, :span]
         kk.copy_(kc.index_select(1, idx))
         vk.copy_(vc.index_select(1, idx))
         return kk, vk
 
     # -- CUDA graphs ---------------------------------------------------------------------------
-    def prepare(self, be, up_to: int, layers=(), progress: bool = True) -> int:
-        """Capture now, with a progress bar, ``be``'s graphs of chain chunks at every key span a
+    def prepare(self, model, cache, up_to: int, layers=(), progress: bool = True) -> int:
+        """Capture now, with a progress bar, ``cache``'s graphs of chain chunks at every key span a
         pass up to position ``up_to`` can read (otherwise each is captured on its first use); the
         padding rows' spare slot is all they write. Returns how many were captured."""
         if self.graphs_off:
             return 0
-        be.ensure_capacity(1)
-        last = min(up_to, be.max_context) - 1
-        spans = sorted({key_span(q, be.max_context) for q in [0, last] + [1 << i for i in range(last.bit_length())]})
+        cache.ensure_capacity(1)
+        last = min(up_to, model.max_context) - 1
+        spans = sorted({key_span(q, model.max_context) for q in [0, last] + [1 << i for i in range(last.bit_length())]})
         before, t0 = self.captures, self.capture_s
         ins = torch.zeros(3, ROW_BUCKET, dtype=torch.long, device="cpu")
-        ins[2] = be.max_context
+        ins[2] = model.max_context
         with torch.inference_mode():
             for span in tqdm(spans, desc="capturing CUDA graphs", unit="graph", disable=not progress, leave=False):
                 for want_logits in (True, False):
-                    self._replay(be, ins, span, tuple(layers), want_logits, ROW_BUCKET)
+                    self._replay(model, cache, ins, span, tuple(layers), want_logits, ROW_BUCKET)
         log.info("%d CUDA graphs captured in %.1f s (key spans %s; a sequence's others on first use)",
                  self.captures - before, self.capture_s - t0, spans)
         return self.captures - before
 
-    def _replay(self, be, ins, span, layers, want_logits, n):
-        """The chain chunk ``ins`` (on the CPU) through ``be``'s graph of this shape, captured on
+    def _replay(self, model, cache, ins, span, layers, want_logits, n):
+        """The chain chunk ``ins`` (on the CPU) through ``cache``'s graph of this shape, captured on
         first use; the first ``n`` rows of its outputs (copies: the buffers are the next replay's)."""
         key = (span, layers, want_logits)
-        entry = be.graphs.get(key)
+        entry = cache.graphs.get(key)
         if entry is None:
-            entry = be.graphs[key] = self._capture(be, ins, span, layers, want_logits)
+            entry = cache.graphs[key] = self._capture(model, cache, ins, span, layers, want_logits)
         if entry is False:  # this shape failed to capture (counted in ``failures``): eager
-            h, lg, ft = self.core(be, ins.to(be.device), span, layers, want_logits)
+            h, lg, ft = self.core(model, ins.to(model.device), span, layers, want_logits, cache)
             return h[:n], None if lg is None else lg[:n], None if ft is None else ft[:n]
         graph, static_in, outs = entry
         static_in.copy_(ins)  # one host-to-device copy: tokens, positions, slots
@@ -332,23 +333,23 @@ class FixedRows:
         self.replays += 1
         return tuple(None if o is None else o[:n].clone() for o in outs)
 
-    def _capture(self, be, ins, span, layers, want_logits):
-        """A graph of ``core`` for one chain chunk shape on ``be``'s cache (replayed with new inputs;
+    def _capture(self, model, cache, ins, span, layers, want_logits):
+        """A graph of ``core`` for one chain chunk shape on ``cache`` (replayed with new inputs;
         its outputs are static buffers, read before the next replay), captured on the shared
         stream into the shared pool. False where capture fails: recorded in ``failures``, logged
         as an error once per reason, and that shape runs eagerly."""
-        static_in = ins.to(be.device)
+        static_in = ins.to(model.device)
         t0 = time.perf_counter()
         try:
             if self._stream is None:
                 self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):  # warm-up: lazy initialisations happen outside the capture
-                self.core(be, static_in, span, layers, want_logits)
+                self.core(model, static_in, span, layers, want_logits, cache)
             torch.cuda.current_stream().wait_stream(self._stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-                outs = self.core(be, static_in, span, layers, want_logits)
+                outs = self.core(model, static_in, span, layers, want_logits, cache)
         except Exception as e:  # noqa: BLE001 - recorded and reported; the pass still runs, eagerly
             why = f"{type(e).__name__}: {e}"
             if why not in self.failures:

@@ -1,4 +1,4 @@
-"""The native backend on a GGUF file's own blocks: every layer and the LM head repacked for the
+"""The native model on a GGUF file's own blocks: every layer and the LM head repacked for the
 integer kernels (``qrows.c``, 8-bit activations; the default), or the blocks serving the float32
 path's small passes bit for bit as the dequantized weights (``block_weights``)."""
 
@@ -11,6 +11,7 @@ import torch
 from forerun import kept
 from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_codes, unpack
 from forerun.backends.ckernels import chosen_isa, sources_id
+from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import PackedLinear, f32_rows_kernel
 from forerun.backends.qweights import ACT_CODES, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_wide
 from forerun.gguf_file import GGUFFile
@@ -18,168 +19,167 @@ from forerun.gguf_file import GGUFFile
 log = logging.getLogger("forerun")
 
 
-class GGUFWeights:
-    """GGUF attachment methods of ``NativeBackend``."""
+# GGUF layer names of each Layer linear, in the order its weight stacks them
+GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+              "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 
-    # GGUF layer names of each Layer linear, in the order its weight stacks them
-    _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
-                   "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 
-    def _attach_integer(self, path: str) -> bool:
-        """Repack every layer's GGUF blocks and the LM head for ``qrows.c``; False (nothing kept)
-        where a weight's type is not handled or the kernels do not build."""
+def attach_gguf_integer(model, path: str) -> bool:
+    """Repack every layer's GGUF blocks and the LM head for ``qrows.c``; False (nothing kept)
+    where a weight's type is not handled or the kernels do not build."""
 
-        try:
-            g = GGUFFile.open(path)
-        except (OSError, ValueError) as e:
-            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
-            return False
-        files = self._files
-        if files is not None:
-            head = files.head_name or files.embed_name
-        else:
-            head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        self._head_file = (path, head)
-        return self.attach_integer(lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w,
-                                                               files.row_orders if files is not None else None))
-
-    def attach_integer(self, codes_of) -> bool:
-        """Run every layer and the LM head on the integer kernels, with the blocks that
-        ``codes_of(gguf_names, weight)`` gives ((Codes, GGUF type) per tensor, stacked as ``weight``
-        stacks them, or None); the head is asked for as ``["output"]``. False (nothing changed)
-        where one is missing or the kernels cannot run it."""
-
-        if (qrows_lib() is None or self.arch.act not in ACT_CODES or self.head_dim > 1024
-                or self.hidden_size % 32 or self.device.type != "cpu" or self.dtype != torch.float32):
-            return False
-        quant = []
-        for i, layer in enumerate(self.layers):
-            lins = {}
-            for attr, parts in self._GGUF_PARTS.items():
-                codes = codes_of([f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
-                if codes is None or any(c.codes.shape[1] % 32 for c, _ in codes):
-                    log.info("layer %d %s: a weight type the integer kernels do not take; float32 path", i, attr)
-                    return False
-                lins[attr] = QLinear(codes)
-            quant.append(QLayer(layer, lins, self.arch.act, self.arch.sandwich))
-        codes = codes_of(["output"], self.lm_head.stored)  # not built from a file where it was left there
-        if codes is None:
-            log.info("LM head: a weight type the integer kernels do not take; float32 path")
-            return False
-        self.lm_head.qlin = QLinear(codes)
-        self.quant = quant
-        self._fixed = None  # the integer path computes every row alone already, in its own kernels
-        self._qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
-        # float16 keys and values from now on (as llama.cpp keeps them): half the bytes a step reads
-        # at long contexts; a cache of the float32 path is not carried over
-        self.k_cache = self.v_cache = None
-        self._cap = self._len = 0
-        self._exact = None
-        # never read again: the layers' float32 weights (stacked copies of the model's) and
-        # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
-        for layer in self.layers:
-            for attr in self._GGUF_PARTS:
-                lin = getattr(layer, attr)
-                lin.packed = None
-                lin.weight = lin.weight.to("meta")
-        self.lm_head.packed, self.lm_head.autotune = None, False
-        log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
-                 (sum(q.nbytes for q in quant) + self.lm_head.qlin.nbytes) / 1e6)
-        return True
-
-    requantized = False  # requantize_4bit: every weight of more than 4 bits a code re-coded to Q4_0
-
-    def requantize_4bit(self) -> bool:
-        """Re-code every layer weight of more than 4 bits a code (Q5_0, Q6_K, Q8_0, ...) as Q4_0,
-        on the integer path (False, nothing changed, off it), and the LM heads cut from now on
-        (``integer_sub_head``: a draft vocabulary's); the full LM head stays as it is. For a model
-        that drafts: its steps read fewer bytes and its tokens stay the target's to accept, so the
-        output is unchanged; its logits are no longer the file's."""
-        if self.quant is None or self.requantized:
-            return False
-        before = sum(q.nbytes for q in self.quant)
-        for i, q in enumerate(self.quant):
-            q.set_linears({name: lin.requantized() for name, lin in q.linears.items()})
-            self._qlayers[i] = q.c  # in place: forks share this array
-        self.requantized = True
-        self._tune_wide_tiles()
-        log.info("layer weights re-coded to 4 bits: %.0f MB -> %.0f MB", before / 1e6,
-                 sum(q.nbytes for q in self.quant) / 1e6)
-        return True
-
-    def integer_sub_head(self, rows: torch.Tensor):
-        """An LM head over the vocabulary rows ``rows`` only (logits in that order), on the integer
-        kernels from the file's own blocks of those rows: a draft model's head restricted to a
-        draft vocabulary reads only its share of the head. None off the integer path."""
-        if self.quant is None or self._head_file is None:
-            return None
-        path, name = self._head_file
+    try:
         g = GGUFFile.open(path)
-        typ = g.tensors[name].type
-        head = PackedLinear(torch.empty(len(rows), self.hidden_size, device="meta"), False)
-        head.qlin = QLinear([(unpack(g.raw_rows(name)[rows.cpu().numpy()], typ), typ)])
-        if self.requantized:
-            head.qlin = head.qlin.requantized()
-        head.qlin.set_wide(self.lm_head.qlin.parts[0].wide)
-        return head
-
-    def _tune_wide_tiles(self) -> None:
-        """In the AVX-512 build, from how many rows of a pass the 512-bit tile takes the layers'
-        weights, and the LM head's: measured once per model shape and machine (``tune_wide``,
-        kept): the layers by whole passes (their weights stream from memory as in decoding), the
-        head by its own products. The bits are the same either way."""
-        if chosen_isa() != "vnni":
-            return
-        layers = [lin for q in self.quant for lin in q.linears.values()]
-        head = self.lm_head.qlin
-        key = ["wide-1", sources_id(), head.signature, *sorted({lin.signature for lin in layers})]
-
-        def set_layers(rows):
-            for lin in layers:
-                lin.set_wide(rows)
-            for i, q in enumerate(self.quant):
-                q.refresh()
-                self._qlayers[i] = q.c  # in place: forks share this array
-
-        def measure():
-            scratch = self._twin()
-            ids = torch.arange(max(WIDE_ROWS)) % min(self.vocab_size, 1000) + 3
-            g = torch.Generator().manual_seed(0)
-
-            def body(n):
-                scratch.reset()
-                scratch.forward(ids[:n], 0, logits=False)
-
-            return {"layers": tune_wide(set_layers, body, reps=2),
-                    "head": tune_wide(head.set_wide, lambda n: head(torch.randn(n, head.shape[1], generator=g)))}
-
-        chosen = kept.measured("qrows-wide", key, measure,
-                               "timing the integer kernels' tile widths once for this model's shapes and this machine")
-        set_layers(int(chosen["layers"]))
-        head.set_wide(int(chosen["head"]))
-
-    def _attach_blocks(self, path: str) -> None:
-        """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""
-
-        if block_rows_kernel() is None or f32_rows_kernel() is None:
-            return
-        try:
-            g = GGUFFile.open(path)
-        except (OSError, ValueError) as e:
-            log.info("no GGUF blocks (%s): layers run on float32 weights", e)
-            return
-        done = total = 0
-        blocks = floats = 0
-        for i, layer in enumerate(self.layers):
-            for attr, parts in self._GGUF_PARTS.items():
-                lin = getattr(layer, attr)
-                total += 1
-                lin.blocks = from_gguf(g, [f"blk.{i}.{p}.weight" for p in parts], lin.weight)
-                if lin.blocks is not None:
-                    done += 1
-                    blocks += lin.blocks.nbytes
-                    floats += lin.weight.numel() * 4
+    except (OSError, ValueError) as e:
+        log.info("no GGUF blocks (%s): layers run on float32 weights", e)
+        return False
+    files = model.files
+    if files is not None:
+        head = files.head_name or files.embed_name
+    else:
         head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        self.lm_head.blocks = from_gguf(g, [head], self.lm_head.weight)
-        log.info("%d of %d layer products and %s LM head read GGUF blocks (%.0f MB instead of %.0f MB of float32)",
-                 done, total, "the" if self.lm_head.blocks is not None else "not the", blocks / 1e6, floats / 1e6)
+    model.head_file = (path, head)
+    return attach_integer(model, lambda names, w: gguf_codes(g, [head] if names == ["output"] else names, w,
+                                                           files.row_orders if files is not None else None))
+
+
+def attach_integer(model, codes_of) -> bool:
+    """Run every layer and the LM head on the integer kernels, with the blocks that
+    ``codes_of(gguf_names, weight)`` gives ((Codes, GGUF type) per tensor, stacked as ``weight``
+    stacks them, or None); the head is asked for as ``["output"]``. False (nothing changed)
+    where one is missing or the kernels cannot run it."""
+
+    if (qrows_lib() is None or model.arch.act not in ACT_CODES or model.head_dim > 1024
+            or model.hidden_size % 32 or model.device.type != "cpu" or model.dtype != torch.float32):
+        return False
+    quant = []
+    for i, layer in enumerate(model.layers):
+        lins = {}
+        for attr, parts in GGUF_PARTS.items():
+            codes = codes_of([f"blk.{i}.{p}.weight" for p in parts], getattr(layer, attr).weight)
+            if codes is None or any(c.codes.shape[1] % 32 for c, _ in codes):
+                log.info("layer %d %s: a weight type the integer kernels do not take; float32 path", i, attr)
+                return False
+            lins[attr] = QLinear(codes)
+        quant.append(QLayer(layer, lins, model.arch.act, model.arch.sandwich))
+    codes = codes_of(["output"], model.lm_head.stored)  # not built from a file where it was left there
+    if codes is None:
+        log.info("LM head: a weight type the integer kernels do not take; float32 path")
+        return False
+    model.lm_head.qlin = QLinear(codes)
+    model.quant = quant
+    model.fixed = None  # the integer path computes every row alone already, in its own kernels
+    model.qlayers = (QLayerC * len(quant))(*[q.c for q in quant])  # every layer, for one native call per pass
+    # float16 keys and values from now on (as llama.cpp keeps them): half the bytes a step reads
+    # at long contexts (``NativeModel.kv_dtype``; caches are made after the model is)
+    model.greedy.exact = None
+    # never read again: the layers' float32 weights (stacked copies of the model's) and
+    # oneDNN copies, and the LM head's oneDNN copy (sub-heads and trained heads have their own)
+    for layer in model.layers:
+        for attr in GGUF_PARTS:
+            lin = getattr(layer, attr)
+            lin.packed = None
+            lin.weight = lin.weight.to("meta")
+    model.lm_head.packed, model.lm_head.autotune = None, False
+    log.info("integer kernels: %d layers and the LM head on GGUF blocks (%.0f MB)", len(quant),
+             (sum(q.nbytes for q in quant) + model.lm_head.qlin.nbytes) / 1e6)
+    return True
+
+
+def requantize_4bit(model) -> bool:
+    """Re-code every layer weight of more than 4 bits a code (Q5_0, Q6_K, Q8_0, ...) as Q4_0,
+    on the integer path (False, nothing changed, off it), and the LM heads cut from now on
+    (``integer_sub_head``: a draft vocabulary's); the full LM head stays as it is. For a model
+    that drafts: its steps read fewer bytes and its tokens stay the target's to accept, so the
+    output is unchanged; its logits are no longer the file's."""
+    if model.quant is None or model.requantized:
+        return False
+    before = sum(q.nbytes for q in model.quant)
+    for i, q in enumerate(model.quant):
+        q.set_linears({name: lin.requantized() for name, lin in q.linears.items()})
+        model.qlayers[i] = q.c  # in place: the model holds one array
+    model.requantized = True
+    tune_wide_tiles(model)
+    log.info("layer weights re-coded to 4 bits: %.0f MB -> %.0f MB", before / 1e6,
+             sum(q.nbytes for q in model.quant) / 1e6)
+    return True
+
+
+def integer_sub_head(model, rows: torch.Tensor):
+    """An LM head over the vocabulary rows ``rows`` only (logits in that order), on the integer
+    kernels from the file's own blocks of those rows: a draft model's head restricted to a
+    draft vocabulary reads only its share of the head. None off the integer path."""
+    if model.quant is None or model.head_file is None:
+        return None
+    path, name = model.head_file
+    g = GGUFFile.open(path)
+    typ = g.tensors[name].type
+    head = PackedLinear(torch.empty(len(rows), model.hidden_size, device="meta"), False)
+    head.qlin = QLinear([(unpack(g.raw_rows(name)[rows.cpu().numpy()], typ), typ)])
+    if model.requantized:
+        head.qlin = head.qlin.requantized()
+    head.qlin.set_wide(model.lm_head.qlin.parts[0].wide)
+    return head
+
+
+def tune_wide_tiles(model) -> None:
+    """In the AVX-512 build, from how many rows of a pass the 512-bit tile takes the layers'
+    weights, and the LM head's: measured once per model shape and machine (``tune_wide``,
+    kept): the layers by whole passes (their weights stream from memory as in decoding), the
+    head by its own products. The bits are the same either way."""
+    if chosen_isa() != "vnni":
+        return
+    layers = [lin for q in model.quant for lin in q.linears.values()]
+    head = model.lm_head.qlin
+    key = ["wide-1", sources_id(), head.signature, *sorted({lin.signature for lin in layers})]
+
+    def set_layers(rows):
+        for lin in layers:
+            lin.set_wide(rows)
+        for i, q in enumerate(model.quant):
+            q.refresh()
+            model.qlayers[i] = q.c  # in place: the model holds one array
+
+    def measure():
+        scratch = KVCache(model)
+        ids = torch.arange(max(WIDE_ROWS)) % min(model.vocab_size, 1000) + 3
+        g = torch.Generator().manual_seed(0)
+
+        def body(n):
+            scratch.truncate(0)
+            model.run_rows([scratch], [ids[:n]], [0])
+
+        return {"layers": tune_wide(set_layers, body, reps=2),
+                "head": tune_wide(head.set_wide, lambda n: head(torch.randn(n, head.shape[1], generator=g)))}
+
+    chosen = kept.measured("qrows-wide", key, measure,
+                           "timing the integer kernels' tile widths once for this model's shapes and this machine")
+    set_layers(int(chosen["layers"]))
+    head.set_wide(int(chosen["head"]))
+
+
+def attach_blocks(model, path: str) -> None:
+    """Give each layer linear the GGUF file's blocks of its weights, where they rebuild them."""
+
+    if block_rows_kernel() is None or f32_rows_kernel() is None:
+        return
+    try:
+        g = GGUFFile.open(path)
+    except (OSError, ValueError) as e:
+        log.info("no GGUF blocks (%s): layers run on float32 weights", e)
+        return
+    done = total = 0
+    blocks = floats = 0
+    for i, layer in enumerate(model.layers):
+        for attr, parts in GGUF_PARTS.items():
+            lin = getattr(layer, attr)
+            total += 1
+            lin.blocks = from_gguf(g, [f"blk.{i}.{p}.weight" for p in parts], lin.weight)
+            if lin.blocks is not None:
+                done += 1
+                blocks += lin.blocks.nbytes
+                floats += lin.weight.numel() * 4
+    head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+    model.lm_head.blocks = from_gguf(g, [head], model.lm_head.weight)
+    log.info("%d of %d layer products and %s LM head read GGUF blocks (%.0f MB instead of %.0f MB of float32)",
+             done, total, "the" if model.lm_head.blocks is not None else "not the", blocks / 1e6, floats / 1e6)

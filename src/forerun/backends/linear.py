@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from forerun.backends.ckernels import kernel
+from forerun.backends.kv_cache import KVCache
 from forerun.timing import median_s
 
 log = logging.getLogger("forerun")
 
 # Passes of up to this many rows (one-token steps, chains, token trees with a lookup branch) are
-# computed row by row alike where the backend is batch-invariant (see NativeBackend.batch_invariant);
+# computed row by row alike where the backend is batch-invariant (see NativeModel.batch_invariant);
 # longer ones (prompts, shared by every method) take the library kernels.
 INVARIANT_ROWS = 64
 # The body kernel of a batched pass on a batch-invariant backend: ``rows`` whatever the pass's size
@@ -37,7 +38,7 @@ class PackedLinear:
     reads each weight row once for all rows of the pass. Small-row
     products are what verify passes are made of. (The body's small layers are not tuned one by
     one: timed in isolation their weights sit in cache, which misleads the choice; the backend
-    picks one kernel for all of them from whole body passes, see ``NativeBackend.body_kernel``,
+    picks one kernel for all of them from whole body passes, see ``NativeModel.body_kernel``,
     and passes it as ``how``.)
     """
 
@@ -101,7 +102,7 @@ class PackedLinear:
             return self.blocks(x)  # the same sums as ``rows``, from the GGUF blocks
         if self.half is not None and small:
             return f16w_rows(self.half, x)
-        if how == "rows" and small and _f32_rows_fits(self.weight):  # the body's choice (NativeBackend.body_kernel)
+        if how == "rows" and small and _f32_rows_fits(self.weight):  # the body's choice (NativeModel.body_kernel)
             return self._run(x, how)
         if not self.autotune or rows > self.AUTOTUNE_ROWS:
             return self._run(x, "onednn")
@@ -186,41 +187,24 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
-class BodyKernelChoice:
-    """Which kernel ``NativeBackend``'s layers run their small passes on, chosen once per model."""
+def time_body_kernels(model) -> str:
+    """``onednn`` or ``rows``, whichever runs whole body passes of 1 and 5 rows faster on
+    ``model`` (``NativeModel.body_kernel``: timed alone, a small layer's weights sit in cache and
+    mislead the choice)."""
+    cache = KVCache(model)
+    ids = torch.randint(0, min(model.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0), device="cpu")
+    model.run_rows([cache], [ids[:64]], [0])
+    times = {}
+    for how in ("onednn", "rows"):
+        model.body_kernel = how
 
-    @property
-    def body_kernel(self) -> str:
-        """How the layers' linear products run for passes of up to ``INVARIANT_ROWS`` rows:
-        ``onednn`` (prepacked weights) or ``rows`` (``f32_rows.c``: each weight row read once for
-        all rows of the pass; a row's sums do not depend on the other rows). ``rows`` wherever it
-        builds when the backend is to be batch-invariant (the default), else chosen on first use
-        by timing whole body passes of 1 and 5 rows both ways (timed alone, a small layer's weights
-        sit in cache and mislead the choice); longer passes (prompts) stay on oneDNN."""
-        if self.quant is not None:
-            return "int8"
-        if self._body_choice["kernel"] is None:
-            self._body_choice["kernel"] = "onednn"  # meanwhile, and wherever ``rows`` cannot run
-            if (self._pack and self.device.type == "cpu" and self.dtype == torch.float32
-                    and f32_rows_kernel() is not None):
-                self._body_choice["kernel"] = "rows" if self._want_invariant else self._time_body_kernels()
-        return self._body_choice["kernel"]
+        def passes():
+            for n in (1, 5):
+                cache.truncate(64)
+                model.run_rows([cache], [ids[64: 64 + n]], [64])
 
-    def _time_body_kernels(self) -> str:
-        twin = self._twin()
-        ids = torch.randint(0, min(self.vocab_size, 20000), (70,), generator=torch.Generator().manual_seed(0), device="cpu")
-        twin.forward(ids[:64], 0, logits=False)
-        times = {}
-        for how in ("onednn", "rows"):
-            self._body_choice["kernel"] = how
-
-            def passes():
-                for n in (1, 5):
-                    twin.truncate(64)
-                    twin.forward(ids[64: 64 + n], 64, logits=False)
-
-            times[how] = median_s(passes, 3)
-        best = min(times, key=times.get)
-        log.info("body kernel: %s (passes of 1 and 5 rows: oneDNN %.1f ms, rows %.1f ms)",
-                 best, times["onednn"] * 1000, times["rows"] * 1000)
-        return best
+        times[how] = median_s(passes, 3)
+    best = min(times, key=times.get)
+    log.info("body kernel: %s (passes of 1 and 5 rows: oneDNN %.1f ms, rows %.1f ms)",
+             best, times["onednn"] * 1000, times["rows"] * 1000)
+    return best

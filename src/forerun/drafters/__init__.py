@@ -82,7 +82,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
     if be.device.type == "cpu":
         # A head that keeps learning is repacked after every update: it stays in float (quantizing
         # it again each time would cost more than its 8-bit reads save).
-        head.pack_for_inference(getattr(be, "body_kernel", "onednn"), int8=False if adapter is not None else None)
+        head.pack_for_inference(be.report().get("body_kernel", "onednn"), int8=False if adapter is not None else None)
     return (EagleDrafter if method == "eagle" else MedusaDrafter)(head, be.embed, tree=tree, lookup=lookup, adaptive=adaptive,
                                                                   adapter=adapter)
 

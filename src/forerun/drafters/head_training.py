@@ -203,6 +203,13 @@ def chain_tau(agree) -> float:
 
 
 class Trainer:
+    @classmethod
+    def of_target(cls, tc: TrainConfig, model, feature_layers: list[int] | None = None) -> Trainer:
+        """A trainer for heads over a ``NativeModel``'s hidden states: its embeddings, embedding
+        scale, LM head, final norm, depth, norm epsilon and logit cap."""
+        return cls(tc, model.embed, float(model.embed_scale), model.lm_head.weight, model.final_norm, model.num_layers,
+                   feature_layers=feature_layers, eps=model.eps, softcap=model.softcap)
+
     def __init__(self, tc: TrainConfig, embed: torch.Tensor, embed_scale: float, lm_head: torch.Tensor,
                  final_norm: torch.Tensor | None, num_layers: int, feature_layers: list[int] | None = None,
                  eps: float = 1e-6, softcap: float | None = None):

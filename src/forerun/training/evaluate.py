@@ -50,8 +50,8 @@ def evaluate_head(target, head, prompts: list[dict], *, max_new_tokens: int = 12
     if not seqs:
         raise ForerunError("the target answered no prompt with a token")
     answers_s = time.time() - t0
-    trainer = Trainer(TrainConfig(kind=head.cfg.kind, steps_ahead=steps), be.embed, float(be.embed_scale),
-                      be.lm_head.weight, be.final_norm, be.num_layers, feature_layers=list(head.cfg.feature_layers))
+    trainer = Trainer.of_target(TrainConfig(kind=head.cfg.kind, steps_ahead=steps), be.model,
+                                feature_layers=list(head.cfg.feature_layers))
     examples = extract_features(be, seqs, list(head.cfg.feature_layers), None, log=log)
     head = head.to(be.device)
     vocab = set(head.draft_to_target.tolist())

@@ -89,8 +89,7 @@ def train_draft(args, log=print) -> dict:
     tc = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, steps_ahead=args.steps_ahead, epochs=args.epochs,
                      lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
                      soft_labels=getattr(args, "soft_labels", 0.0), shape=getattr(args, "shape", "forerun"))
-    trainer = Trainer(tc, be.embed, float(be.embed_scale), be.lm_head.weight, be.final_norm, be.num_layers,
-                      eps=be.eps, softcap=be.softcap)
+    trainer = Trainer.of_target(tc, be.model)
     t = time.time()
     examples = extract_features(be, seqs, trainer.extract_layers, work / f"features-{args.kind}.pt", log=log)
     times["features_s"] = round(time.time() - t, 1)
