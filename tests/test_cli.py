@@ -374,3 +374,37 @@ def test_bench_defaults_are_quick_and_name_the_users_tools(tiny_folder):
 
     if importlib.util.find_spec("llama_cpp") is not None:
         assert default_peers("bundled") == "llama.cpp,hf"
+
+
+def _parser_flags(parser) -> set[str]:
+    flags = set()
+    for action in parser._actions:
+        flags |= {s for s in action.option_strings if s.startswith("--")}
+        for sub in (getattr(action, "choices", None) or {}).values() if hasattr(action, "add_parser") else ():
+            flags |= _parser_flags(sub)
+    return flags
+
+
+def test_every_option_the_library_names_is_a_flag_of_the_command_line():
+    """Library errors name options as the library's parameters (``OptionError``); the command line
+    says each as its flag (``cli_args.flag_of``), and every option so named has one."""
+    import ast
+    import string
+    from pathlib import Path
+
+    import forerun
+    from forerun.cli_args import build_parser, flag_of
+    from forerun.errors import OptionError
+
+    named = {"head_path", "head", "init"}  # load_trained_head's ``option``
+    for f in Path(forerun.__file__).parent.rglob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "OptionError" and isinstance(n.args[0], ast.Constant):
+                values = {k.arg for k in n.keywords}
+                named |= {x for _, x, _, _ in string.Formatter().parse(n.args[0].value) if x and x not in values}
+    assert len(named) > 20
+    flags = _parser_flags(build_parser())
+    assert {o: flag_of(o) for o in named if flag_of(o) not in flags} == {}
+    e = OptionError("{tree_lookup} adds a branch to a token tree: give {tree_nodes} too (got {got})", got=3)
+    assert str(e) == "tree_lookup adds a branch to a token tree: give tree_nodes too (got 3)"
+    assert e.said(flag_of) == "--tree-lookup adds a branch to a token tree: give --tree-nodes too (got 3)"

@@ -149,7 +149,7 @@ def test_a_draft_vocabulary_is_lossless_greedy_and_chosen_once(tmp_path, monkeyp
     for p in PROMPTS:
         assert eng.generate(p, max_new_tokens=20, k=4).token_ids == \
             Engine(target.backend, None, target.eos_token_ids).generate(p, max_new_tokens=20).token_ids
-    with pytest.raises(ForerunError, match="--draft-tokens"):
+    with pytest.raises(ForerunError, match="draft_tokens"):
         make_drafter("ngram", target, draft_tokens=40)
 
 
@@ -239,7 +239,7 @@ def test_a_draft_model_with_a_lookup_chain_is_lossless_and_uses_both(gemma, gemm
     assert "chain" in rounds and "model" in rounds
     batch = BatchEngine(gemma.backend, gemma.eos_token_ids, drafter=drafter, max_batch=4)
     assert run_batch(batch, [BatchRequest(prompt=p, max_new_tokens=24) for p in prompts]) == want
-    with pytest.raises(ForerunError, match="--draft-lookup"):
+    with pytest.raises(ForerunError, match="draft_lookup"):
         make_drafter("draft", gemma, draft_model=gemma_draft, draft_lookup="tree")
-    with pytest.raises(ForerunError, match="--draft-lookup"):
+    with pytest.raises(ForerunError, match="draft_lookup"):
         make_drafter("ngram", gemma, draft_lookup="suffix")

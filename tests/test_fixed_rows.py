@@ -269,7 +269,7 @@ def test_tree_sizes_are_bounded_with_a_clear_error():
     lm = wrap_model("t", model, word_tokenizer(model.config.vocab_size), backend="native")
     lm.backend = be
     assert make_drafter("suffix", lm, tree=(MAX_TREE_NODES, None)).tree_nodes == MAX_TREE_NODES
-    with pytest.raises(ForerunError, match="--tree-nodes must be in 0..64"):
+    with pytest.raises(ForerunError, match="tree_nodes must be in 0..64"):
         make_drafter("suffix", lm, tree=(MAX_TREE_NODES + 1, None))
 
 

@@ -163,7 +163,7 @@ def test_warm_start_continues_from_a_trained_head(heads, gemma, kind, tmp_path):
     assert f"{n} of {n} output rows copied" in " ".join(said)
     chosen, _ = tr.train(few, tmp_path / "d", log=lambda s: None, stop_after=1, init=trained)
     assert not torch.equal(chosen.draft_to_target.cpu(), trained.draft_to_target.cpu())
-    with pytest.raises(ForerunError, match="--init"):
+    with pytest.raises(ForerunError, match="needs a head to start from \\(init\\)"):
         tr.train(few, tmp_path / "e", log=lambda s: None, stop_after=1, keep_vocab=True)
     wide = Trainer.of_target(TrainConfig(kind=kind, draft_vocab=80, n_heads=2, head_dim=16, intermediate=128, steps_ahead=3), be.model)
     with pytest.raises(ForerunError, match="intermediate"):
@@ -400,7 +400,7 @@ def test_tree_lookup_branch(heads, gemma, kind):
     """With --tree-lookup every tree holds the prompt-lookup continuation as a path, on top of the head's nodes."""
     from forerun.drafters.ngram import lookup
 
-    with pytest.raises(ForerunError, match="--tree-nodes"):
+    with pytest.raises(ForerunError, match="give tree_nodes too"):
         make_drafter(kind, gemma, head_path=heads[kind][0], tree_lookup=True)
     drafter = make_drafter(kind, gemma, head_path=heads[kind][0], tree=(3, 2), tree_lookup=True)
     seen = []

@@ -205,6 +205,59 @@ def test_the_private_name_rule_sees_a_foreign_private_name(tmp_path, monkeypatch
         raise AssertionError("a foreign private name passed")
 
 
+def _mixins(folder: Path) -> list[str]:
+    """Classes in ``folder`` with more than one base, or that read through ``self`` an attribute
+    that neither they nor their bases in the folder set or define (a mixin's borrowed state).
+    Classes over a base from elsewhere (a Protocol, a ctypes structure) are not read."""
+    classes = {}
+    for f in sorted(folder.glob("*.py")):
+        for c in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(c, ast.ClassDef):
+                continue
+            defined, reads = set(), {}
+            for n in c.body:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(n.name)
+                elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                    defined |= {t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                                if isinstance(t, ast.Name)}
+            for n in ast.walk(c):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                    if isinstance(n.ctx, ast.Store):
+                        defined.add(n.attr)
+                    else:
+                        reads.setdefault(n.attr, n.lineno)
+            classes[c.name] = (f.name, [ast.unparse(b) for b in c.bases], defined, reads)
+    bad = []
+    for name, (f, bases, defined, reads) in classes.items():
+        if len(bases) > 1:
+            bad.append(f"{f}: {name} has {len(bases)} bases")
+        have, todo, known = set(defined), list(bases), True
+        while todo:
+            b = todo.pop()
+            if b in classes:
+                have |= classes[b][2]
+                todo += classes[b][1]
+            elif b != "object":
+                known = False
+        if known:
+            bad += [f"{f}:{line} {name} reads self.{a}, set nowhere in it" for a, line in reads.items()
+                    if a not in have and not a.startswith("__")]
+    return bad
+
+
+def test_no_mixins_in_backends():
+    """A backend is composed, not mixed in: every class in ``backends/`` has one base at most,
+    and reads through ``self`` only what it or its bases set."""
+    assert not _mixins(ROOT / "backends")
+
+
+def test_the_mixin_rule_sees_a_mixin(tmp_path):
+    (tmp_path / "a.py").write_text("class Cache:\n    def length(self):\n        return self._len\n\n\n"
+                                   "class Both(Cache, dict):\n    pass\n")
+    assert _mixins(tmp_path) == ["a.py:3 Cache reads self._len, set nowhere in it", "a.py: Both has 2 bases"]
+
+
 def test_importing_the_package_changes_no_global_state():
     """Importing every module leaves warnings filters, environment variables and torch's thread
     count as they were: the library sets nothing behind its caller's back."""

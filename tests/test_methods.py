@@ -61,7 +61,7 @@ def test_a_toy_method_is_one_class_and_one_row(echo, gemma, tiny_folder, capsys)
         parse_method("echo-tree")
     with pytest.raises(ForerunError, match="token trees .*not echo"):
         make_drafter("echo", gemma, tree=(4, None))
-    with pytest.raises(ForerunError, match="--adapt.*not echo"):
+    with pytest.raises(ForerunError, match="adapt trains.*not echo"):
         make_drafter("echo", gemma, adapt=True)
     with pytest.raises(ForerunError, match="draft model.*not echo"):
         make_drafter("echo", gemma, draft_window=8)

@@ -33,7 +33,7 @@ from forerun.drafters import (
 )
 from forerun.drafters.base import Drafter
 from forerun.engine import Engine, check_k
-from forerun.errors import ForerunError
+from forerun.errors import ForerunError, OptionError
 from forerun.models import LoadedModel, load_model
 from forerun.split_models import default_draft
 
@@ -127,16 +127,17 @@ class Options:
         check_method(self.method, bool(self.draft))
         check_adapt_save(self.adapt, self.adapt_save)
         if self.draft_tokens is not None and self.draft_tokens < 0:
-            raise ForerunError(f"--draft-tokens must be >= 0 (0: every token), got {self.draft_tokens}")
+            raise OptionError("{draft_tokens} must be >= 0 (0: every token), got {got}", got=self.draft_tokens)
         check_method_options(self.method, tree=self.tree, tree_lookup=self.tree_lookup, lookup_from=self.lookup_from,
                              adapt=self.adapt, **self.draft_settings)
         self.skip  # noqa: B018 - a bad list fails now
         if self.threads is not None and self.threads < 1:
-            raise ForerunError(f"--threads must be >= 1, got {self.threads}")
+            raise OptionError("{threads} must be >= 1, got {got}", got=self.threads)
         if self.max_context is not None and self.max_context < 2:
-            raise ForerunError(f"--max-context must be >= 2, got {self.max_context}")
+            raise OptionError("{max_context} must be >= 2, got {got}", got=self.max_context)
         if self.draft_quant not in DRAFT_QUANTS:
-            raise ForerunError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.draft_quant!r}")
+            raise OptionError("{draft_quant} must be one of {choices}, got {got}", choices=", ".join(DRAFT_QUANTS),
+                              got=repr(self.draft_quant))
         return self
 
     @property

@@ -20,7 +20,7 @@ from forerun.bench import load_prompts, run_bench
 from forerun.bench_peers import llama_tools_dir
 from forerun.build import Options, build, load_target, parse_method
 from forerun.chat import prompt_ids, uses_chat
-from forerun.cli_args import build_parser
+from forerun.cli_args import build_parser, flag_of
 from forerun.constrain import Grammar
 from forerun.drafters import (
     load_trained_head,
@@ -29,7 +29,7 @@ from forerun.drafters import (
 )
 from forerun.drafters.adapt import save_adapted
 from forerun.drafters.layer_skip import calibrate, calibration_key, corpus_token_frequencies
-from forerun.errors import ForerunError
+from forerun.errors import ForerunError, OptionError
 from forerun.models import BUNDLED, SMOLLM2, SMOLLM2_INSTALL, converted_dir, load_model, resolve_source
 from forerun.sampling import SamplingParams
 from forerun.server.loadtest import run_loadtest
@@ -242,7 +242,7 @@ def cmd_eval_draft(args) -> int:
                       threads=args.threads).check()
     target = load_target(options)
     require_hidden_states(target, "eval-draft")
-    head = load_trained_head(args.kind, target, args.head, flag="--head")
+    head = load_trained_head(args.kind, target, args.head, option="head")
     tree = _tree(args) or (32, args.tree_depth)
     replay = {m: (build(replace(options, tree_nodes=tree[0] if is_tree else 0, tree_depth=tree[1] if is_tree else None,
                                 tree_lookup=lookup, lookup_from=source), target=target).drafter, k)
@@ -312,6 +312,9 @@ def main(argv=None) -> int:
                 "serve": cmd_serve, "loadtest": cmd_loadtest,
                 "eval-draft": cmd_eval_draft, "models": cmd_models}
         return cmds[args.cmd](args)
+    except OptionError as e:  # the options as this command line names them
+        print(f"forerun: error: {e.said(flag_of)}", file=sys.stderr)
+        return 2
     except ForerunError as e:
         print(f"forerun: error: {e}", file=sys.stderr)
         return 2

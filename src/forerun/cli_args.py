@@ -9,15 +9,23 @@ from forerun.build import DRAFT_QUANTS
 from forerun.draft_length import K_MAX
 from forerun.drafters import LOOKUP_SOURCES, MAX_TREE_NODES, method_help, tree_methods
 from forerun.engine import check_k
-from forerun.errors import ForerunError
+from forerun.errors import OptionError
 from forerun.models import DEFAULT_MODEL, SMOLLM2_INSTALL
+
+# the library's options whose flag is not their name with dashes (see ``flag_of``)
+FLAGS = {"draft_model": "--draft", "head_path": "--draft"}
+
+
+def flag_of(option: str) -> str:
+    """The flag that sets a library option, to say an ``OptionError`` in the command line's terms."""
+    return FLAGS.get(option, "--" + option.replace("_", "-"))
 
 
 def _k_arg(value: str):
     try:
         return check_k(value)
-    except ForerunError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(e.said(flag_of)) from None
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

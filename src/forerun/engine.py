@@ -11,7 +11,7 @@ from forerun.backends.ckernels import release_threads
 from forerun.decode import Decoder, Sequence, check_request
 from forerun.draft_length import LONGEST_DRAFT, DraftLength
 from forerun.drafters.base import Drafter
-from forerun.errors import ForerunError
+from forerun.errors import OptionError
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 
@@ -36,9 +36,10 @@ def check_k(k) -> int | str:
     try:
         k = int(k)
     except (TypeError, ValueError):
-        raise ForerunError(f"--k must be an integer in 1..{LONGEST_DRAFT} or 'auto', got {k!r}") from None
+        raise OptionError("{k} must be an integer in 1..{most} or 'auto', got {got}", most=LONGEST_DRAFT,
+                          got=repr(k)) from None
     if not 1 <= k <= LONGEST_DRAFT:
-        raise ForerunError(f"--k must be in 1..{LONGEST_DRAFT} or 'auto', got {k}")
+        raise OptionError("{k} must be in 1..{most} or 'auto', got {got}", most=LONGEST_DRAFT, got=k)
     return k
 
 

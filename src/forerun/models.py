@@ -30,7 +30,7 @@ from forerun.backends.llamacpp import LlamaCppBackend, LlamaCppModel
 from forerun.backends.llamacpp_lib import available
 from forerun.backends.native import NativeBackend
 from forerun.backends.qweights import qrows_lib
-from forerun.errors import ForerunError
+from forerun.errors import ForerunError, OptionError
 from forerun.gguf_file import BLOCKS, GGUFFile
 from forerun.kept import file_key
 from forerun.paths import cache_dir  # noqa: F401  (models.cache_dir stays importable)
@@ -338,9 +338,9 @@ def choose_backend(backend: str, kind: str, dev: torch.device, path: str | None 
         return "torch"
     if backend == "llama.cpp":
         if kind != "gguf":
-            raise ForerunError("the llama.cpp backend needs a .gguf model (or bundled); use --backend torch")
+            raise OptionError("the llama.cpp backend needs a .gguf model (or bundled); use {backend}=torch")
         if dev.type != "cpu":
-            raise ForerunError("the llama.cpp backend runs on the CPU here; use --backend torch for CUDA")
+            raise OptionError("the llama.cpp backend runs on the CPU here; use {backend}=torch for CUDA")
     return backend
 
 
@@ -413,7 +413,7 @@ def _load_model(spec: str, *, dtype: str, device: str, backend: str, max_context
                 threads: int | None) -> LoadedModel:
     if threads is not None:
         if threads < 1:
-            raise ForerunError(f"--threads must be >= 1, got {threads}")
+            raise OptionError("{threads} must be >= 1, got {got}", got=threads)
         torch.set_num_threads(threads)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)  # a bad option is named before any file is looked for

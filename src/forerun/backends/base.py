@@ -142,8 +142,11 @@ class BackendBase:
         between kernels (else None); ``text``: token ids to time the greedy head on."""
         return None
 
-    def _check_forward(self, tokens: torch.Tensor, pos: int) -> None:
-        if pos > self.length:
-            raise ValueError(f"forward at position {pos} but only {self.length} positions are cached")
-        if pos + tokens.numel() > self.max_context:
-            raise ValueError(f"position {pos + tokens.numel()} is past the context limit {self.max_context}")
+
+def check_forward(backend: Backend, tokens: torch.Tensor, pos: int) -> None:
+    """A pass of ``tokens`` at ``pos`` on ``backend``: ValueError where ``pos`` is past the cached
+    positions or the pass past the context limit."""
+    if pos > backend.length:
+        raise ValueError(f"forward at position {pos} but only {backend.length} positions are cached")
+    if pos + tokens.numel() > backend.max_context:
+        raise ValueError(f"position {pos + tokens.numel()} is past the context limit {backend.max_context}")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from forerun.backends.base import BackendBase, ForwardOutput
+from forerun.backends.base import BackendBase, ForwardOutput, check_forward
 
 
 class HFBackend(BackendBase):
@@ -53,7 +53,7 @@ class HFBackend(BackendBase):
     ) -> ForwardOutput:
         if skip_layers:
             raise ValueError("layer skipping needs the native backend")
-        self._check_forward(tokens, pos)
+        check_forward(self, tokens, pos)
         self.truncate(pos)
         T = tokens.numel()
         if self._cache is None:

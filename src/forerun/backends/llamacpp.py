@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from forerun import kept
-from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
+from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput, check_forward
 from forerun.backends.greedy_head import Q8Head
 from forerun.backends.llamacpp_lib import HiddenTap, load_llama_cpp, tap_lib
 from forerun.draft_length import LONGEST_DRAFT
@@ -422,7 +422,7 @@ class LlamaCppBackend(BackendBase):
         are computed (``logits`` is None): the LM head is skipped for every row."""
         if skip_layers:
             raise ValueError("llama.cpp cannot skip layers; layer skipping needs the torch backend")
-        self._check_forward(tokens, pos)
+        check_forward(self, tokens, pos)
         self.truncate(pos)
         ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
         T = len(ids)
@@ -495,13 +495,13 @@ class LlamaCppBackend(BackendBase):
             passed = self.forward(tokens, pos, layers=layers)
             return passed.logits.argmax(-1), passed.layers
         if head is None:  # llama.cpp's own head: the argmax straight off its logits buffer, no copy
-            self._check_forward(tokens, pos)
+            check_forward(self, tokens, pos)
             self.truncate(pos)
             ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
             step = self.ctx.n_batch
             return torch.cat([self.ctx.argmax(self._decode(ids[s: s + step], pos + s, "all", start=pos), self.vocab_size)
                               for s in range(0, T, step)])
-        self._check_forward(tokens, pos)
+        check_forward(self, tokens, pos)
         self.truncate(pos)
         ids = tokens.detach().cpu().numpy().astype(np.int32, copy=False)
         tap = self.ctx.tap

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput
+from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput, check_forward
 from forerun.backends.fixed_rows import fixed_takes
 from forerun.backends.gguf_weights import attach_integer, integer_sub_head, requantize_4bit
 from forerun.backends.kv_cache import KVCache
@@ -136,7 +136,7 @@ class NativeBackend(BackendBase):
         ``logits=False`` skips the LM head (feature extraction). ``tree``: parents [T - 1] of rows
         1.. (see ``forerun.tree``): rows sit at pos + depth and see only their ancestors."""
         m = self.model
-        self._check_forward(tokens, pos)
+        check_forward(self, tokens, pos)
         T = tokens.numel()
         self.cache.ensure_capacity(pos + T)
         if m.fixed is not None and fixed_takes(T, tree) and not skip_layers and head is None:
@@ -169,7 +169,7 @@ class NativeBackend(BackendBase):
         if any(s.model is not m for s in seqs):
             raise ValueError("a batched pass over sequences of different models")
         for seq, feed, pos in zip(seqs, feeds, positions):
-            seq._check_forward(feed, pos)
+            check_forward(seq, feed, pos)
         if m.fixed is not None:
             if head is not None or last_only:
                 raise ValueError("fixed-shape passes run the whole LM head on every row")

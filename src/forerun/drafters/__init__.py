@@ -22,7 +22,7 @@ from forerun.drafters.layer_skip import LayerSkipDrafter, default_calibration
 from forerun.drafters.lookup import NgramLookup, SuffixLookup
 from forerun.drafters.ngram import NgramDrafter
 from forerun.drafters.suffix import SuffixDrafter
-from forerun.errors import ForerunError
+from forerun.errors import ForerunError, OptionError
 from forerun.models import LoadedModel
 
 LOOKUP_SOURCES = ("ngram", "suffix")  # where a tree's lookup branch comes from (--lookup-from)
@@ -47,16 +47,16 @@ def shipped_head(kind: str, fingerprint: dict):
     return None
 
 
-def load_trained_head(kind: str, target, head_path=None, flag: str = "--draft"):
+def load_trained_head(kind: str, target, head_path=None, option: str = "head_path"):
     """The head at ``head_path`` (default: the one shipped for this target, found by its
-    fingerprint), checked against the target and moved to its device. ``flag``: the option that
+    fingerprint), checked against the target and moved to its device. ``option``: the option that
     names a head, for the error."""
     be = target.backend
     fingerprint = target_fingerprint(be.embed, be.num_layers)
     path = head_path or shipped_head(kind, fingerprint)
     if path is None:
-        raise ForerunError(f"no {kind} head is shipped for {target.name}; train one with `forerun train-draft --kind "
-                           f"{kind} --model {target.name} --out DIR` and pass {flag} DIR")
+        raise OptionError("no {kind} head is shipped for {name}; train one with `forerun train-draft --kind {kind} "
+                          "--model {name} --out DIR` and pass DIR as {" + option + "}", kind=kind, name=target.name)
     return load_head(path, fingerprint=fingerprint, kind=kind).to(be.device)
 
 
@@ -73,7 +73,7 @@ def load_head_drafter(method: str, target, head_path=None, tree=None, lookup=Non
     require_hidden_states(target, f"method {method}", " (--backend torch), or the llama.cpp backend with a Q8_0 "
                           "LM head and a C compiler")
     if tree is not None and not be.capabilities.token_trees:
-        raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp the heads draft chains")
+        raise OptionError("token trees need the torch backend ({backend}=torch); on llama.cpp the heads draft chains")
     head = load_trained_head(method, target, head_path)
     adapter = None
     if adapt:
@@ -98,23 +98,24 @@ def check_vocab(target, draft) -> None:
 
 
 def parse_skip_layers(text: str | None) -> list[int] | None:
-    """``--skip-layers 1,2,3`` -> [1, 2, 3]; None when not given."""
+    """``1,2,3`` -> [1, 2, 3] (``skip_layers`` as text); None when not given."""
     if text is None:
         return None
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ForerunError(f"--skip-layers must be comma-separated integers, got {text!r}") from None
+        raise OptionError("{skip_layers} must be comma-separated integers, got {got}", got=repr(text)) from None
 
 
 def check_draft_settings(window: int | None, p_min: float | None, lookup: str | None) -> None:
-    """Method draft's --draft-window, --draft-p-min and --draft-lookup, refused with a reason."""
+    """Method draft's ``draft_window``, ``draft_p_min`` and ``draft_lookup``, refused with a reason."""
     if window is not None and window < 0:
-        raise ForerunError(f"--draft-window must be >= 0 (0: the whole context), got {window}")
+        raise OptionError("{draft_window} must be >= 0 (0: the whole context), got {got}", got=window)
     if p_min is not None and not 0.0 <= p_min < 1.0:
-        raise ForerunError(f"--draft-p-min must be in [0, 1), got {p_min}")
+        raise OptionError("{draft_p_min} must be in [0, 1), got {got}", got=p_min)
     if lookup is not None and lookup not in LOOKUP_SOURCES:
-        raise ForerunError(f"--draft-lookup must be one of {', '.join(LOOKUP_SOURCES)}, got {lookup!r}")
+        raise OptionError("{draft_lookup} must be one of {choices}, got {got}", choices=", ".join(LOOKUP_SOURCES),
+                          got=repr(lookup))
 
 
 def lookup_source(source: str, ngram_max: int, ngram_min: int):
@@ -162,7 +163,7 @@ def _ngram(r: DraftRequest):
 
 def _suffix(r: DraftRequest):
     if r.tree is not None and not r.target.backend.capabilities.token_trees:
-        raise ForerunError("token trees need the torch backend (--backend torch); on llama.cpp suffix drafts chains")
+        raise OptionError("token trees need the torch backend ({backend}=torch); on llama.cpp suffix drafts chains")
     return SuffixDrafter(tree_nodes=r.tree[0] if r.tree else None, max_depth=r.tree[1] if r.tree else None)
 
 
@@ -171,7 +172,7 @@ def _draft_model(r: DraftRequest):
     check_vocab(target, draft_model)
     cuttable = hasattr(draft_model.backend, "sub_head")  # the llama.cpp backend runs its whole head
     if r.draft_tokens and not cuttable:
-        raise ForerunError("--draft-tokens cuts the draft model's head: it needs the torch backend for the draft model")
+        raise OptionError("{draft_tokens} cuts the draft model's head: it needs the torch backend for the draft model")
     n = auto_draft_tokens(draft_model.backend.vocab_size, r.draft_tokens) if cuttable else 0
     lookup = lookup_source(r.draft_lookup, r.ngram_max, r.ngram_min) if r.draft_lookup else None
     return DraftModelDrafter(draft_model.backend, draft_vocabulary(draft_model.tokenizer, n) if n else None,
@@ -181,8 +182,8 @@ def _draft_model(r: DraftRequest):
 
 def _layer_skip(r: DraftRequest):
     if not r.target.backend.capabilities.layer_skip:
-        raise ForerunError(f"layerskip needs a backend that can skip layers (--backend torch on a {SUPPORTED_ARCHITECTURES} model); "
-                           "llama.cpp has no per-call layer selection")
+        raise OptionError("layerskip needs a backend that can skip layers ({backend}=torch on a {archs} model); "
+                          "llama.cpp has no per-call layer selection", archs=SUPPORTED_ARCHITECTURES)
     calib = default_calibration(r.target) if r.skip_layers is None else {}
     layers = r.skip_layers if r.skip_layers is not None else calib["best"]["skip"]
     return LayerSkipDrafter(r.target.backend, layers, extra_vocab=calib.get("draft_vocab", ()))
@@ -253,18 +254,18 @@ def method_help(default: str = "ngram") -> str:
 def check_method(method: str, has_draft: bool) -> None:
     """Before any model loads: the method exists, and a draft-model method has its draft model."""
     if method_row(method).draft_model and not has_draft:
-        raise ForerunError(f"method {method} needs a draft model (--draft MODEL)")
+        raise OptionError("method {method} needs a draft model ({draft_model})", method=method)
 
 
 def check_adapt_save(adapt: bool, adapt_save) -> None:
-    """--adapt-save, refused with a reason before a model loads (whether the method takes --adapt
-    is ``check_method_options``'s)."""
+    """``adapt_save``, refused with a reason before a model loads (whether the method takes
+    ``adapt`` is ``check_method_options``'s)."""
     if adapt_save and not adapt:
-        raise ForerunError("--adapt-save keeps what --adapt learned: give --adapt too")
+        raise OptionError("{adapt_save} keeps what {adapt} learned: give {adapt} too")
     if adapt_save:
         out = Path(adapt_save)
         if out.exists() and not out.is_dir():
-            raise ForerunError(f"--adapt-save {out} exists and is not a folder")
+            raise OptionError("{adapt_save} {out} exists and is not a folder", out=out)
 
 
 def check_method_options(method: str, *, tree=None, tree_lookup: bool | str | None = None, lookup_from: str = "ngram",
@@ -274,28 +275,33 @@ def check_method_options(method: str, *, tree=None, tree_lookup: bool | str | No
     and ``build.Options.check`` both ask it): what only some methods take is refused elsewhere."""
     row = method_row(method)
     if (draft_window is not None or draft_p_min is not None or draft_lookup) and not row.draft_model:
-        raise ForerunError(f"--draft-window, --draft-p-min and --draft-lookup set method draft's draft model, not {method}")
+        raise OptionError("{draft_window}, {draft_p_min} and {draft_lookup} set method draft's draft model, not {method}",
+                          method=method)
     check_draft_settings(draft_window, draft_p_min, draft_lookup)
     if draft_tokens is not None and (not row.draft_model or draft_tokens < 0):
-        raise ForerunError(f"--draft-tokens cuts a draft model's vocabulary: method draft and a count >= 0, "
-                           f"not {method} with {draft_tokens}")
+        raise OptionError("{draft_tokens} cuts a draft model's vocabulary: method draft and a count >= 0, "
+                          "not {method} with {got}", method=method, got=draft_tokens)
     if adapt and not row.head:
-        raise ForerunError(f"--adapt trains {' and '.join(head_methods())} heads, not {method}")
+        raise OptionError("{adapt} trains {heads} heads, not {method}", heads=" and ".join(head_methods()), method=method)
     if tree_lookup not in (None, False, True, "always", "auto"):
-        raise ForerunError(f"--tree-lookup must be 'always' or 'auto', got {tree_lookup!r}")
+        raise OptionError("{tree_lookup} must be 'always' or 'auto', got {got}", got=repr(tree_lookup))
     if tree is not None and not row.trees:
-        raise ForerunError(f"token trees (--tree-nodes) work with {', '.join(tree_methods())}, not {method}")
+        raise OptionError("token trees ({tree_nodes}) work with {trees}, not {method}", trees=", ".join(tree_methods()),
+                          method=method)
     if tree is not None:
         tree_shape(*tree)
     if tree_lookup and not row.head:
-        raise ForerunError(f"--tree-lookup adds a lookup branch to a trained head's tree ({', '.join(head_methods())}), "
-                           f"not {method}'s" + ("; suffix trees already draft from lookups" if method == "suffix" else ""))
+        raise OptionError("{tree_lookup} adds a lookup branch to a trained head's tree ({heads}), not {method}'s{why}",
+                          heads=", ".join(head_methods()), method=method,
+                          why="; suffix trees already draft from lookups" if method == "suffix" else "")
     if lookup_from not in LOOKUP_SOURCES:
-        raise ForerunError(f"--lookup-from must be one of {', '.join(LOOKUP_SOURCES)}, got {lookup_from!r}")
+        raise OptionError("{lookup_from} must be one of {choices}, got {got}", choices=", ".join(LOOKUP_SOURCES),
+                          got=repr(lookup_from))
     if lookup_from != "ngram" and not tree_lookup:
-        raise ForerunError(f"--lookup-from {lookup_from} names where --tree-lookup's chain comes from: give --tree-lookup too")
+        raise OptionError("{lookup_from} {got} names where {tree_lookup}'s chain comes from: give {tree_lookup} too",
+                          got=lookup_from)
     if tree_lookup and tree is None:
-        raise ForerunError("--tree-lookup adds a branch to a token tree: give --tree-nodes too")
+        raise OptionError("{tree_lookup} adds a branch to a token tree: give {tree_nodes} too")
 
 
 def make_drafter(method: str, target, *, draft_model=None, skip_layers=None, ngram_max: int = 4, ngram_min: int = 1,
@@ -337,7 +343,7 @@ __all__ = ["Draft", "Drafter", "DraftingMethod", "DraftRequest", "MAX_TREE_NODES
 def tree_shape(nodes: int, depth: int | None):
     """(nodes, depth) for a token tree of ``nodes`` draft nodes, or None for a chain (nodes 0)."""
     if not 0 <= nodes <= MAX_TREE_NODES:
-        raise ForerunError(f"--tree-nodes must be in 0..{MAX_TREE_NODES} (0: chains), got {nodes}")
+        raise OptionError("{tree_nodes} must be in 0..{most} (0: chains), got {got}", most=MAX_TREE_NODES, got=nodes)
     if depth is not None and depth < 1:
-        raise ForerunError(f"--tree-depth must be >= 1, got {depth}")
+        raise OptionError("{tree_depth} must be >= 1, got {got}", got=depth)
     return (nodes, depth) if nodes else None

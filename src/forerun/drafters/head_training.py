@@ -29,7 +29,7 @@ from forerun.drafters.heads import (
     eagle3_feature_layers,
     target_fingerprint,
 )
-from forerun.errors import ForerunError
+from forerun.errors import ForerunError, OptionError
 
 
 @dataclass
@@ -225,7 +225,7 @@ class Trainer:
             raise ForerunError(f"unknown head shape {tc.shape!r} (choose {', '.join(SHAPES)})")
         if tc.kind == "medusa":
             if tc.shape != "forerun":
-                raise ForerunError(f"--shape {tc.shape} is a shape of eagle heads, not medusa")
+                raise OptionError("{shape} {got} is a shape of eagle heads, not medusa", got=tc.shape)
             self.feature_layers = [num_layers - 1]
         elif feature_layers:
             self.feature_layers = list(feature_layers)
@@ -259,7 +259,7 @@ class Trainer:
                  "medusa_heads", "target", "feature_norms")
         diff = [f for f in shape if getattr(a, f) != getattr(b, f) and not (a.kind == "eagle" and f == "medusa_heads")]
         if diff:
-            raise ForerunError("--init head differs from the head to train in " + ", ".join(diff))
+            raise OptionError("the {init} head differs from the head to train in {diff}", diff=", ".join(diff))
         state = {k: v for k, v in init.state_dict().items() if k not in ("lm_head.weight", "draft_to_target")}
         head.load_state_dict(state, strict=False)
         pos = {int(t): i for i, t in enumerate(init.draft_to_target.tolist())}
@@ -402,7 +402,7 @@ class Trainer:
             raise ForerunError("not enough training data (need at least 2 sequences)")
         if keep_vocab:
             if init is None:
-                raise ForerunError("keeping the draft vocabulary needs a head to start from (--init)")
+                raise OptionError("keeping the draft vocabulary needs a head to start from ({init})")
             d2t = init.draft_to_target.detach().to("cpu", torch.long).clone()
         else:
             d2t = choose_draft_vocab(train, tc.draft_vocab, self.embed.shape[0], always_vocab)
@@ -427,7 +427,8 @@ class Trainer:
             # settings that do not change what is learned may differ (and older checkpoints lack newer ones)
             differs = any(saved.get(k, v) != v for k, v in asdict(tc).items() if k != "eval_seconds")
             if differs or not torch.equal(state["draft_to_target"], d2t):
-                raise ForerunError(f"{ckpt} belongs to a run with other settings or data; remove it or use another --work")
+                raise OptionError("{ckpt} belongs to a run with other settings or data; remove it or use another {work}",
+                                  ckpt=ckpt)
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])

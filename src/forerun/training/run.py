@@ -49,7 +49,7 @@ def train_draft(args, log=print) -> dict:
     be = target.backend
     require_hidden_states(target, "train-draft")
     # A head to start from is checked now, not after an hour of self-distillation.
-    init = load_trained_head(args.kind, target, args.init, flag="--init") if getattr(args, "init", None) else None
+    init = load_trained_head(args.kind, target, args.init, option="init") if getattr(args, "init", None) else None
     seqs, times = [], {}
     if args.data in ("corpus", "both"):
         seqs += corpus_sequences(target.tokenizer, read_corpus(args.corpus), args.max_len)
