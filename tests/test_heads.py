@@ -475,7 +475,7 @@ def test_suffix_lookup_branch_learns_across_requests(heads, gemma):
     assert drafter.lookup.drafter.history.acceptance.counts  # it learned how often its tokens were taken
     drafter.forget_history()
     assert twin.lookup.drafter.history.index.total == 0
-    with pytest.raises(ForerunError, match="lookup-from"):
+    with pytest.raises(ForerunError, match="lookup_from must be one of"):
         make_drafter("eagle", gemma, head_path=heads["eagle"][0], tree=(3, 2), tree_lookup="auto", lookup_from="x")
 
 
