@@ -164,21 +164,21 @@ def _load_aware(**kw) -> DraftLength:
 
 def test_load_aware_k_stops_drafting_when_rows_cost_full_price():
     pol = _load_aware()
-    pol.buckets[None] = [5.0, 5.0]  # acceptance 0.5
+    pol.accepted.counts[None] = [5.0, 5.0]  # acceptance 0.5
     pol.costs["pass"] = {r: 0.010 for r in range(1, 6)}  # flat: drafts are free at batch 1
     assert pol.choose([4], [None]) == [4]
     pol.costs["pass"] = {r: 0.010 * r for r in range(1, 100)}  # every row costs a full step: never pays
     assert pol.choose([4] * 8, [None] * 8) == [0] * 8
     # a trusted bucket keeps its drafts when an untrusted one loses them
     pol.costs["pass"] = {r: 0.010 + 0.004 * r for r in range(1, 100)}
-    pol.buckets[3] = [19.0, 1.0]
-    pol.buckets[1] = [1.0, 19.0]
+    pol.accepted.counts[3] = [19.0, 1.0]
+    pol.accepted.counts[1] = [1.0, 19.0]
     ks = pol.choose([4, 4], [3, 1])
     assert ks[0] > 0 and ks[1] == 0
     # sequential backends: a step costs one pass per sequence, so a second sequence's drafts are
     # priced on its own pass
     seq = _load_aware(sequential=True)
-    seq.buckets[None] = [5.0, 5.0]
+    seq.accepted.counts[None] = [5.0, 5.0]
     seq.costs["pass"] = {1: 0.010, 2: 0.010, 3: 0.030, 4: 0.050, 5: 0.070}
     assert seq.choose([4, 4], [None, None]) == [1, 1]
 
@@ -188,7 +188,7 @@ def test_load_aware_k_reads_per_token_confidences():
     its tokens turn unlikely, and a sure chain keeps its drafts beside an unsure one."""
     pol = _load_aware()
     pol.costs["pass"] = {r: 0.010 + 0.004 * r for r in range(1, 100)}
-    pol.buckets[None] = [1.0, 19.0]  # the bucket alone would say: never draft
+    pol.accepted.counts[None] = [1.0, 19.0]  # the bucket alone would say: never draft
     assert pol.choose([4], [None]) == [0]
     assert pol.choose([4], [None], [[0.99, 0.98, 0.05, 0.99]]) == [2]
     assert pol.choose([4, 4], [None, None], [[0.99] * 4, [0.05] * 4]) == [4, 0]
@@ -200,7 +200,7 @@ def test_load_aware_k_probes_a_bucket_it_stopped_drafting_for():
     drafts on offer and none kept, the bucket gets one draft token; good results bring drafting back."""
     pol = _load_aware(probe_every=5)
     pol.costs["pass"] = {r: 0.010 + 0.004 * r for r in range(1, 100)}
-    pol.buckets[1] = [0.1, 19.0]  # acceptance ~0: drafting does not pay
+    pol.accepted.counts[1] = [0.1, 19.0]  # acceptance ~0: drafting does not pay
     picks = [pol.choose([4, 4], [1, 1]) for _ in range(10)]
     assert [p for p in picks if any(p)] == [[1, 0], [1, 0]]  # one probe every 5 choices, one sequence
     assert picks[4] == [1, 0] and picks[9] == [1, 0]

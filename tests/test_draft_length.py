@@ -4,7 +4,7 @@ the tree-or-lookup choice."""
 import random
 
 from forerun.bench_report import predicted_speedup
-from forerun.draft_length import AcceptanceTable, DraftLength, chain_yield, expected_tokens, interpolate
+from forerun.draft_length import Acceptance, DraftLength, chain_yield, expected_tokens, interpolate
 from forerun.drafters.ngram import NgramDrafter, lookup_match
 from forerun.stats import GenerationStats
 
@@ -30,10 +30,10 @@ def test_adaptive_k_follows_acceptance():
     pol = DraftLength()
     assert _one(pol, 16) == pol.k_start  # nothing measured yet
     _measured(pol)
-    pol.buckets[None] = [20.0, 0.1]  # everything accepted: long drafts pay
+    pol.accepted.counts[None] = [20.0, 0.1]  # everything accepted: long drafts pay
     assert _one(pol, 16) >= 8
     assert _one(pol, 3) == 3  # never more than the drafter has
-    pol.buckets[None] = [0.1, 20.0]  # nothing accepted: plain decoding, with a probe now and then
+    pol.accepted.counts[None] = [0.1, 20.0]  # nothing accepted: plain decoding, with a probe now and then
     picks = [_one(pol, 16) for _ in range(pol.probe_every)]
     assert picks.count(1) == 1 and picks.count(0) == pol.probe_every - 1
     for _ in range(30):  # probes that succeed bring drafting back
@@ -47,7 +47,7 @@ def test_probes_of_costly_drafters_thin_out():
     pol = DraftLength(refresh_every=1000)  # no pass is timed here: no refresh of the plain step's cost
     _measured(pol)
     pol.observe_draft(1, 1e-3)
-    pol.buckets[None] = [0.1, 20.0]
+    pol.accepted.counts[None] = [0.1, 20.0]
     picks = [_one(pol, 16, charge=True) for _ in range(8 + 16 + 32)]
     probes = [i for i, k in enumerate(picks) if k]
     assert probes == [7, 7 + 16, 7 + 16 + 32]  # intervals 8, 16, 32
@@ -68,7 +68,7 @@ def test_an_outlier_pass_does_not_make_drafting_look_free():
     assert pol.cost(1) < 0.010 * 1.21
     pol.observe_pass(1, 0.020)  # a slow hour: the baseline really doubled, so drafting looks cheap
     pol.observe_pass(1, 0.020)
-    pol.buckets[None] = [1.0, 3.0]  # a quarter of drafts accepted: 1.25 tokens for 1.3 steps
+    pol.accepted.counts[None] = [1.0, 3.0]  # a quarter of drafts accepted: 1.25 tokens for 1.3 steps
     picks = [_one(pol, 16) for _ in range(20)]
     assert picks[:16] == [1] * 16  # against the inflated baseline one draft token seems to pay
     assert picks[16] == 0  # 16 choices without a plain step: one runs, to be timed
@@ -83,12 +83,12 @@ def test_a_probe_is_not_charged_as_drafting_cost():
     pol = DraftLength()
     _measured(pol)
     pol.observe_draft(1, 1e-3)
-    pol.buckets[None] = [0.1, 20.0]
+    pol.accepted.counts[None] = [0.1, 20.0]
     while _one(pol, 16, charge=True) == 0:
         pol.observe_draft(0, 0.0)
     pol.observe_draft(1, 0.5)  # the probe's round
     assert pol.draft_cost == 1e-3
-    pol.buckets[None] = [20.0, 0.1]
+    pol.accepted.counts[None] = [20.0, 0.1]
     assert _one(pol, 16, charge=True) > 0
     pol.observe_draft(4, 8e-3)  # a round of the plan: charged (a sample counts twice the average at most)
     assert pol.draft_cost == 1e-3 * (0.8 + 0.2 * 2)
@@ -133,7 +133,7 @@ def test_measured_costs_carry_over_to_the_next_request():
     assert nxt.tree_yield == {3: 4} and nxt.tree_yield is not first.tree_yield
     assert nxt.costs == first.costs and nxt.costs["pass"] is not first.costs["pass"]
     assert nxt.draft_cost == first.draft_cost and nxt.k_max == 12
-    assert nxt.buckets == {} and nxt.choices["tree"] == 0  # acceptance belongs to the request
+    assert nxt.accepted.counts == {} and nxt.choices["tree"] == 0  # acceptance belongs to the request
     fixed = first.renewed(4)
     assert fixed.fixed == 4 and fixed.renewed("auto").k_max == 12
 
@@ -151,23 +151,33 @@ def test_interpolate():
     assert pol.cost(3) == 0.02 and pol.cost(3, "tree") is None
 
 
-def test_acceptance_table():
-    t = AcceptanceTable(decay=1.0)
-    assert t.rate("a") == 0.5  # the prior: 1 of 2
+def test_acceptance():
+    """The one acceptance estimate: rounds of one token (a drafter's table keyed per token) and
+    rounds of several (the policy's buckets, an n-gram lookup's lengths), a prior, fallbacks, a cap."""
+    t = Acceptance(decay=1.0)
+    assert t.rate("a") == 0.5  # the prior: 1 taken, 1 refused
     for hit in (True, True, True, False):
-        t.observe("a", hit)
+        t.observe("a", int(hit), 1)
     assert t.rate("a") == (3 + 1) / (4 + 2)
     t.observe_run(["x", "y", "z"], [1, 2, 3], [1, 5, 3])  # the run ends at the first miss
-    assert t.counts == {"a": [3.0, 4.0], "x": [1.0, 1.0], "y": [0.0, 1.0]}
+    assert t.counts == {"a": [4.0, 2.0], "x": [2.0, 1.0], "y": [1.0, 2.0]}
     t.observe_run(["p", "q"], [1, 2], [1])  # beyond what was committed nothing is known
-    assert t.counts["p"] == [1.0, 1.0] and "q" not in t.counts
-    forgetful, lasting = AcceptanceTable(decay=0.5), AcceptanceTable(decay=1.0)
+    assert t.counts["p"] == [2.0, 1.0] and "q" not in t.counts
+    runs = Acceptance(decay=1.0, prior=(2.0, 2.0))
+    runs.observe("b", 3, 5)  # three taken, then a refusal
+    assert runs.counts["b"] == [5.0, 3.0]
+    runs.observe("b", 4, 4)  # all taken: no refusal
+    runs.observe("b", 0, 0)  # nothing drafted: nothing learned
+    assert runs.counts["b"] == [9.0, 3.0]
+    assert runs.rate("unseen", "b") == 0.75 and runs.rate("unseen", "also unseen") == 0.5
+    assert Acceptance(prior=(50.0, 0.0), cap=0.98).rate("k") == 0.98
+    forgetful, lasting = Acceptance(decay=0.5), Acceptance(decay=1.0)
     for hit in [False] * 20 + [True] * 20:
-        forgetful.observe("k", hit)
-        lasting.observe("k", hit)
+        forgetful.observe("k", int(hit), 1)
+        lasting.observe("k", int(hit), 1)
     assert lasting.rate("k") == 0.5 and forgetful.rate("k") > 0.74  # the forgetful one follows the workload
     try:
-        AcceptanceTable(decay=0.0)
+        Acceptance(decay=0.0)
     except ValueError:
         pass
     else:

@@ -446,9 +446,9 @@ def test_tree_lookup_auto_mixes_rounds(heads, gemma, kind):
     assert kinds and set(kinds) == {"tree"} and choices["tree"] == len(kinds)  # the head ran in tree rounds only
     assert choices["chain"] + choices["none"] > 0  # other rounds verified the lookup chain alone (or nothing)
     assert eng.policy.costs["tree"] and eng.policy.costs["chain"]  # both kinds of round were timed by the engine
-    assert drafter.lookup.acc  # the chain's acceptance was followed (its offered confidence)
+    assert drafter.lookup.acc.counts  # the chain's acceptance was followed (its offered confidence)
     twin = drafter.fork()
-    assert twin.offers_tree_or_chain and twin.lookup.acc == {}
+    assert twin.offers_tree_or_chain and twin.lookup.acc.counts == {}
 
 
 def test_suffix_lookup_branch_learns_across_requests(heads, gemma):

@@ -115,7 +115,7 @@ def test_chain_matches_brute_force(seed):
     for key in {trust_key(m, own, c, s) for m in range(1, 18) for own in (True, False) for c in (1.0, 0.7, 0.4, 0.1)
                 for s in (1, 2, 5)}:  # some learned acceptance, different per key
         for _ in range(rnd.randrange(0, 6)):
-            table.observe(key, rnd.random() < 0.6)
+            table.observe(key, int(rnd.random() < 0.6), 1)
     # this request's context (ctx[3:] is also its own output in the shared history, never read)
     refs = [ref_candidate(ctx, [], max_match, k, min_prob, True),
             ref_candidate(ctx, history, max_match, k, min_prob, False)]
@@ -155,8 +155,8 @@ def test_every_chain_on_offer_learns_from_the_committed_tokens():
     d.propose(ctx, 3)
     table = d.history.acceptance
     d.accepted(ctx + [6, 7], 1)  # one draft token accepted and the target's own: 6 7
-    assert table.counts[local.keys[0]][0] == 1 and table.counts[local.keys[1]] == [0.0, 1.0]
-    assert table.counts[hist.keys[0]][0] == 1 and table.counts[hist.keys[1]][0] == 1
+    assert table.rate(local.keys[0]) > 0.5 > table.rate(local.keys[1])  # taken, then refused
+    assert table.rate(hist.keys[0]) > 0.5 and table.rate(hist.keys[1]) > 0.5
     assert hist.keys[2] not in table.counts  # never reached: nothing learned about it
     # the chain whose tokens proved better is now preferred
     d.begin(ctx, SamplingParams(), None)

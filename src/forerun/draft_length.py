@@ -18,15 +18,6 @@ def expected_tokens(a: float, k: float) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def update_acceptance(b: list[float], decay: float, accepted: int, drafted: int) -> None:
-    """One round into a decayed acceptance estimate ``b`` = [accepted, rejections] (per-token
-    acceptance ~ b[0] / (b[0] + b[1]), the maximum-likelihood estimate for geometric runs cut off
-    at the draft length): ``accepted`` of ``drafted`` tokens passed, and a rejection ended the run
-    unless all passed."""
-    b[0] = decay * b[0] + accepted
-    b[1] = decay * b[1] + (1 if accepted < drafted else 0)
-
-
 def ema(old: float | None, new: float, weight: float = 0.2) -> float:
     """The running average every measured cost and yield keeps."""
     return new if old is None else (1 - weight) * old + weight * new
@@ -57,32 +48,46 @@ def chain_yield(conf: list[float]) -> list[float]:
     return out
 
 
-class AcceptanceTable:
-    """How often the target took a drafted token, per trust key, given that every token before it
-    in the draft was taken: decayed counts with a prior (``prior_hits`` of ``prior_seen``), so an
-    estimate follows the workload and a key seen rarely stays near the prior. Drafters keep one to
-    offer per-token confidences (``Draft.conf``)."""
+class Acceptance:
+    """How often the target took a drafted token, per key (a trust bucket, a probability bin, an
+    n-gram length), given that every token before it in the draft was taken: the one estimate of
+    acceptance that the draft-length policy and the drafters keep. Per key, decayed counts
+    [taken, refused] start from ``prior``; a round multiplies them by ``decay`` and adds its
+    outcome, so an estimate follows the workload and a key seen rarely stays near its prior. The
+    estimate is taken / (taken + refused), the maximum-likelihood per-token acceptance for runs
+    cut off at the draft length, at most ``cap``."""
 
-    def __init__(self, decay: float = 0.99, prior_hits: float = 1.0, prior_seen: float = 2.0):
-        if not 0.0 < decay <= 1.0 or not 0.0 <= prior_hits <= prior_seen or prior_seen <= 0:
-            raise ValueError("need 0 < decay <= 1 and 0 <= prior_hits <= prior_seen, prior_seen > 0")
-        self.decay, self.prior_hits, self.prior_seen = decay, prior_hits, prior_seen
-        self.counts: dict[object, list[float]] = {}  # key -> [hits, seen]
+    def __init__(self, decay: float = 0.99, prior: tuple[float, float] = (1.0, 1.0), cap: float = 1.0):
+        if not 0.0 < decay <= 1.0 or min(prior) < 0 or sum(prior) <= 0:
+            raise ValueError("need 0 < decay <= 1 and a prior of counts >= 0, not both 0")
+        self.decay, self.prior, self.cap = decay, prior, cap
+        self.counts: dict[object, list[float]] = {}  # key -> [taken, refused]
 
-    def rate(self, key) -> float:
-        hits, seen = self.counts.get(key, (0.0, 0.0))
-        return (hits + self.prior_hits) / (seen + self.prior_seen)
+    def rate(self, key, *fallbacks) -> float:
+        """The estimate for ``key``; where it was never observed, that of the first of ``fallbacks``
+        that was, else the prior's."""
+        for k in (key, *fallbacks):
+            c = self.counts.get(k)
+            if c is not None:
+                break
+        else:
+            c = self.prior
+        return min(c[0] / (c[0] + c[1]), self.cap)
 
-    def observe(self, key, hit: bool) -> None:
-        c = self.counts.setdefault(key, [0.0, 0.0])
-        c[0] = self.decay * c[0] + (1.0 if hit else 0.0)
-        c[1] = self.decay * c[1] + 1.0
+    def observe(self, key, accepted: int, drafted: int) -> None:
+        """One round of ``drafted`` tokens under ``key``: the first ``accepted`` taken, and a
+        refusal ended the run unless all were."""
+        if drafted > 0:
+            c = self.counts.setdefault(key, list(self.prior))
+            c[0] = self.decay * c[0] + accepted
+            c[1] = self.decay * c[1] + (1 if accepted < drafted else 0)
 
     def observe_run(self, keys: list, proposed: list[int], committed: list[int]) -> None:
-        """A draft's outcome as the committed tokens show it, whatever length was verified: every
-        position up to the first disagreement (or the end of what was committed) is one sample."""
+        """A draft with a key per token, its outcome as the committed tokens show it (whatever
+        length was verified): each position up to the first disagreement, or the end of what was
+        committed, is a round of one token under its key."""
         for key, p, c in zip(keys, proposed, committed):
-            self.observe(key, p == c)
+            self.observe(key, int(p == c), 1)
             if p != c:
                 break
 
@@ -162,7 +167,7 @@ class DraftLength:
         self.costs: dict[str, dict[int, float | None]] = {"pass": {}, "tree": {}, "chain": {}}
         self.draft_cost: float | None = None  # seconds per drafted token (drafters that are not cheap)
         # What this workload accepts:
-        self.buckets: dict[object, list[float]] = {}  # bucket -> [accepted, rejections]
+        self.accepted = Acceptance(self.decay, prior=(2.0, 2.0), cap=0.98)  # per trust bucket
         self.tree_yield: dict[object, float] = {}  # bucket -> average tokens per tree round
         self.idle: dict[object, int] = {}  # bucket -> choices in a row with drafts on offer and none kept
         self.probe_gap: dict[object, int] = {}  # bucket -> rounds between probes (grows for costly drafters)
@@ -204,16 +209,15 @@ class DraftLength:
             self.draft_cost = bounded_ema(self.draft_cost, seconds / tokens)
 
     def observe(self, bucket, drafted: int, accepted: int) -> None:
-        if drafted > 0:
-            update_acceptance(self.buckets.setdefault(bucket, [2.0, 2.0]), self.decay, accepted, drafted)
+        self.accepted.observe(bucket, accepted, drafted)
 
     def observe_tree(self, bucket, tokens: int) -> None:
         """Tokens a tree round yielded (accepted drafts and the target's own)."""
         self.tree_yield[bucket] = ema(self.tree_yield.get(bucket), tokens)
 
     def acceptance(self, bucket) -> float:
-        b = self.buckets.get(bucket) or self.buckets.get(None) or [2.0, 2.0]
-        return min(b[0] / (b[0] + b[1]), 0.98)
+        """A bucket's acceptance; an unseen bucket takes that of drafts without one."""
+        return self.accepted.rate(bucket, None)
 
     def cost(self, rows: int, kind: str = "pass") -> float | None:
         """Predicted seconds of a pass of ``rows`` rows (None: nothing measured yet)."""

@@ -378,6 +378,11 @@ class LlamaCppBackend(BackendBase):
     def length(self) -> int:
         return self._len
 
+    def decoded_to(self, length: int) -> None:
+        """The context holds ``length`` positions, decoded outside ``forward`` (llama.cpp's own
+        sampler loop, ``plain_generate``)."""
+        self._len = length
+
     def truncate(self, length: int) -> None:
         length = max(0, length)
         if length < self._len:
@@ -576,7 +581,7 @@ def plain_generate(backend: LlamaCppBackend, prompt: list[int], max_new_tokens: 
             one[0] = tok
             ctx.decode(one, pos, "last")
             pos += 1
-        backend._len = pos
+        backend.decoded_to(pos)
         return out
     finally:
         L.llama_sampler_free(chain)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.draft_length import AcceptanceTable
+from forerun.draft_length import Acceptance
 from forerun.drafters.base import Draft, Drafter
 from forerun.errors import ForerunError
 from forerun.sampling import SeededNoise, logits_to_probs, sample
@@ -15,7 +15,7 @@ PROB_BINS = 20  # a drafted token's confidence is learnt per twentieth of its dr
 class DraftModelDrafter(Drafter):
     """Drafts token by token with its own model. Every token carries a confidence (``Draft.conf``):
     how often the target took a token drafted with about that probability, learnt from every
-    round (``calibration``: an ``AcceptanceTable`` shared by forks, kept across requests, for it
+    round (``calibration``: an ``Acceptance`` shared by forks, kept across requests, for it
     describes the pair of models); and every position one, how often a draft reached past it
     (``plan_conf``), from which the policy plans how far to draft before it starts. While drafting,
     ``more`` (the policy's ``draft_more``) decides after each token whether the next one pays."""
@@ -25,7 +25,7 @@ class DraftModelDrafter(Drafter):
     batchable = True  # propose_batch: forks draft together, a step one batched pass of the draft model
 
     def __init__(self, backend, vocab: torch.Tensor | None = None, head=None, window: int | None = None,
-                 p_min: float = 0.0, calibration: AcceptanceTable | None = None, lookup=None):
+                 p_min: float = 0.0, calibration: Acceptance | None = None, lookup=None):
         """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them.
         ``window``: the most committed tokens the draft reads when it (re)starts: a long prompt, or
         a long stretch it did not draft for, is read from its last ``window`` tokens only (None: all).
@@ -45,7 +45,7 @@ class DraftModelDrafter(Drafter):
         self.head = head
         self.window = window
         self.offset = 0  # the committed token at the draft cache's position 0
-        self.calibration = calibration or AcceptanceTable()
+        self.calibration = calibration or Acceptance()
         self._last = None  # the last proposal: (its first token's index, its tokens, its probability bins)
         self.lookup = lookup
         if vocab is not None and head is None:  # the integer kernels' rows where the model runs on them

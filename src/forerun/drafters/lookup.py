@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.draft_length import update_acceptance
+from forerun.draft_length import Acceptance
 from forerun.drafters.base import Draft
 from forerun.drafters.ngram import lookup_match
 from forerun.drafters.suffix import SuffixDrafter
@@ -39,8 +39,8 @@ class NgramLookup:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        # n-gram length -> decayed [accepted, rejections] of the chain: its offered confidence
-        self.acc: dict[int, list[float]] = {}
+        # per n-gram length, how often the chain's tokens were taken: its offered confidence
+        self.acc = Acceptance(decay=0.9, prior=(2.0, 2.0))
         self._offer = None  # (context length, chain, bucket) of this round
 
     def fork(self) -> NgramLookup:
@@ -53,8 +53,7 @@ class NgramLookup:
         """Nothing outlives a request here."""
 
     def rate(self, bucket: int) -> float:
-        acc, rej = self.acc.get(bucket, (2.0, 2.0))
-        return acc / (acc + rej)
+        return self.acc.rate(bucket)
 
     def chain(self, tokens: list[int], k: int) -> Draft:
         chain, n = lookup_match(tokens, k, self.max_ngram, self.min_ngram)
@@ -67,8 +66,7 @@ class NgramLookup:
             # How far the chain alone would have gone: the committed tokens are the target's own.
             base, chain, bucket = offer
             new = tokens[base:]
-            update_acceptance(self.acc.setdefault(bucket, [2.0, 2.0]), 0.9, _common_prefix(chain, new),
-                              min(len(chain), len(new)))
+            self.acc.observe(bucket, _common_prefix(chain, new), min(len(chain), len(new)))
 
 
 class SuffixLookup:

@@ -21,7 +21,7 @@ where it ends (in insertion order). To draft after a context ``c``:
    confidence is at least ``min_prob``. The request's own context and the earlier outputs each
    give one such chain (from each one's own longest match); each token of a chain has a trust
    key (the match length it extends, whether the match is in the request's own context, its
-   count-based confidence and how many occurrences support it), and an ``AcceptanceTable``
+   count-based confidence and how many occurrences support it), and an ``Acceptance``
    shared by every request learns, per key, how often the target took such a token. The chain
    with more expected accepted tokens is proposed, with those estimates as ``Draft.conf``:
    adaptive K cuts it where it stops paying (a long, well-supported match earns a long draft).
@@ -43,7 +43,7 @@ from collections import deque
 
 import torch
 
-from forerun.draft_length import AcceptanceTable, chain_yield
+from forerun.draft_length import Acceptance, chain_yield
 from forerun.drafters.base import Draft, Drafter
 
 _SHIFT = 21  # bigram key: (a << 21) | b; token ids below 2M
@@ -243,7 +243,7 @@ class SuffixHistory:
 
     def __init__(self, max_tokens: int):
         self.index = TokenIndex(max_tokens)
-        self.acceptance = AcceptanceTable()
+        self.acceptance = Acceptance()
 
 
 class SuffixDrafter(Drafter):
@@ -277,7 +277,7 @@ class SuffixDrafter(Drafter):
     def forget_history(self) -> None:
         """Drop every earlier output (e.g. after a warm-up run)."""
         self.history.index = TokenIndex(self.history.index.max_tokens)
-        self.history.acceptance = AcceptanceTable()
+        self.history.acceptance = Acceptance()
         self.out_sid = None
 
     def begin(self, prompt, params, generator):
