@@ -22,6 +22,20 @@
 #endif
 #include "rows_common.h"
 
+/* The plain C product (no AVX2 and FMA, or D not a multiple of 8): weights of type WT [V][D],
+ * each widened to float by TO_FLOAT, times x [n][D] into out [n][V]. */
+#define ROWS_PLAIN(WT, TO_FLOAT)                                                  \
+    _Pragma("omp parallel for schedule(static)")                                  \
+    for (int64_t v = 0; v < V; v++) {                                             \
+        const WT *wv = w + v * D;                                                 \
+        for (int r = 0; r < n; r++) {                                             \
+            const float *xr = x + (int64_t)r * D;                                 \
+            float s = 0.0f;                                                       \
+            for (int k = 0; k < D; k++) s += TO_FLOAT(wv[k]) * xr[k];             \
+            out[(int64_t)r * V + v] = s;                                          \
+        }                                                                         \
+    }
+
 #ifndef TV
 #define TV 4 /* weight rows per tile */
 #endif
@@ -111,16 +125,7 @@ int forerun_f32_rows(const float *w, int64_t V, int D, const float *x, int n, fl
         return 0;
     }
 #endif
-#pragma omp parallel for schedule(static)
-    for (int64_t v = 0; v < V; v++) {
-        const float *wv = w + v * D;
-        for (int r = 0; r < n; r++) {
-            const float *xr = x + (int64_t)r * D;
-            float s = 0.0f;
-            for (int k = 0; k < D; k++) s += wv[k] * xr[k];
-            out[(int64_t)r * V + v] = s;
-        }
-    }
+    ROWS_PLAIN(float, (float));
     return 0;
 }
 
@@ -134,15 +139,6 @@ int forerun_f16w_rows(const uint16_t *w, int64_t V, int D, const float *x, int n
         return 0;
     }
 #endif
-#pragma omp parallel for schedule(static)
-    for (int64_t v = 0; v < V; v++) {
-        const uint16_t *wv = w + v * D;
-        for (int r = 0; r < n; r++) {
-            const float *xr = x + (int64_t)r * D;
-            float s = 0.0f;
-            for (int k = 0; k < D; k++) s += half_to_float(wv[k]) * xr[k];
-            out[(int64_t)r * V + v] = s;
-        }
-    }
+    ROWS_PLAIN(uint16_t, half_to_float);
     return 0;
 }
