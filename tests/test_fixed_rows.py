@@ -25,6 +25,40 @@ def test_key_spans_are_powers_of_two_of_the_position_alone():
     assert key_span(300, 400) == 400
 
 
+def test_a_row_attends_over_its_own_positions_key_span(monkeypatch):
+    """A chain chunk across the 256-position boundary: each row's keys are the first
+    ``key_span(position)`` slots, whatever the other rows of its chunk (a row's sums then never
+    depend on its neighbours; on some machines' kernels a longer span changes a row's last bits,
+    on others not, so the spans are checked themselves: attention over one span is made NaN, and
+    the rows that read it turn NaN)."""
+    from forerun.backends.fixed_rows import FixedRows
+
+    _, be = fixed("llama", max_position_embeddings=512)
+    ids = torch.randint(4, 96, (262,), generator=torch.Generator().manual_seed(4))
+    be.forward(ids[:250], 0, logits=False)  # a prompt: the library path
+    attend = FixedRows._attend
+
+    def rows_reading(span):  # the last layer's attention over ``span`` keys made NaN: which rows turn NaN
+        calls = []
+
+        def poisoned(model, q, kk, vv, hide):
+            calls.append(kk.shape[1])
+            out = attend(model, q, kk, vv, hide)
+            last_layer = len(calls) > (be.num_layers - 1) * per_layer
+            return out * float("nan") if last_layer and kk.shape[1] == span else out
+
+        monkeypatch.setattr(FixedRows, "_attend", staticmethod(poisoned))
+        be.truncate(250)
+        logits = be.forward(ids[250:262], 250).logits  # one chunk: positions 250..261
+        return {250 + r for r in range(12) if torch.isnan(logits[r]).any()}, len(calls)
+
+    per_layer = 10**9  # a first pass counts the calls
+    _, n = rows_reading(0)
+    per_layer = n // be.num_layers
+
+    assert rows_reading(256)[0] == set(range(250, 256)) and rows_reading(512)[0] == set(range(256, 262))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fixed_passes_compute_the_model(arch):
     model, be = fixed(arch)
