@@ -117,7 +117,7 @@ def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 def decoder_layer(i: int, layer: Layer, h: torch.Tensor, sandwich: bool, norm, linear, qkv, attend) -> torch.Tensor:
     """Decoder layer ``i`` over the rows ``h`` [rows, hidden], written once for the torch paths (the
-    float rows of ``NativeBackend`` and the fixed-shape chunks of ``fixed_rows``; the integer path
+    float rows of ``runners`` and the fixed-shape chunks of ``fixed_rows``; the integer path
     runs the same layer in C, ``qlayer.c``, checked against this one by the tests). What differs
     between the paths comes in as functions: ``norm(x, weight)``, ``linear(linear, x, bias)``,
     ``qkv(i, layer, projected)`` -> (q, k, v) split, normed where the architecture norms them and

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from tqdm.auto import tqdm
 
 from forerun.backends.arch import add_bias, decoder_layer
 from forerun.backends.positions import rope
+from forerun.backends.runners import Rows
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")
@@ -91,6 +93,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), signed_sin)
 
 
+def fixed_chunks(model, caches, feeds, positions, trees=(), skip=(), layers=(), finish: str = "logits",
+                 last_only: bool = False) -> Rows:
+    """The fixed-shape runner (``runners``' signature): every row through ``model.fixed``'s chunks,
+    the final norm and the LM head inside them; every layer runs (no ``skip``)."""
+    if skip:
+        raise ValueError("fixed-shape passes run every layer")
+    for cache, feed, pos in zip(caches, feeds, positions):
+        cache.ensure_capacity(pos + feed.numel())
+    h, lg, ft = model.fixed.rows(model, caches, feeds, positions, trees, layers, finish == "logits")
+    for cache, feed, pos in zip(caches, feeds, positions):
+        cache.length = pos + feed.numel()
+    if finish == "none":
+        return Rows(None, None, ft)
+    if last_only:  # each sequence's last row
+        last = [e - 1 for e in accumulate(f.numel() for f in feeds)]
+        h, lg = h[last], None if lg is None else lg[last]
+    return Rows(h, lg, ft)
+
+
 class FixedRows:
     """The fixed-shape passes of one ``NativeModel``, for every sequence over it. The graphs of a
     sequence live in its ``KVCache``'s ``graphs`` (keyed by key span, layers and logits), made anew
@@ -127,23 +148,17 @@ class FixedRows:
             rows.append((pos + int(depth[r]), pos + r, path, seq))
         return rows
 
-    def forward(self, model, cache, tokens: torch.Tensor, pos: int, tree, layers, want_logits: bool):
-        """Final normed hidden states [T, hidden], float32 logits [T, vocab] (or None) and the
-        outputs of ``layers`` [T, len(layers) * hidden] (or None) of a pass at ``pos`` on ``cache``."""
-        return self._run(model, tokens.cpu(), self._rows(cache, pos, tokens.numel(), tree), tuple(layers), want_logits)
-
-    def forward_batch(self, model, seqs, feeds, positions, trees, layers, want_logits: bool) -> list[tuple]:
-        """One pass over several sequences (``seqs``: their caches): their rows one after another, in
-        chunks that may hold rows of several sequences (the products read each weight once per
-        chunk); each sequence's rows write and read its own cache. Per sequence, as ``forward``."""
-        rows, sizes = [], []
-        for i, (seq, feed, pos) in enumerate(zip(seqs, feeds, positions)):
-            rows += self._rows(seq, pos, feed.numel(), trees[i] if i < len(trees) else None)
-            sizes.append(feed.numel())
-        tokens = torch.cat([f.cpu() for f in feeds])
-        outs = self._run(model, tokens, rows, tuple(layers), want_logits)
-        split = [x.split(sizes) if x is not None else [None] * len(sizes) for x in outs]
-        return list(zip(*split))
+    def rows(self, model, caches, feeds, positions, trees, layers, want_logits: bool):
+        """One pass over one or more sequences (``caches``: theirs): their rows one after another,
+        in chunks that may hold rows of several sequences (the products read each weight once per
+        chunk); each sequence's rows write and read its own cache. Final normed hidden states
+        [rows, hidden], float32 logits [rows, vocab] (or None) and the outputs of ``layers``
+        [rows, len(layers) * hidden] (or None), the sequences' rows one after another."""
+        rows = []
+        for i, (cache, feed, pos) in enumerate(zip(caches, feeds, positions)):
+            rows += self._rows(cache, pos, feed.numel(), trees[i] if i < len(trees) else None)
+        tokens = feeds[0].cpu() if len(feeds) == 1 else torch.cat([f.cpu() for f in feeds])
+        return self._run(model, tokens, rows, tuple(layers), want_logits)
 
     def _run(self, model, tokens, rows, layers, want_logits):
         hs, logits, feats = [], [], []

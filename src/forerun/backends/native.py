@@ -2,9 +2,9 @@
 
 The model (``native_model.py``) holds the weights and everything chosen for them; a backend holds
 its sequence's cache and runs passes on it, so ``fork`` is a second backend over the same model.
-A pass goes one of three ways, all computing every row as a one-token step would: the float rows
-and the integer rows (``runners.py``, one signature), or fixed-shape chunks (``fixed_rows.py``,
-GPUs and half precision)."""
+A pass goes through one of three runners of one signature, all computing every row as a one-token
+step would (``runners.py``): the float rows, the integer rows, or fixed-shape chunks
+(``fixed_rows.py``, GPUs and half precision); ``NativeModel.run_rows`` picks it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput, check_forward
-from forerun.backends.fixed_rows import fixed_takes
+from forerun.backends.fixed_rows import fixed_chunks, fixed_takes
 from forerun.backends.gguf_weights import attach_integer, integer_sub_head, requantize_4bit
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import PackedLinear
@@ -135,22 +135,11 @@ class NativeBackend(BackendBase):
         ``layers``: return these layers' outputs (residual stream) at every position;
         ``logits=False`` skips the LM head (feature extraction). ``tree``: parents [T - 1] of rows
         1.. (see ``forerun.tree``): rows sit at pos + depth and see only their ancestors."""
-        m = self.model
         check_forward(self, tokens, pos)
-        T = tokens.numel()
-        self.cache.ensure_capacity(pos + T)
-        if m.fixed is not None and fixed_takes(T, tree) and not skip_layers and head is None:
-            h, lg, feats = m.fixed.forward(m, self.cache, tokens, pos, tree, layers, logits)
-            self.cache.length = pos + T
-            if last_only:
-                h, lg = h[-1:], None if lg is None else lg[-1:]
-            return ForwardOutput(logits=lg, hidden=h if return_hidden else None, layers=feats)
-        h, feats = m.run_rows([self.cache], [tokens], [pos], () if tree is None else (tree,), skip_layers, layers)
-        if not logits and not return_hidden:
-            return ForwardOutput(logits=None, layers=feats)
-        h = m.norm(h[-1:] if last_only else h, m.final_norm)
-        return ForwardOutput(logits=m.lm_logits(h, head) if logits else None, hidden=h if return_hidden else None,
-                             layers=feats)
+        finish = "logits" if logits else "hidden" if return_hidden else "none"
+        out = self.model.run_rows([self.cache], [tokens], [pos], () if tree is None else (tree,), skip_layers, layers,
+                                  finish, last_only, head)
+        return ForwardOutput(logits=out.logits, hidden=out.hidden if return_hidden else None, layers=out.layers)
 
     @torch.inference_mode()
     def forward_batch(self, seqs: Sequence[NativeBackend], feeds: Sequence[torch.Tensor],
@@ -174,12 +163,10 @@ class NativeBackend(BackendBase):
             if head is not None or last_only:
                 raise ValueError("fixed-shape passes run the whole LM head on every row")
             return self._fixed_batch(seqs, feeds, positions, layers, trees)
-        h, feats = m.run_rows([s.cache for s in seqs], feeds, positions, trees, (), layers)
         sizes = [f.numel() for f in feeds]
-        hn = m.norm(h, m.final_norm).split(sizes)
-        if last_only:
-            hn = [x[-1:] for x in hn]
-        per_seq = feats.split(sizes) if feats is not None else [None] * len(sizes)
+        out = m.run_rows([s.cache for s in seqs], feeds, positions, trees, (), layers, "hidden", last_only)
+        hn = out.hidden.split([1] * len(sizes) if last_only else sizes)
+        per_seq = out.layers.split(sizes) if out.layers is not None else [None] * len(sizes)
         argmax = m.greedy.without_logits() if any(greedy) else None
         flags = [argmax is not None and i < len(greedy) and bool(greedy[i]) for i in range(len(sizes))]
 
@@ -197,17 +184,17 @@ class NativeBackend(BackendBase):
         as long as a prompt runs on its own sequence alone, as ``forward`` runs it alone."""
         m = self.model
         trees = [trees[i] if i < len(trees) else None for i in range(len(feeds))]
-        for seq, feed, pos, tree in zip(seqs, feeds, positions, trees):
-            seq.cache.ensure_capacity(pos + feed.numel())
+        for feed, tree in zip(feeds, trees):
             if tree is not None and tree.numel() != feed.numel() - 1:
                 raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
         chunked = [i for i, (f, t) in enumerate(zip(feeds, trees)) if fixed_takes(f.numel(), t)]
         outs: list = [None] * len(feeds)
         if chunked:
-            got = m.fixed.forward_batch(m, [seqs[i].cache for i in chunked], [feeds[i] for i in chunked],
-                                        [positions[i] for i in chunked], [trees[i] for i in chunked], layers, True)
-            for i, (_, lg, ft) in zip(chunked, got):
-                seqs[i].cache.length = positions[i] + feeds[i].numel()
+            got = fixed_chunks(m, [seqs[i].cache for i in chunked], [feeds[i] for i in chunked],
+                               [positions[i] for i in chunked], [trees[i] for i in chunked], (), layers, "logits")
+            sizes = [feeds[i].numel() for i in chunked]
+            feats = got.layers.split(sizes) if got.layers is not None else [None] * len(sizes)
+            for i, lg, ft in zip(chunked, got.logits.split(sizes), feats):
                 outs[i] = ForwardOutput(logits=lg, layers=ft)
         for i in range(len(feeds)):
             if outs[i] is None:

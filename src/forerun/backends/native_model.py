@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from forerun.backends.arch import Arch, Layer, norm_weight, rms_norm
-from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows
+from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows, fixed_chunks, fixed_takes
 from forerun.backends.gguf_weights import attach_blocks, attach_gguf_integer, tune_wide_tiles
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import ROWS_ANY, PackedLinear, f32_rows_kernel, time_body_kernels
-from forerun.backends.positions import chain_masks, rope, tree_masks
-from forerun.backends.runners import Part, float_rows, integer_rows
+from forerun.backends.runners import Rows, float_rows, integer_rows
 
 log = logging.getLogger("forerun")
 
@@ -202,33 +201,24 @@ class NativeModel:
         return out
 
     # -- passes -------------------------------------------------------------------------------
+    def runner(self, rows: int, tree=None, skip: Sequence[int] = (), head=None):
+        """The runner of a pass of ``rows`` rows (``tree``: a token tree's parents; ``skip``: layers
+        left out; ``head``: an LM head of its own): fixed-shape chunks where the model runs them and
+        the pass is theirs (``fixed_takes``: not a prompt; every layer and the model's own head),
+        else the integer rows on the integer path, else the float rows."""
+        if self.fixed is not None and fixed_takes(rows, tree) and not skip and head is None:
+            return fixed_chunks
+        return integer_rows if self.quant is not None else float_rows
+
     @torch.inference_mode()
     def run_rows(self, caches: Sequence[KVCache], feeds: Sequence[torch.Tensor], positions: Sequence[int],
-                 trees: Sequence[torch.Tensor | None] = (), skip: Sequence[int] = (),
-                 layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers over the rows of one or more sequences: ``feeds[i]`` at ``positions[i]`` on
-        ``caches[i]`` (a token tree where ``trees[i]`` gives its rows' parents, see
-        ``forerun.tree``), layers ``skip`` left out. Returns the last hidden states [rows, hidden]
-        (before the final norm) and the outputs of ``layers`` (or None); each cache then holds its
-        sequence's rows. The runner: ``integer_rows`` on the integer path, else ``float_rows``."""
-        parts, ids = [], []
-        for i, (cache, feed, pos) in enumerate(zip(caches, feeds, positions)):
-            T = feed.numel()
-            cache.ensure_capacity(pos + T)
-            tree = trees[i] if i < len(trees) else None
-            if tree is None:
-                part = Part(cache, pos, T, rope(self, torch.arange(pos, pos + T, device=self.device), pos),
-                            chain_masks(self, pos, T))
-            else:
-                if tree.numel() != T - 1:
-                    raise ValueError(f"a tree of {tree.numel()} parents for a feed of {T} rows")
-                qpos, masks = tree_masks(self, pos, tree)
-                part = Part(cache, pos, T, rope(self, qpos), masks)
-            parts.append(part)
-            ids.append(feed.to(self.device))
-        h = self.embeddings(torch.cat(ids) if len(ids) > 1 else ids[0]) * self.embed_scale  # [rows, hidden]
-        runner = integer_rows if self.quant is not None else float_rows
-        h, feats = runner(self, h, parts, set(skip), layers)
-        for p in parts:
-            p.cache.length = p.pos + p.rows
-        return h, feats
+                 trees: Sequence[torch.Tensor | None] = (), skip: Sequence[int] = (), layers: Sequence[int] = (),
+                 finish: str = "none", last_only: bool = False, head: PackedLinear | None = None) -> Rows:
+        """One pass: ``feeds[i]`` at ``positions[i]`` on ``caches[i]`` through the runner ``runner``
+        picks (the ``runners`` signature); ``head`` (finish ``logits``): logits from that LM head
+        instead of the model's (a draft vocabulary's)."""
+        run = self.runner(sum(f.numel() for f in feeds), trees[0] if len(trees) == 1 else None, skip, head)
+        if head is None or finish != "logits":
+            return run(self, caches, feeds, positions, trees, skip, layers, finish, last_only)
+        out = run(self, caches, feeds, positions, trees, skip, layers, "hidden", last_only)
+        return Rows(out.hidden, self.lm_logits(out.hidden, head, batched=len(caches) > 1), out.layers)

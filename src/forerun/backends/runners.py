@@ -1,13 +1,20 @@
-"""The native model's layers over the rows of a pass, two ways with one signature,
-``runner(model, h, parts, skip, layers) -> (h, layer outputs)``:
+"""The native model's passes: three runners with one signature,
 
-- ``float_rows``: the torch path (float32 or half precision), the decoder layer of ``arch``
-  given this path's norm, products, rotation and attention;
-- ``integer_rows``: the integer path, every layer of every row in one ``qrows.c`` call.
+    runner(model, caches, feeds, positions, trees=(), skip=(), layers=(), finish="logits",
+           last_only=False) -> Rows
 
-``parts``: per sequence, in row order, a ``Part`` (its cache, where its rows start, how many, its
-rotary tables and masks; see ``NativeModel.run_rows``). Fixed-shape passes (``fixed_rows``) run
-whole chunks of their own, embedding and LM head included."""
+``feeds[i]`` runs at ``positions[i]`` on ``caches[i]`` (a token tree where ``trees[i]`` gives its
+rows' parents), layers ``skip`` left out; ``finish`` says how far a pass goes after the layers:
+``none`` (a prompt's pass: the layers' outputs only), ``hidden`` (final normed hidden states) or
+``logits`` (and the model's own LM head); ``last_only`` keeps each sequence's last row.
+
+- ``float_rows``: the torch path (float32 or half precision), the decoder layer of ``arch`` given
+  this path's norm, products, rotation and attention over each sequence's cache;
+- ``integer_rows``: the integer path, every layer of every row in one ``qrows.c`` call;
+- ``fixed_rows.fixed_chunks``: fixed-shape chunks of 16 rows, embedding to LM head (what a CUDA
+  graph captures), for GPUs and half precision; no layer skipping there.
+
+``NativeModel.run_rows`` picks the runner for a pass."""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from forerun.backends.arch import add_bias, decoder_layer, rotate_half
 from forerun.backends.attention import SequenceRows, attn_rows_kernel, cache_attention
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import ROWS_ANY
+from forerun.backends.positions import chain_masks, rope, tree_masks
 from forerun.backends.qweights import KIND, QPassC, qrows_lib
 
 
@@ -33,7 +41,57 @@ class Part(NamedTuple):
     masks: dict  # per sliding (bool): (first key, mask or None[, RowKeys]) (``positions``)
 
 
-def float_rows(model, h, parts, skip, layers):
+class Rows(NamedTuple):
+    """What a runner gives back."""
+
+    hidden: torch.Tensor | None  # final normed hidden states [rows, hidden] (with last_only: each sequence's last)
+    logits: torch.Tensor | None  # float32 logits of those rows from the model's LM head
+    layers: torch.Tensor | None  # the asked-for layers' outputs at every row [rows, len(layers) * hidden]
+
+
+def float_rows(model, caches, feeds, positions, trees=(), skip=(), layers=(), finish: str = "logits",
+               last_only: bool = False) -> Rows:
+    """The torch path's runner (see the module's docstring)."""
+    return _run(model, _float_layers, caches, feeds, positions, trees, skip, layers, finish, last_only)
+
+
+def integer_rows(model, caches, feeds, positions, trees=(), skip=(), layers=(), finish: str = "logits",
+                 last_only: bool = False) -> Rows:
+    """The integer path's runner (see the module's docstring)."""
+    return _run(model, _integer_layers, caches, feeds, positions, trees, skip, layers, finish, last_only)
+
+
+def _run(model, body, caches, feeds, positions, trees, skip, layers, finish, last_only) -> Rows:
+    """Each sequence's rows as a ``Part``, all rows embedded into one matrix, the layers (``body``),
+    then the final norm and the LM head as ``finish`` asks; each cache then holds its rows."""
+    parts, ids = [], []
+    for i, (cache, feed, pos) in enumerate(zip(caches, feeds, positions)):
+        T = feed.numel()
+        cache.ensure_capacity(pos + T)
+        tree = trees[i] if i < len(trees) else None
+        if tree is None:
+            part = Part(cache, pos, T, rope(model, torch.arange(pos, pos + T, device=model.device), pos),
+                        chain_masks(model, pos, T))
+        else:
+            if tree.numel() != T - 1:
+                raise ValueError(f"a tree of {tree.numel()} parents for a feed of {T} rows")
+            qpos, masks = tree_masks(model, pos, tree)
+            part = Part(cache, pos, T, rope(model, qpos), masks)
+        parts.append(part)
+        ids.append(feed.to(model.device))
+    h = model.embeddings(torch.cat(ids) if len(ids) > 1 else ids[0]) * model.embed_scale  # [rows, hidden]
+    h, feats = body(model, h, parts, set(skip), layers)
+    for p in parts:
+        p.cache.length = p.pos + p.rows
+    if finish == "none":
+        return Rows(None, None, feats)
+    if last_only:
+        h = h[-1:] if len(parts) == 1 else torch.cat([x[-1:] for x in h.split([p.rows for p in parts])])
+    h = model.norm(h, model.final_norm)
+    return Rows(h, model.lm_logits(h, batched=len(parts) > 1) if finish == "logits" else None, feats)
+
+
+def _float_layers(model, h, parts, skip, layers):
     """The layers over the rows ``h`` [rows, hidden] of one or more sequences on the torch path.
     Linear layers run on every row at once; attention runs per sequence on its own cache (or, with
     several sequences and every row batch-invariant, in one ``attn_rows.c`` call per layer).
@@ -87,8 +145,8 @@ def float_rows(model, h, parts, skip, layers):
     return h, (torch.cat([want[l] for l in layers], -1) if layers else None)
 
 
-def integer_rows(model, h, parts, skip, layers):
-    """``float_rows`` on the integer path: one ``forerun_q_layers`` call for every layer and every
+def _integer_layers(model, h, parts, skip, layers):
+    """``_float_layers`` on the integer path: one ``forerun_q_layers`` call for every layer and every
     row of every sequence (norms, products, rotary embeddings, the cache writes and attention in C)."""
     lib = qrows_lib()
     lib.forerun_q_threads(torch.get_num_threads())
