@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.backends.base import BackendBase, Capabilities, ForwardOutput
+from forerun.backends.base import BackendBase, Capabilities, ForwardOutput, check_forward
 from forerun.drafters.base import Draft, Drafter
 
 
@@ -40,7 +40,7 @@ class TableBackend(BackendBase):
 
     def forward(self, tokens: torch.Tensor, pos: int, *, last_only: bool = False, tree: torch.Tensor | None = None,
                 **_) -> ForwardOutput:
-        self._check_forward(tokens, pos)
+        check_forward(self, tokens, pos)
         feed = tokens.tolist()
         self._toks = self._toks[:pos] + feed
         if tree is not None:  # row i + 1 is node i: its prefix is the path down to it
