@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from forerun.backends.arch import add_bias, decoder_layer
 from forerun.backends.positions import rope
-from forerun.backends.runners import Rows
+from forerun.backends.runners import Rows, check_trees
 from forerun.tree import tree_layout
 
 log = logging.getLogger("forerun")
@@ -99,6 +99,7 @@ def fixed_chunks(model, caches, feeds, positions, trees=(), skip=(), layers=(), 
     the final norm and the LM head inside them; every layer runs (no ``skip``)."""
     if skip:
         raise ValueError("fixed-shape passes run every layer")
+    check_trees(feeds, trees)
     for cache, feed, pos in zip(caches, feeds, positions):
         cache.ensure_capacity(pos + feed.numel())
     h, lg, ft = model.fixed.rows(model, caches, feeds, positions, trees, layers, finish == "logits")

@@ -18,6 +18,7 @@ from forerun.backends.gguf_weights import attach_integer, integer_sub_head, requ
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import PackedLinear
 from forerun.backends.native_model import NativeModel
+from forerun.backends.runners import check_trees
 from forerun.timing import median_s
 
 
@@ -184,9 +185,7 @@ class NativeBackend(BackendBase):
         as long as a prompt runs on its own sequence alone, as ``forward`` runs it alone."""
         m = self.model
         trees = [trees[i] if i < len(trees) else None for i in range(len(feeds))]
-        for feed, tree in zip(feeds, trees):
-            if tree is not None and tree.numel() != feed.numel() - 1:
-                raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
+        check_trees(feeds, trees)  # before the chunked sequences run
         chunked = [i for i, (f, t) in enumerate(zip(feeds, trees)) if fixed_takes(f.numel(), t)]
         outs: list = [None] * len(feeds)
         if chunked:

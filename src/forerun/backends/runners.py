@@ -61,9 +61,18 @@ def integer_rows(model, caches, feeds, positions, trees=(), skip=(), layers=(), 
     return _run(model, _integer_layers, caches, feeds, positions, trees, skip, layers, finish, last_only)
 
 
+def check_trees(feeds, trees) -> None:
+    """ValueError where a token tree's parents are not one fewer than its feed's rows (row 0 is
+    the root); before any cache is touched."""
+    for feed, tree in zip(feeds, trees):
+        if tree is not None and tree.numel() != feed.numel() - 1:
+            raise ValueError(f"a tree of {tree.numel()} parents for a feed of {feed.numel()} rows")
+
+
 def _run(model, body, caches, feeds, positions, trees, skip, layers, finish, last_only) -> Rows:
     """Each sequence's rows as a ``Part``, all rows embedded into one matrix, the layers (``body``),
     then the final norm and the LM head as ``finish`` asks; each cache then holds its rows."""
+    check_trees(feeds, trees)
     parts, ids = [], []
     for i, (cache, feed, pos) in enumerate(zip(caches, feeds, positions)):
         T = feed.numel()
@@ -73,8 +82,6 @@ def _run(model, body, caches, feeds, positions, trees, skip, layers, finish, las
             part = Part(cache, pos, T, rope(model, torch.arange(pos, pos + T, device=model.device), pos),
                         chain_masks(model, pos, T))
         else:
-            if tree.numel() != T - 1:
-                raise ValueError(f"a tree of {tree.numel()} parents for a feed of {T} rows")
             qpos, masks = tree_masks(model, pos, tree)
             part = Part(cache, pos, T, rope(model, qpos), masks)
         parts.append(part)
