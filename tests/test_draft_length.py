@@ -5,7 +5,9 @@ import random
 
 from forerun.bench_report import predicted_speedup
 from forerun.draft_length import Acceptance, DraftLength, chain_yield, expected_tokens, interpolate
+from forerun.drafters import make_drafter
 from forerun.drafters.ngram import NgramDrafter, lookup_match
+from forerun.engine import Engine
 from forerun.stats import GenerationStats
 
 
@@ -367,3 +369,52 @@ def test_a_slow_spell_does_not_stop_a_draft_model_for_good():
     spell = _draft_model_rounds(DraftLength(), lambda t: 5.0 if 100 <= t < 200 else 1.0)
     assert sum(spell[200:300]) < 20  # it stops for a while: the estimates are stale
     assert sum(spell[456:600]) >= 135  # the second request after the spell drafts again
+
+
+def test_a_draft_model_reads_a_long_prompt_only_where_the_answer_repays_it():
+    """``worth_reading``: a step of 10 ms (+1 ms a row), a draft token 2.7 ms, a token read
+    2.5 ms. A prompt of 400 tokens costs a second to read, a hundred steps: not at the first token,
+    not for an answer cut short by what the request may still make, and once the tokens made so
+    far, were as many to follow, would repay it at what the drafts save; a reading no dearer than
+    a step, at once. Drafts the target would hardly take save a quarter of a step at the least, so
+    low estimates never keep the model from reading for good. Unmeasured or with ``k`` fixed: it
+    reads (that measures)."""
+    pol = DraftLength()
+    assert pol.worth_reading(400, 0, 128, [0.9] * 8)  # nothing measured
+    _measured(pol, per_row=0.001)
+    pol.observe_draft(4, 0.0108)
+    pol.observe_draft(4, 0.0108)
+    assert pol.worth_reading(400, 0, 128, [0.9] * 8)  # the reading is not measured yet
+    pol.observe_reading(16, 1.0)  # too short a reading to be a sample
+    assert pol.read_cost is None
+    pol.observe_reading(100, 0.25)
+    assert abs(pol.read_cost - 0.0025) < 1e-12
+    conf = [0.9] * 8
+    gain = chain_yield(conf)
+    saving = 0.010 - min((j * 0.0027 + pol.cost(j + 1)) / gain[j] for j in range(1, 9))
+    repaid = int(1.0 / saving) + 1  # the tokens that repay a second's reading
+    assert 100 < repaid < 400
+    assert not pol.worth_reading(400, 0, 1000, conf)
+    assert not pol.worth_reading(400, repaid - 2, 1000, conf)
+    assert pol.worth_reading(400, repaid, 1000, conf)
+    assert not pol.worth_reading(400, repaid, repaid - 2, conf)  # too little left to repay it
+    assert pol.worth_reading(4, 0, 1000, conf)  # no dearer than a step
+    assert not pol.worth_reading(400, 399, 1000, [0.0] * 8)  # a quarter of a step a token
+    assert pol.worth_reading(400, 400, 1000, [0.0] * 8)
+    assert pol.renewed("auto").read_cost == pol.read_cost  # it describes the machine and the model
+    assert DraftLength(4).worth_reading(400, 0, 128, conf)
+
+
+def test_a_draft_model_leaves_a_long_prompt_unread_for_a_short_answer(gemma, gemma_draft):
+    """In the decode step: with a reading measured dear, a draft model asked for three tokens
+    after a long prompt reads none of it (a plain step is cheaper than what the reading would
+    cost), and the output is plain decoding's."""
+    drafter = make_drafter("draft", gemma, draft_model=gemma_draft)
+    eng = Engine(gemma.backend, drafter)
+    prompt = [2] + [(7 * i) % 90 + 3 for i in range(120)]
+    eng.generate(prompt[:24], max_new_tokens=40, k="auto")  # measures steps and drafting
+    plain = Engine(gemma.backend, None).generate(prompt, max_new_tokens=3).token_ids
+    eng.policy.observe_reading(100, 1.0)  # ten milliseconds a token read
+    got = eng.generate(prompt, max_new_tokens=3, k="auto")
+    assert got.token_ids == plain and got.stats.drafted == 0
+    assert drafter.backend.length == 0

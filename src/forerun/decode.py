@@ -282,8 +282,13 @@ class Decoder:
         ks = pol.choose([min(caps[i], 1) for i in model], [None] * len(model),
                         [seqs[i].drafter.plan_conf(min(caps[i], 1)) for i in model], charge_drafting=True)
         planned = [(i, min(caps[i], pol.k_max)) for i, k in zip(model, ks) if k]
+        unread = {i: seqs[i].drafter.unread(seqs[i].tokens) for i, _ in planned}
+        planned = [(i, k) for i, k in planned  # a long prompt is read once the request shows it pays
+                   if pol.worth_reading(unread[i], seqs[i].produced, caps[i], seqs[i].drafter.plan_conf(k))]
         for i, _ in planned:  # what it has not read (a prompt, a stretch without drafts)
+            before = secs[i]
             timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
+            pol.observe_reading(unread[i], secs[i] - before)
         reading = list(secs)
         planned = [(i, k) for i, k in planned if i in alive]
         got = self._propose_batch(seqs, planned, secs) if len(planned) > 1 and self._draft_batch else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 LONGEST_DRAFT = 32  # the longest draft anyone may ask for (--k)
 K_MAX = 16  # the longest draft --k auto chooses, one sequence or a batch (the server's --k-max)
+READ_SAMPLE = 32  # the fewest tokens a draft model's reading must have to time its cost per token
 
 
 def expected_tokens(a: float, k: float) -> float:
@@ -166,6 +167,7 @@ class DraftLength:
         # verified its tree ("tree") or its chain ("chain"), drafting and the step's other work included
         self.costs: dict[str, dict[int, float | None]] = {"pass": {}, "tree": {}, "chain": {}}
         self.draft_cost: float | None = None  # seconds per drafted token (drafters that are not cheap)
+        self.read_cost: float | None = None  # seconds per token a draft model reads before drafting
         # What this workload accepts:
         self.accepted = Acceptance(self.decay, prior=(2.0, 2.0), cap=0.98)  # per trust bucket
         self.tree_yield: dict[object, float] = {}  # bucket -> average tokens per tree round
@@ -182,7 +184,7 @@ class DraftLength:
                           tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every,
                           refresh_every=self.refresh_every)
         new.costs = {kind: dict(c) for kind, c in self.costs.items()}
-        new.draft_cost = self.draft_cost
+        new.draft_cost, new.read_cost = self.draft_cost, self.read_cost
         # what a head's tree yields per bucket, and how often that was probed, describe the head and
         # the target as much as the machine: a tree-or-chain drafter's next request starts from them
         new.tree_yield = dict(self.tree_yield)
@@ -207,6 +209,13 @@ class DraftLength:
         elsewhere it includes a catch-up on every position since the last round."""
         if tokens and (apart or not self._probed):
             self.draft_cost = bounded_ema(self.draft_cost, seconds / tokens)
+
+    def observe_reading(self, tokens: int, seconds: float) -> None:
+        """A draft model read ``tokens`` committed tokens it had not read (a prompt, a stretch it
+        did not draft for) in ``seconds``. Short reads are not samples: a pass's fixed cost would
+        count as the tokens'."""
+        if tokens >= READ_SAMPLE:
+            self.read_cost = bounded_ema(self.read_cost, seconds / tokens)
 
     def observe(self, bucket, drafted: int, accepted: int) -> None:
         self.accepted.observe(bucket, accepted, drafted)
@@ -312,6 +321,27 @@ class DraftLength:
             if tokens / ((j + h) * self.draft_cost + self.seq_cost(j + h + 1)) > rate:
                 return True
         return False
+
+    def worth_reading(self, unread: int, produced: int, left: int, model_conf: list[float]) -> bool:
+        """Whether a draft model that must first read ``unread`` tokens (a long prompt, mostly)
+        should read them and draft now, ``produced`` tokens into a request that may make ``left``
+        more, its positions taken at the rates ``model_conf``. A reading dearer than a step waits
+        until the tokens made so far, were as many to follow (at most ``left``), would repay it at
+        what the model's drafts save a token over a plain step: a short answer to a long prompt
+        never pays for it, and an answer that went on that long may well go on as long again (a
+        rule that loses at most a bounded share, whatever the answer's length). The saving counts
+        as at least a quarter of a step, so that estimates left low never keep the model from
+        reading for good. Only measured costs count: until the reading, a step and a draft token
+        are measured, the model reads and drafts (that measures them). With ``k`` fixed, always."""
+        if self.fixed is not None or self.read_cost is None or self.cost(1) is None or self.draft_cost is None:
+            return True
+        price, step = unread * self.read_cost, self.seq_cost(1)
+        if price <= step:
+            return True
+        gain = chain_yield(model_conf[: self.k_max])
+        per_token = min((j * self.draft_cost + self.seq_cost(j + 1)) / gain[j] for j in range(1, len(gain))) \
+            if len(gain) > 1 else step
+        return min(produced, left) * max(step - per_token, step / 4) >= price
 
     def lookup_or_model(self, chain_conf: list[float], model_conf: list[float]) -> int | None:
         """A costly drafter's round that also offers a model-free chain (confidences ``chain_conf``):

@@ -76,6 +76,10 @@ class Drafter:
         """(``offers_tree_or_chain``) the rows this round's tree would take in the verify pass."""
         raise NotImplementedError
 
+    def unread(self, tokens: list[int]) -> int:
+        """(drafters that cost per token) how many committed tokens ``catch_up`` would read now."""
+        return 0
+
     def catch_up(self, tokens: list[int]) -> None:
         """Before a ``propose`` (drafters that cost per token): read what the drafter has not read
         of ``tokens`` yet, all but the last token, where that is more than a round's usual share (a

@@ -84,6 +84,12 @@ class DraftModelDrafter(Drafter):
             self.offset, start = len(tokens) - self.window, 0
         return start
 
+    def unread(self, tokens: list[int]) -> int:
+        """How many committed tokens ``catch_up`` would read now (at most its window's)."""
+        start = min(self.backend.length, len(tokens) - 1 - self.offset)
+        n = len(tokens) - 1 - self.offset - start
+        return n if self.window is None else min(n, self.window)
+
     def catch_up(self, tokens: list[int]) -> None:
         """Read every committed token but the last where more than a round's usual two are unread
         (the prompt, a stretch without drafting), so that drafting starts from a one-token step."""
