@@ -375,10 +375,10 @@ def test_a_draft_model_reads_a_long_prompt_only_where_the_answer_repays_it():
     """``worth_reading``: a step of 10 ms (+1 ms a row), a draft token 2.7 ms, a token read
     2.5 ms. A prompt of 400 tokens costs a second to read, a hundred steps: not at the first token,
     not for an answer cut short by what the request may still make, and once the tokens made so
-    far, were as many to follow, would repay it at what the drafts save; a reading no dearer than
-    a step, at once. Drafts the target would hardly take save a quarter of a step at the least, so
-    low estimates never keep the model from reading for good. Unmeasured or with ``k`` fixed: it
-    reads (that measures)."""
+    far, were as many to follow, would repay it at what the drafts save; a short prompt, which an
+    answer of ``ANSWER_PRIOR`` tokens repays, at once. Drafts the target would hardly take save a quarter of a step at the least, so
+    low estimates never keep the model from reading for good; once the model's whole rounds are
+    measured, their cost a token decides. Unmeasured or with ``k`` fixed: it reads (that measures)."""
     pol = DraftLength()
     assert pol.worth_reading(400, 0, 128, [0.9] * 8)  # nothing measured
     _measured(pol, per_row=0.001)
@@ -398,10 +398,14 @@ def test_a_draft_model_reads_a_long_prompt_only_where_the_answer_repays_it():
     assert not pol.worth_reading(400, repaid - 2, 1000, conf)
     assert pol.worth_reading(400, repaid, 1000, conf)
     assert not pol.worth_reading(400, repaid, repaid - 2, conf)  # too little left to repay it
-    assert pol.worth_reading(4, 0, 1000, conf)  # no dearer than a step
+    assert pol.worth_reading(20, 0, 1000, conf)  # 50 ms: sixteen tokens repay it
+    assert not pol.worth_reading(20, 0, 1000, [0.0] * 8)  # not at a quarter of a step a token
     assert not pol.worth_reading(400, 399, 1000, [0.0] * 8)  # a quarter of a step a token
     assert pol.worth_reading(400, 400, 1000, [0.0] * 8)
+    pol.observe_model_round(2, 0.008)  # the model's rounds measured: 4 ms a committed token, whatever the rates say
+    assert not pol.worth_reading(400, 165, 1000, [0.0] * 8) and pol.worth_reading(400, 167, 1000, [0.0] * 8)
     assert pol.renewed("auto").read_cost == pol.read_cost  # it describes the machine and the model
+    assert pol.renewed("auto").model_round == pol.model_round
     assert DraftLength(4).worth_reading(400, 0, 128, conf)
 
 

@@ -119,6 +119,7 @@ class Decoder:
         alive = list(range(len(seqs)))
         forced = self._forced(seqs, alive, fail)
         drafting = [i for i in alive if i not in forced]
+        self._modelled, self._read_now = set(), set()  # (draft model) sequences it drafted for / read for
         drafts, rounds, draft_s = self._draft(seqs, drafting, fail)
         alive = sorted(drafting + list(forced))
         for i, d in forced.items():
@@ -145,6 +146,8 @@ class Decoder:
                 self.policy.observe_pass(len(drafts[i]) + 1, draft_s[i] + share[i] + other, kind=kind)
                 if kind == "tree":
                     self.policy.observe_tree(bucket, o.accepted + 1)
+            if i in self._modelled and i not in self._read_now and len(drafts[i]):  # a draft model's round, whole
+                self.policy.observe_model_round(o.accepted + 1, draft_s[i] + share[i] + other)
         return [o for _, o in done]
 
     # -- 1. draft ----------------------------------------------------------------------------
@@ -285,6 +288,7 @@ class Decoder:
         unread = {i: seqs[i].drafter.unread(seqs[i].tokens) for i, _ in planned}
         planned = [(i, k) for i, k in planned  # a long prompt is read once the request shows it pays
                    if pol.worth_reading(unread[i], seqs[i].produced, caps[i], seqs[i].drafter.plan_conf(k))]
+        self._read_now = {i for i, _ in planned if unread[i] > 1}
         for i, _ in planned:  # what it has not read (a prompt, a stretch without drafts)
             before = secs[i]
             timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
@@ -297,6 +301,7 @@ class Decoder:
             if i in alive:
                 drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else len(d))
         drafted = [i for i, _ in planned if i in alive]
+        self._modelled = set(drafted)
         # Alone, a sequence's reading (its prompt, mostly) is not what a drafted token costs. In a
         # batch it is: a sequence drafts on and off there, and each time it resumes it first reads
         # what was committed meanwhile, so drafting is priced with its reading.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 LONGEST_DRAFT = 32  # the longest draft anyone may ask for (--k)
 K_MAX = 16  # the longest draft --k auto chooses, one sequence or a batch (the server's --k-max)
+ANSWER_PRIOR = 16  # the tokens an answer is taken to run to at least, when a draft model's reading is priced
 READ_SAMPLE = 32  # the fewest tokens a draft model's reading must have to time its cost per token
 
 
@@ -168,6 +169,7 @@ class DraftLength:
         self.costs: dict[str, dict[int, float | None]] = {"pass": {}, "tree": {}, "chain": {}}
         self.draft_cost: float | None = None  # seconds per drafted token (drafters that are not cheap)
         self.read_cost: float | None = None  # seconds per token a draft model reads before drafting
+        self.model_round: float | None = None  # seconds per committed token of a draft model's rounds
         # What this workload accepts:
         self.accepted = Acceptance(self.decay, prior=(2.0, 2.0), cap=0.98)  # per trust bucket
         self.tree_yield: dict[object, float] = {}  # bucket -> average tokens per tree round
@@ -184,7 +186,7 @@ class DraftLength:
                           tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every,
                           refresh_every=self.refresh_every)
         new.costs = {kind: dict(c) for kind, c in self.costs.items()}
-        new.draft_cost, new.read_cost = self.draft_cost, self.read_cost
+        new.draft_cost, new.read_cost, new.model_round = self.draft_cost, self.read_cost, self.model_round
         # what a head's tree yields per bucket, and how often that was probed, describe the head and
         # the target as much as the machine: a tree-or-chain drafter's next request starts from them
         new.tree_yield = dict(self.tree_yield)
@@ -216,6 +218,11 @@ class DraftLength:
         count as the tokens'."""
         if tokens >= READ_SAMPLE:
             self.read_cost = bounded_ema(self.read_cost, seconds / tokens)
+
+    def observe_model_round(self, tokens: int, seconds: float) -> None:
+        """A round a draft model drafted for (no reading in it) committed ``tokens`` in ``seconds``
+        (drafting, the sequence's share of the pass and of the step's other work)."""
+        self.model_round = bounded_ema(self.model_round, seconds / tokens)
 
     def observe(self, bucket, drafted: int, accepted: int) -> None:
         self.accepted.observe(bucket, accepted, drafted)
@@ -325,23 +332,25 @@ class DraftLength:
     def worth_reading(self, unread: int, produced: int, left: int, model_conf: list[float]) -> bool:
         """Whether a draft model that must first read ``unread`` tokens (a long prompt, mostly)
         should read them and draft now, ``produced`` tokens into a request that may make ``left``
-        more, its positions taken at the rates ``model_conf``. A reading dearer than a step waits
-        until the tokens made so far, were as many to follow (at most ``left``), would repay it at
-        what the model's drafts save a token over a plain step: a short answer to a long prompt
-        never pays for it, and an answer that went on that long may well go on as long again (a
-        rule that loses at most a bounded share, whatever the answer's length). The saving counts
-        as at least a quarter of a step, so that estimates left low never keep the model from
-        reading for good. Only measured costs count: until the reading, a step and a draft token
+        more, its positions taken at the rates ``model_conf``. The reading waits until the tokens
+        made so far (at least ``ANSWER_PRIOR``), were as many to follow (at most ``left``), would
+        repay it at what the model's drafts save a token over a plain step: a short answer to a
+        long prompt never pays for it, and an answer that went on that long may well go on as long
+        again (a rule that loses at most a bounded share, whatever the answer's length), while a
+        chat turn's short prompt is read at once. What a token costs where the model drafts is
+        measured over its whole rounds (``observe_model_round``; before any, what its learnt
+        rates promise). The saving counts as at least a quarter of a step, so that estimates left
+        low never keep the model from reading for good. Only measured costs count: until the reading, a step and a draft token
         are measured, the model reads and drafts (that measures them). With ``k`` fixed, always."""
         if self.fixed is not None or self.read_cost is None or self.cost(1) is None or self.draft_cost is None:
             return True
         price, step = unread * self.read_cost, self.seq_cost(1)
-        if price <= step:
-            return True
-        gain = chain_yield(model_conf[: self.k_max])
-        per_token = min((j * self.draft_cost + self.seq_cost(j + 1)) / gain[j] for j in range(1, len(gain))) \
-            if len(gain) > 1 else step
-        return min(produced, left) * max(step - per_token, step / 4) >= price
+        per_token = self.model_round
+        if per_token is None:  # no round of the model measured yet: what its learnt rates promise
+            gain = chain_yield(model_conf[: self.k_max])
+            per_token = min((j * self.draft_cost + self.seq_cost(j + 1)) / gain[j] for j in range(1, len(gain))) \
+                if len(gain) > 1 else step
+        return min(max(produced, ANSWER_PRIOR), left) * max(step - per_token, step / 4) >= price
 
     def lookup_or_model(self, chain_conf: list[float], model_conf: list[float]) -> int | None:
         """A costly drafter's round that also offers a model-free chain (confidences ``chain_conf``):
