@@ -376,9 +376,10 @@ def test_a_draft_model_reads_a_long_prompt_only_where_the_answer_repays_it():
     2.5 ms. A prompt of 400 tokens costs a second to read, a hundred steps: not at the first token,
     not for an answer cut short by what the request may still make, and once the tokens made so
     far, were as many to follow, would repay it at what the drafts save; a short prompt, which an
-    answer of ``ANSWER_PRIOR`` tokens repays, at once. Drafts the target would hardly take save a quarter of a step at the least, so
-    low estimates never keep the model from reading for good; once the model's whole rounds are
-    measured, their cost a token decides. Unmeasured or with ``k`` fixed: it reads (that measures)."""
+    answer of ``ANSWER_PRIOR`` tokens repays, at once. Drafts the target would hardly take save a
+    quarter of a step at the least, so low estimates never keep the model from reading for good;
+    once the model's whole rounds are measured, their cost a token decides. Unmeasured or with
+    ``k`` fixed: it reads (that measures)."""
     pol = DraftLength()
     assert pol.worth_reading(400, 0, 128, [0.9] * 8)  # nothing measured
     _measured(pol, per_row=0.001)

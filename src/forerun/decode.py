@@ -119,7 +119,6 @@ class Decoder:
         alive = list(range(len(seqs)))
         forced = self._forced(seqs, alive, fail)
         drafting = [i for i in alive if i not in forced]
-        self._modelled, self._read_now = set(), set()  # (draft model) sequences it drafted for / read for
         drafts, rounds, draft_s = self._draft(seqs, drafting, fail)
         alive = sorted(drafting + list(forced))
         for i, d in forced.items():
@@ -141,13 +140,16 @@ class Decoder:
         other = (t - t0 - pass_s - sum(draft_s)) / max(len(done), 1)  # a sequence's share of the step's other work
         for i, o in done:
             o.seq.stats.wall_s = t - o.seq.t_start
-            if rounds[i] is not None:  # a tree-or-chain round, timed whole
-                kind, bucket = rounds[i]
-                self.policy.observe_pass(len(drafts[i]) + 1, draft_s[i] + share[i] + other, kind=kind)
-                if kind == "tree":
-                    self.policy.observe_tree(bucket, o.accepted + 1)
-            if i in self._modelled and i not in self._read_now and len(drafts[i]):  # a draft model's round, whole
-                self.policy.observe_model_round(o.accepted + 1, draft_s[i] + share[i] + other)
+            if rounds[i] is None:
+                continue
+            kind, bucket = rounds[i]  # a round timed whole
+            if kind == "model":
+                if len(drafts[i]):
+                    self.policy.observe_model_round(o.accepted + 1, draft_s[i] + share[i] + other)
+                continue
+            self.policy.observe_pass(len(drafts[i]) + 1, draft_s[i] + share[i] + other, kind=kind)
+            if kind == "tree":
+                self.policy.observe_tree(bucket, o.accepted + 1)
         return [o for _, o in done]
 
     # -- 1. draft ----------------------------------------------------------------------------
@@ -200,7 +202,8 @@ class Decoder:
 
     def _draft(self, seqs, alive, fail):
         """Every sequence's draft; ``rounds[i]``: for a tree-or-chain drafter, ("tree" or "chain",
-        this round's trust bucket) (None otherwise)."""
+        this round's trust bucket); for a draft model that drafted without reading first, ("model",
+        None); None otherwise."""
         n, pol, proto = len(seqs), self.policy, self.drafter
         drafts: list[Draft] = [empty_draft() for _ in range(n)]
         rounds: list = [None] * n
@@ -253,7 +256,7 @@ class Decoder:
                 if drafts[i].parents is None:  # a tree's size is its drafter's
                     drafts[i] = clip_draft(drafts[i], k)
         elif getattr(proto, "stops_early", False):  # a draft model: drafts while the next token pays
-            self._draft_model(seqs, alive, caps, drafts, secs, timed)
+            self._draft_model(seqs, alive, caps, drafts, rounds, secs, timed)
         else:  # lengths planned first: drafting costs per token
             ks = pol.choose([caps[i] for i in alive], [None] * len(alive), charge_drafting=True)
             for i, k in zip(list(alive), ks):
@@ -265,7 +268,7 @@ class Decoder:
                 drafts[i] = first_nodes(d, room)
         return drafts, rounds, secs
 
-    def _draft_model(self, seqs, alive, caps, drafts, secs, timed) -> None:
+    def _draft_model(self, seqs, alive, caps, drafts, rounds, secs, timed) -> None:
         """The drafts of a drafter that stops early (``stops_early``: a draft model). Where it offers
         a model-free chain (``lookup_chain``) and that chain promises more, the chain alone; else
         whether to draft at all is planned from what its first token was worth, it reads what it
@@ -288,7 +291,6 @@ class Decoder:
         unread = {i: seqs[i].drafter.unread(seqs[i].tokens) for i, _ in planned}
         planned = [(i, k) for i, k in planned  # a long prompt is read once the request shows it pays
                    if pol.worth_reading(unread[i], seqs[i].produced, caps[i], seqs[i].drafter.plan_conf(k))]
-        self._read_now = {i for i, _ in planned if unread[i] > 1}
         for i, _ in planned:  # what it has not read (a prompt, a stretch without drafts)
             before = secs[i]
             timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
@@ -301,7 +303,9 @@ class Decoder:
             if i in alive:
                 drafts[i] = clip_draft(d, pol.cut(d.conf) if d.conf is not None else len(d))
         drafted = [i for i, _ in planned if i in alive]
-        self._modelled = set(drafted)
+        for i in drafted:  # a round with no reading in it prices what the model's drafts save
+            if unread[i] <= 1:
+                rounds[i] = ("model", None)
         # Alone, a sequence's reading (its prompt, mostly) is not what a drafted token costs. In a
         # batch it is: a sequence drafts on and off there, and each time it resumes it first reads
         # what was committed meanwhile, so drafting is priced with its reading.

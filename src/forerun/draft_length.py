@@ -340,16 +340,16 @@ class DraftLength:
         chat turn's short prompt is read at once. What a token costs where the model drafts is
         measured over its whole rounds (``observe_model_round``; before any, what its learnt
         rates promise). The saving counts as at least a quarter of a step, so that estimates left
-        low never keep the model from reading for good. Only measured costs count: until the reading, a step and a draft token
-        are measured, the model reads and drafts (that measures them). With ``k`` fixed, always."""
+        low never keep the model from reading for good. Only measured costs count: until the
+        reading, a step and a draft token are measured, the model reads and drafts (that measures
+        them). With ``k`` fixed, always."""
         if self.fixed is not None or self.read_cost is None or self.cost(1) is None or self.draft_cost is None:
             return True
         price, step = unread * self.read_cost, self.seq_cost(1)
         per_token = self.model_round
         if per_token is None:  # no round of the model measured yet: what its learnt rates promise
-            gain = chain_yield(model_conf[: self.k_max])
-            per_token = min((j * self.draft_cost + self.seq_cost(j + 1)) / gain[j] for j in range(1, len(gain))) \
-                if len(gain) > 1 else step
+            rate = self._model_rate(model_conf)
+            per_token = 1.0 / rate if rate else step
         return min(max(produced, ANSWER_PRIOR), left) * max(step - per_token, step / 4) >= price
 
     def lookup_or_model(self, chain_conf: list[float], model_conf: list[float]) -> int | None:
@@ -365,10 +365,13 @@ class DraftLength:
             return len(chain_conf[: self.k_max])
         m = self._cut(chain_conf[: self.k_max])
         chain_rate = chain_yield(chain_conf[:m])[m] / self.seq_cost(m + 1)
+        return m if m and chain_rate >= self._model_rate(model_conf) else None
+
+    def _model_rate(self, model_conf: list[float]) -> float:
+        """Tokens per second a draft model's round promises at its learnt per-position rates
+        ``model_conf`` and the measured costs, at its best length (0.0: no position to draft)."""
         gain = chain_yield(model_conf[: self.k_max])
-        model_rate = max(gain[j] / (j * self.draft_cost + self.seq_cost(j + 1)) for j in range(1, len(gain))) \
-            if len(gain) > 1 else 0.0
-        return m if m and chain_rate >= model_rate else None
+        return max((gain[j] / (j * self.draft_cost + self.seq_cost(j + 1)) for j in range(1, len(gain))), default=0.0)
 
     def cut(self, conf: list[float]) -> int:
         """How many tokens of a costly drafter's draft (confidences ``conf``) to verify, its
