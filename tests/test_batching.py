@@ -230,6 +230,7 @@ def test_draft_model_batches_equal_plain(gemma, gemma_draft, vocab, monkeypatch)
                       drafter=DraftModelDrafter(be, None if vocab is None else torch.arange(vocab)))
     eng.policy.margin = -1.0  # always draft, so the draft path is exercised
     eng.calibrate(reps=1)
+    eng.policy.costs["pass"] = {r: 0.01 for r in range(1, 64)}  # and every slot: drafted rows priced at nothing
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
     assert run_batch(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0

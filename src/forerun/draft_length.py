@@ -253,7 +253,13 @@ class DraftLength:
         self._clock += 1
         self._probed = False
         if self.cost(1) is None or (charge_drafting and self.draft_cost is None):  # nothing measured yet
-            return [min(a, self.k_start, self.k_max) for a in available]
+            ks = [min(a, self.k_start, self.k_max) for a in available]
+            if charge_drafting and n > 1 and self.cost(1) is not None:
+                # passes measured, drafting not: one sequence drafts to measure it, the others step
+                # plainly (every sequence drafting unpriced multiplies a batch's rows)
+                first = next((i for i, k in enumerate(ks) if k), n)
+                ks = [k if i == first else 0 for i, k in enumerate(ks)]
+            return ks
         plain = 1 if self.sequential else n  # the rows of a step without drafts
         # the step without drafts timed afresh where its cost is stale, and, in a batch, where it was
         # never timed (twice: the first pass of a row count is not a sample), or drafting would be
@@ -281,7 +287,7 @@ class DraftLength:
             if self.sequential:
                 total += self.cost(rows[i] + 1) - self.cost(rows[i])
                 rows[i] += 1
-            rate = tokens / ((total if self.sequential else self.cost(n + m)) + m * per_draft)
+            rate = tokens / ((total if self.sequential else self.batch_pass(n, n + m)) + m * per_draft)
             if rate > best:
                 best, best_m = rate, m
         ks = [0] * n
@@ -301,8 +307,20 @@ class DraftLength:
         n, base = self._batch
         if n <= 1 and base <= 1:
             return self.cost(rows)
-        share = self.cost(base) / n
-        return share + max(0.0, self.cost(base + rows - 1) - self.cost(base))  # noisy averages need not rise
+        return self.cost(base) / n + self.batch_pass(base, base + rows - 1) - self.cost(base)
+
+    def batch_pass(self, base: int, rows: int) -> float:
+        """Predicted seconds of a pass of ``rows`` rows in a step whose sequences alone take ``base``
+        rows (``rows`` >= ``base``). The averages at nearby row counts are noisy (a pass of 24 rows
+        may have averaged less than one of 16, and drafted rows then look free), so a row beyond
+        ``base`` costs at least what a row cost on the way from 1 row to ``base``: a pass's cost
+        rises with its rows at a rate that does not fall (flat while reading the weights bounds it,
+        then by the row once its products do)."""
+        c = self.cost(base)
+        extra = max(0.0, self.cost(rows) - c)
+        if base > 1 and rows > base:
+            extra = max(extra, (rows - base) * max(0.0, c - self.cost(1)) / (base - 1))
+        return c + extra
 
     def draft_more(self, conf: list[float], lookahead: int = 4) -> bool:
         """While a costly drafter drafts (``stops_early``): after tokens of confidences ``conf``,
@@ -355,15 +373,18 @@ class DraftLength:
     def lookup_or_model(self, chain_conf: list[float], model_conf: list[float]) -> int | None:
         """A costly drafter's round that also offers a model-free chain (confidences ``chain_conf``):
         how many of its tokens to verify alone, or None to draft with the model (whose positions were
-        taken at the rates ``model_conf``), whichever promises more tokens per second. Until costs
-        are measured, the chain where it has a token."""
+        taken at the rates ``model_conf``), whichever promises more tokens per second. Until passes
+        are measured, the chain where it has a token; until the model's drafts are, the chain cut
+        where it pays, and the model where none of it does."""
         if not chain_conf:
             return None
         if self.fixed is not None:
             return min(len(chain_conf), self.fixed)
-        if self.cost(1) is None or self.draft_cost is None:
+        if self.cost(1) is None:
             return len(chain_conf[: self.k_max])
         m = self._cut(chain_conf[: self.k_max])
+        if self.draft_cost is None:  # the model's drafts not priced yet: the chain where it pays alone
+            return m or None
         chain_rate = chain_yield(chain_conf[:m])[m] / self.seq_cost(m + 1)
         return m if m and chain_rate >= self._model_rate(model_conf) else None
 
