@@ -32,6 +32,32 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def three_bit_draft() -> None:
+    """From here on a draft model's re-coding (``requantize_4bit``) puts every weight part at 3-bit
+    codes (-4..3 times a float16 scale per 32 weights, rounded to nearest), held in Q4_0 blocks: the
+    draft's acceptance as a 3-bit draft would have it, its steps still reading 4-bit bytes."""
+    import numpy as np
+
+    import forerun.backends.block_weights as bw
+    import forerun.backends.qweights as qw
+
+    def codes3(w):
+        rows, D = w.shape
+        g = w.astype(np.float32).reshape(rows, D // 32, 32)
+        big = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
+        d = (big / np.float32(-4)).astype(np.float16).astype(np.float32)
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+        codes = np.clip(np.floor(g * inv[..., None] + np.float32(4.5)), 0, 7) - 4
+        return bw.Codes(codes.reshape(rows, D).astype(np.int16), d, None, 32)
+
+    def requantized(self):
+        out = qw.QLinear([qw.QPart(codes3(p.dequantize()), qw.Q4_0) for p in self.parts])
+        out.set_wide(self.parts[0].wide)
+        return out
+
+    qw.QLinear.requantized = requantized
+
+
 def record(target, ids: list[int], n: int, eos: set[int]) -> list[int]:
     """The target's greedy continuation of ``ids``, up to ``n`` tokens (eos included)."""
     b = target.backend
@@ -192,7 +218,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None, help="a JSON file of the figures")
     ap.add_argument("--recording", default=None, help="a JSON file of the recorded drafts: written once, then read")
+    ap.add_argument("--draft-bits", type=int, choices=(3, 4), default=4,
+                    help="3: the draft's weights re-coded at 3 bits (its acceptance only: see three_bit_draft)")
+    ap.add_argument("--draft-step-scale", type=float, default=1.0,
+                    help="the timed draft step times this (e.g. 3.5 / 4.5: the bytes of 3-bit codes over 4-bit ones)")
     args = ap.parse_args()
+    if args.draft_bits == 3:
+        three_bit_draft()
 
     torch.set_num_threads(args.threads)
     opts = Options(model=args.model, draft=args.draft, method="draft", threads=args.threads)
@@ -224,6 +256,7 @@ def main() -> None:
     mean_ctx = sum(len(ids) + len(ref) // 2 for ids, ref, _ in recs) // len(recs)
     ctx_ids = (recs[0][0] + recs[0][1])[:mean_ctx] if len(recs[0][0]) + len(recs[0][1]) >= mean_ctx else recs[0][0] + recs[0][1]
     d, v = measure_costs(target, db, head, ctx_ids, 2 * args.k_max + 3, args.reps)
+    d *= args.draft_step_scale
     longest = max(recs, key=lambda r: len(r[0]))[0]
     read = measure_reading(target, db, head, longest, args.reps)
     print(f"draft reading a token of a prompt / target step {read:.4f} (at {len(longest)} tokens)")
