@@ -34,24 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def three_bit_draft() -> None:
     """From here on a draft model's re-coding (``requantize_4bit``) puts every weight part at 3-bit
-    codes (-4..3 times a float16 scale per 32 weights, rounded to nearest), held in Q4_0 blocks: the
-    draft's acceptance as a 3-bit draft would have it, its steps still reading 4-bit bytes."""
-    import numpy as np
-
-    import forerun.backends.block_weights as bw
+    codes (``q4_0_codes(bits=3)``: -4..3 times a float16 scale per 32 weights, rounded to nearest),
+    held in Q4_0 blocks: the draft's acceptance as a 3-bit draft would have it, its steps still
+    reading 4-bit bytes."""
     import forerun.backends.qweights as qw
-
-    def codes3(w):
-        rows, D = w.shape
-        g = w.astype(np.float32).reshape(rows, D // 32, 32)
-        big = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
-        d = (big / np.float32(-4)).astype(np.float16).astype(np.float32)
-        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-        codes = np.clip(np.floor(g * inv[..., None] + np.float32(4.5)), 0, 7) - 4
-        return bw.Codes(codes.reshape(rows, D).astype(np.int16), d, None, 32)
+    from forerun.backends.block_weights import q4_0_codes
 
     def requantized(self):
-        out = qw.QLinear([qw.QPart(codes3(p.dequantize()), qw.Q4_0) for p in self.parts])
+        out = qw.QLinear([qw.QPart(q4_0_codes(p.dequantize(), bits=3), qw.Q4_0) for p in self.parts])
         out.set_wide(self.parts[0].wide)
         return out
 
@@ -254,7 +244,7 @@ def main() -> None:
         if saved is not None:
             saved.write_text(json.dumps([{"ids": i, "ref": r, "chains": c} for i, r, c in recs]))
     mean_ctx = sum(len(ids) + len(ref) // 2 for ids, ref, _ in recs) // len(recs)
-    ctx_ids = (recs[0][0] + recs[0][1])[:mean_ctx] if len(recs[0][0]) + len(recs[0][1]) >= mean_ctx else recs[0][0] + recs[0][1]
+    ctx_ids = (recs[0][0] + recs[0][1])[:mean_ctx]
     d, v = measure_costs(target, db, head, ctx_ids, 2 * args.k_max + 3, args.reps)
     d *= args.draft_step_scale
     longest = max(recs, key=lambda r: len(r[0]))[0]

@@ -64,16 +64,19 @@ class Codes:
                      None if self.offset is None else np.repeat(self.offset, rep, axis=1), group)
 
 
-def q4_0_codes(w: np.ndarray) -> Codes:
+def q4_0_codes(w: np.ndarray, bits: int = 4) -> Codes:
     """Weights [rows, D] (D a multiple of 32) as Q4_0 codes: per 32 weights a float16 scale d (the
     weight of largest magnitude over -8) and codes -8..7, w ~ d * code (as llama.cpp quantizes
-    Q4_0). Used to make a draft model cheaper to read (``QLinear.requantized``)."""
+    Q4_0). Used to make a draft model cheaper to read (``QLinear.requantized``). ``bits`` < 4: the
+    same rule with codes -2^(bits-1)..2^(bits-1)-1 (over -2^(bits-1)), still held as Q4_0 codes
+    (what a lower-bit draft would accept: ``bench/experiments/draft_tree_ceiling.py``)."""
+    half = 1 << (bits - 1)
     rows, D = w.shape
     g = w.astype(np.float32).reshape(rows, D // 32, 32)
     big = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
-    d = (big / np.float32(-8)).astype(np.float16).astype(np.float32)
+    d = (big / np.float32(-half)).astype(np.float16).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    codes = np.clip(np.floor(g * inv[..., None] + np.float32(8.5)), 0, 15) - 8
+    codes = np.clip(np.floor(g * inv[..., None] + np.float32(half + 0.5)), 0, 2 * half - 1) - half
     return Codes(codes.reshape(rows, D).astype(np.int16), d, None, 32)
 
 
