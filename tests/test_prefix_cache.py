@@ -110,3 +110,43 @@ def test_a_batched_pass_past_the_invariant_rows_is_still_row_by_row(gemma):
         alone = be.fork()
         alone.forward(p, 0)
         assert torch.equal(o.layers, alone.forward(f, len(p), layers=layers).layers)
+
+
+def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_draft, chunk16):
+    """Served with a draft model and the cache, a chat's next turn (the first turn's prompt and
+    answer, then more) has its draft model compute only what is new: the whole chunks it read of
+    the first turn, answer included, come from its own cache, bit for bit what reading them
+    computes, and every output still equals plain decoding."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    g = torch.Generator().manual_seed(7)
+    turn1 = [2] + torch.randint(4, 96, (50,), generator=g).tolist()
+    plain1 = Engine(gemma.backend, None, gemma.eos_token_ids).generate(turn1, max_new_tokens=30).token_ids
+    turn2 = turn1 + plain1 + torch.randint(4, 96, (9,), generator=g).tolist()
+    plain2 = Engine(gemma.backend, None, gemma.eos_token_ids).generate(turn2, max_new_tokens=10).token_ids
+    eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=2, drafter=DraftModelDrafter(gemma_draft.backend.fork()),
+                      prefix_cache_bytes=64 << 20)
+    eng.policy.margin = -1.0  # always draft, so the draft model reads every prompt
+    cache = eng.drafter.prefix_cache
+    assert cache is not None and cache is not eng.prefix_cache
+    assert run_batch(eng, [BatchRequest(prompt=turn1, max_new_tokens=30)]) == [plain1]
+    assert cache.hits == 0
+    held = cache.cached_positions(turn2[:-1])
+    assert held >= 64  # past turn 1's prompt (50 positions): the answer's chunks were kept when it finished
+    with torch.inference_mode():  # what the next turn's draft model computes, as the engine runs it
+        fresh = eng.drafter.fork()
+        fresh.begin(turn2, None, None)
+        assert fresh.unread(turn2) == len(turn2) - 1 - held
+    reqs = [BatchRequest(prompt=turn2, max_new_tokens=10)]
+    assert run_batch(eng, reqs) == [plain2]
+    assert reqs[0].stats.drafted > 0
+    assert cache.hit_positions == held
+    with torch.inference_mode():  # its cache read through the cache: what reading in chunks computes
+        via, ref = eng.drafter.fork(), gemma_draft.backend.fork()
+        via.begin(turn2, None, None)
+        via.catch_up(turn2)
+        prefill(ref, turn2[:-1])
+    n = len(turn2) - 1
+    assert via.backend.length == ref.length == n
+    assert torch.equal(via.backend.cache.k[:, :, :n], ref.cache.k[:, :, :n])
+    assert torch.equal(via.backend.cache.v[:, :, :n], ref.cache.v[:, :, :n])

@@ -112,6 +112,8 @@ class BatchEngine:
         self.max_waiting = max_waiting
         self.batched = target.capabilities.batched
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if target.capabilities.kv_segments and prefix_cache_bytes else None
+        if self.drafter is not None and prefix_cache_bytes:  # a draft model keeps its own prefixes, as much again
+            self.drafter.share_prefixes(prefix_cache_bytes)
         # the server's draft lengths: slower to forget, and drafting must beat plain batched decoding by 3%
         self.policy = DraftLength(k_max=k_max, decay=0.95, margin=0.03, probe_every=32, sequential=not self.batched)
         self.decoder = Decoder(target, self.drafter, eos_token_ids, self.policy)
@@ -286,6 +288,11 @@ class BatchEngine:
     def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
         if req in self.active:
             self.active.remove(req)
+        if req.slot is not None and req.slot.drafter is not None and req.seq is not None and reason != "error":
+            try:  # what its drafter keeps for a later prompt (a chat's next turn): never the request's failure
+                req.slot.drafter.finished(req.seq.tokens)
+            except Exception as e:  # noqa: BLE001
+                log.warning("request %s: its drafter could not keep its prefix: %s", req.id, e)
         if req.slot is not None:
             self._free.append(req.slot)
             req.slot = None

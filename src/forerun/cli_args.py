@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "chooses for one); the load-aware policy picks 0..k-max")
     s.add_argument("--prefix-cache-mb", type=int, default=512,
                    help="memory for prompt prefixes shared between requests, reused exactly (torch backend; "
-                        "default 512, 0: off)")
+                        "default 512, 0: off); a draft model keeps its own, as large again")
     s.add_argument("--max-context", type=int, default=4096,
                    help="positions per sequence (prompt + output; default 4096, below most models' own context): "
                         "each of the --max-batch slots holds a KV cache this long, allocated when the server starts "

@@ -77,6 +77,22 @@ class PrefixCache:
             self.hit_positions += e.kv[0].shape[2]
             return e
 
+    def cached_positions(self, tokens: list[int]) -> int:
+        """How many leading positions of ``tokens`` ``prefill`` would take from the cache (whole
+        chunks, in order); neither a hit nor a miss is counted."""
+        n = 0
+        with self._lock:
+            for (_, e), key in zip(chunk_bounds(len(tokens)), chunk_keys(tokens)):
+                if key not in self.entries:
+                    break
+                n = e
+        return n
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the chunk named ``key`` is held (neither a hit nor a miss counted)."""
+        with self._lock:
+            return key in self.entries
+
     def put(self, key: bytes, kv: tuple, features: torch.Tensor | None = None) -> None:
         n = sum(t.numel() * t.element_size() for t in kv)
         if features is not None:
@@ -97,6 +113,22 @@ class PrefixCache:
         with self._lock:
             self.entries.clear()
             self.bytes = 0
+
+
+def keep_chunks(backend, tokens: list[int], cache: PrefixCache) -> int:
+    """Put the whole chunks of ``tokens`` that ``backend`` holds keys and values for (positions 0..
+    its length) into ``cache`` where it lacks them: a finished sequence's prompt and answer, for a
+    prompt that starts with them (a chat's next turn). The number of chunks put."""
+    n = min(backend.length, len(tokens))
+    put = 0
+    for (s, e), key in zip(chunk_bounds(n), chunk_keys(tokens[:n])):
+        if e - s < CHUNK:
+            break
+        if cache.holds(key):
+            continue
+        cache.put(key, backend.kv_segment(s, e))
+        put += 1
+    return put
 
 
 def prefill(backend, feed: list[int], layers=(), take_features=None, cache: PrefixCache | None = None) -> None:

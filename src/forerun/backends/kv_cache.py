@@ -57,6 +57,7 @@ class KVCache:
             raise ValueError(f"kv_segment({start}, {end}) but {self.length} positions are cached")
         return self.k[:, :, start:end].clone(), self.v[:, :, start:end].clone()
 
+    @torch.inference_mode()  # the cache may have been grown in a forward pass (a draft model's, unreserved)
     def load_segment(self, pos: int, segment: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Put a ``segment`` back at positions pos..: the cache then holds exactly what the forward
         pass that made it left there (a prompt's prefix shared by an earlier request)."""

@@ -85,6 +85,16 @@ class Drafter:
         of ``tokens`` yet, all but the last token, where that is more than a round's usual share (a
         prompt, a stretch without drafts). The decode step times it apart from drafting."""
 
+    def share_prefixes(self, max_bytes: int) -> None:
+        """(drafters with a model of their own) keep what the model computed for prompt prefixes, in
+        ``max_bytes`` shared by this drafter and its later forks, so that a prompt that starts as an
+        earlier one did (the earlier turns of a chat, a system prompt) is not read again from its
+        start. Others: nothing to keep."""
+
+    def finished(self, tokens: list[int]) -> None:
+        """A sequence this drafter served ended with ``tokens`` committed (a request answered): keep
+        what may serve a later prompt that starts with them (``share_prefixes``). Others: nothing."""
+
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         """Called after a verify pass; ``tokens`` now holds the accepted drafts and the new token."""
 

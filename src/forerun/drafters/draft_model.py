@@ -7,6 +7,7 @@ import torch
 from forerun.draft_length import Acceptance
 from forerun.drafters.base import Draft, Drafter
 from forerun.errors import ForerunError
+from forerun.prefix_cache import PrefixCache, keep_chunks, prefill
 from forerun.sampling import SeededNoise, logits_to_probs, sample
 
 PROB_BINS = 20  # a drafted token's confidence is learnt per twentieth of its draft probability
@@ -25,7 +26,8 @@ class DraftModelDrafter(Drafter):
     batchable = True  # propose_batch: forks draft together, a step one batched pass of the draft model
 
     def __init__(self, backend, vocab: torch.Tensor | None = None, head=None, window: int | None = None,
-                 p_min: float = 0.0, calibration: Acceptance | None = None, lookup=None):
+                 p_min: float = 0.0, calibration: Acceptance | None = None, lookup=None,
+                 prefix_cache: PrefixCache | None = None):
         """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them.
         ``window``: the most committed tokens the draft reads when it (re)starts: a long prompt, or
         a long stretch it did not draft for, is read from its last ``window`` tokens only (None: all).
@@ -34,7 +36,10 @@ class DraftModelDrafter(Drafter):
         own, over its vocabulary): the draft's length depends on the draft alone, so it stays lossless.
         ``lookup``: a model-free chain (``drafters.lookup``: ``NgramLookup`` or ``SuffixLookup``)
         offered every round beside the model (``lookup_chain``); the policy verifies it alone where
-        it promises more tokens per second than the model's draft, and the model then drafts nothing."""
+        it promises more tokens per second than the model's draft, and the model then drafts nothing.
+        ``prefix_cache``: the draft model's keys and values of prompt chunks, shared by forks
+        (``share_prefixes``); a prompt is then read in the cache's chunks from position 0, those
+        an earlier prompt computed taken from it (a windowed draft reads as before)."""
         if window is not None and window < 1:
             raise ForerunError(f"the draft model's context window must be at least 1 token, got {window}")
         if not 0.0 <= p_min < 1.0:
@@ -48,6 +53,7 @@ class DraftModelDrafter(Drafter):
         self.calibration = calibration or Acceptance()
         self._last = None  # the last proposal: (its first token's index, its tokens, its probability bins)
         self.lookup = lookup
+        self.prefix_cache = prefix_cache
         if vocab is not None and head is None:  # the integer kernels' rows where the model runs on them
             self.head = getattr(backend, "integer_sub_head", lambda r: None)(vocab) or backend.sub_head(vocab)
 
@@ -61,7 +67,11 @@ class DraftModelDrafter(Drafter):
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.backend.fork(), self.vocab, self.head, self.window, self.p_min, self.calibration,
-                                 None if self.lookup is None else self.lookup.fork())
+                                 None if self.lookup is None else self.lookup.fork(), self.prefix_cache)
+
+    def share_prefixes(self, max_bytes: int) -> None:
+        if max_bytes > 0 and self.window is None and self.backend.capabilities.kv_segments:
+            self.prefix_cache = PrefixCache(max_bytes)
 
     def forget_history(self) -> None:
         if self.lookup is not None:
@@ -84,15 +94,32 @@ class DraftModelDrafter(Drafter):
             self.offset, start = len(tokens) - self.window, 0
         return start
 
+    def finished(self, tokens: list[int]) -> None:
+        """Keep the whole chunks the draft model read of the finished sequence (the answer too), so
+        that a chat's next turn, whose prompt repeats them, is not read again."""
+        if self.prefix_cache is not None and self.offset == 0:
+            keep_chunks(self.backend, tokens, self.prefix_cache)
+
+    def _from_cache(self, tokens: list[int]) -> bool:
+        """Whether ``catch_up`` reads ``tokens`` through the prefix cache: it has one, and nothing
+        of this sequence is read yet."""
+        return self.prefix_cache is not None and self.backend.length == 0 and self.offset == 0 and len(tokens) > 2
+
     def unread(self, tokens: list[int]) -> int:
-        """How many committed tokens ``catch_up`` would read now (at most its window's)."""
+        """How many committed tokens ``catch_up`` would compute now (at most its window's; those
+        the prefix cache holds are not computed)."""
         start = min(self.backend.length, len(tokens) - 1 - self.offset)
         n = len(tokens) - 1 - self.offset - start
+        if self._from_cache(tokens):
+            return n - self.prefix_cache.cached_positions(tokens[:-1])
         return n if self.window is None else min(n, self.window)
 
     def catch_up(self, tokens: list[int]) -> None:
         """Read every committed token but the last where more than a round's usual two are unread
         (the prompt, a stretch without drafting), so that drafting starts from a one-token step."""
+        if self._from_cache(tokens):
+            prefill(self.backend, tokens[:-1], cache=self.prefix_cache)
+            return
         start = self._unread(tokens)
         end = len(tokens) - 1 - self.offset
         if end - start > 1:

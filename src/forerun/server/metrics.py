@@ -43,6 +43,13 @@ class Metrics:
             hits.set_function(lambda: cache.hit_positions)
             used = Gauge("forerun:prefix_cache_bytes", "Bytes held by the prefix cache", registry=r)
             used.set_function(lambda: cache.bytes)
+        draft_cache = getattr(engine.drafter, "prefix_cache", None)
+        if draft_cache is not None:
+            dhits = Gauge("forerun:draft_prefix_cache_hit_tokens",
+                          "Prompt positions the draft model took from its prefix cache, since start", registry=r)
+            dhits.set_function(lambda: draft_cache.hit_positions)
+            dused = Gauge("forerun:draft_prefix_cache_bytes", "Bytes held by the draft model's prefix cache", registry=r)
+            dused.set_function(lambda: draft_cache.bytes)
         self._passes = 0
         self._produced = 0
 
