@@ -101,9 +101,10 @@ class DraftModelDrafter(Drafter):
             keep_chunks(self.backend, tokens, self.prefix_cache)
 
     def _from_cache(self, tokens: list[int]) -> bool:
-        """Whether ``catch_up`` reads ``tokens`` through the prefix cache: it has one, and nothing
-        of this sequence is read yet."""
-        return self.prefix_cache is not None and self.backend.length == 0 and self.offset == 0 and len(tokens) > 2
+        """Whether ``catch_up`` reads ``tokens`` through the prefix cache: it has one, reads whole
+        contexts (no window), and nothing of this sequence is read yet."""
+        return (self.prefix_cache is not None and self.window is None and self.backend.length == 0 and self.offset == 0
+                and len(tokens) > 2)
 
     def unread(self, tokens: list[int]) -> int:
         """How many committed tokens ``catch_up`` would compute now (at most its window's; those
