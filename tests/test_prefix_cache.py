@@ -133,6 +133,9 @@ def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_d
     assert cache.hits == 0
     held = cache.cached_positions(turn2[:-1])
     assert held >= 64  # past turn 1's prompt (50 positions): the answer's chunks were kept when it finished
+    # the target's own cache keeps prompt chunks only on this float path (a pass of many rows is not
+    # computed row by row: its chunks' bits could differ from those steps left)
+    assert not gemma.backend.capabilities.kv_any_pass and eng.prefix_cache.cached_positions(turn2[:-1]) == 48
     with torch.inference_mode():  # what the next turn's draft model computes, as the engine runs it
         fresh = eng.drafter.fork()
         fresh.begin(turn2, None, None)
@@ -150,3 +153,38 @@ def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_d
     assert via.backend.length == ref.length == n
     assert torch.equal(via.backend.cache.k[:, :, :n], ref.cache.k[:, :, :n])
     assert torch.equal(via.backend.cache.v[:, :, :n], ref.cache.v[:, :, :n])
+
+
+def test_a_chats_next_turn_takes_its_answer_from_the_targets_cache_on_the_integer_path(smollm2):
+    """Where any pass gives a position's keys and values the same bits (``kv_any_pass``: the
+    integer path), a finished request's whole chunks are kept, its answer's included: they hold
+    what a prompt pass computes, bit for bit, a chat's next turn takes them, and its output equals
+    plain decoding."""
+    from forerun.chat import chat_ids
+
+    be = smollm2.backend
+    if not be.capabilities.kv_any_pass:
+        pytest.skip("not the integer path here (no C compiler)")
+    tok = smollm2.tokenizer
+    turn1 = chat_ids(tok, [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}])
+    plain = Engine(be, None, smollm2.eos_token_ids)
+    answer = plain.generate(turn1, max_new_tokens=240).token_ids
+    seq = turn1 + answer
+    assert len(seq) - 1 >= 256 > len(turn1)  # two whole chunks, the second one all answer
+    eng = BatchEngine(be, smollm2.eos_token_ids, max_batch=2, drafter=NgramDrafter(), prefix_cache_bytes=256 << 20)
+    assert run_batch(eng, [BatchRequest(prompt=turn1, max_new_tokens=240)]) == [answer]
+    cache = eng.prefix_cache
+    held = cache.cached_positions(seq[:-1])
+    assert held == (len(seq) - 1) // 128 * 128
+    with torch.inference_mode():
+        ref = be.fork()
+        prefill(ref, seq[:-1])
+        for (s, e), key in zip(chunk_bounds(held), chunk_keys(seq[:held])):
+            kept = cache.entries[key].kv
+            computed = ref.kv_segment(s, e)
+            assert torch.equal(kept[0], computed[0]) and torch.equal(kept[1], computed[1]), (s, e)
+    turn2 = seq + chat_ids(tok, [{"role": "user", "content": "Now make it shorter."}])[1:]
+    before = cache.hit_positions
+    assert run_batch(eng, [BatchRequest(prompt=turn2, max_new_tokens=24)]) == [
+        plain.generate(turn2, max_new_tokens=24).token_ids]
+    assert cache.hit_positions - before >= held

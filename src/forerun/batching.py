@@ -32,7 +32,7 @@ from forerun.decode import Decoder, Sequence, check_request
 from forerun.draft_length import K_MAX, DraftLength
 from forerun.drafters.base import Drafter
 from forerun.errors import ForerunError
-from forerun.prefix_cache import PrefixCache
+from forerun.prefix_cache import PrefixCache, keep_chunks
 from forerun.sampling import SamplingParams
 from forerun.stats import GenerationStats
 from forerun.verify import pass_outputs
@@ -288,15 +288,25 @@ class BatchEngine:
     def _finish(self, req: BatchRequest, tokens: list[int], reason: str) -> None:
         if req in self.active:
             self.active.remove(req)
-        if req.slot is not None and req.slot.drafter is not None and req.seq is not None and reason != "error":
-            try:  # what its drafter keeps for a later prompt (a chat's next turn): never the request's failure
-                req.slot.drafter.finished(req.seq.tokens)
-            except Exception as e:  # noqa: BLE001
-                log.warning("request %s: its drafter could not keep its prefix: %s", req.id, e)
+        if req.slot is not None and req.seq is not None and reason != "error":
+            self._keep(req)
         if req.slot is not None:
             self._free.append(req.slot)
             req.slot = None
         _emit(req, tokens, reason)
+
+    def _keep(self, req: BatchRequest) -> None:
+        """What a finished request leaves for a later prompt that starts with its tokens (a chat's
+        next turn): its drafter's prefixes, and the target's whole chunks, answer included, where
+        any pass would have computed the same bits (``kv_any_pass``; not where a trained head's
+        features would be wanted with them). Never the request's failure."""
+        try:
+            if req.slot.drafter is not None:
+                req.slot.drafter.finished(req.seq.tokens)
+            if self.prefix_cache is not None and self.target.capabilities.kv_any_pass and not self.decoder.layers:
+                keep_chunks(req.slot.backend, req.seq.tokens, self.prefix_cache)
+        except Exception as e:  # noqa: BLE001
+            log.warning("request %s: its prefix could not be kept: %s", req.id, e)
 
     def _fail(self, req: BatchRequest, e: Exception) -> None:
         """End a request with an error; its cache is dropped (the failure may have left it half written)."""

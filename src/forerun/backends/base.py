@@ -46,6 +46,7 @@ class Capabilities:
     draft_batch: bool = False  # forward_batch(head=, last_only=): a draft model's step for several sequences
     layer_skip: bool = False  # forward(skip_layers=): self-speculation
     kv_segments: bool = False  # kv_segment(start, end) / load_kv_segment(pos, seg): prompt prefixes reused exactly
+    kv_any_pass: bool = False  # a position's keys and values have the same bits whichever pass computed them
     hidden_states: bool = False  # embed and layers=: the token embeddings and layer outputs trained heads read
 
 

@@ -36,10 +36,15 @@ class NativeBackend(BackendBase):
     @property
     def capabilities(self) -> Capabilities:
         """Exact argmax passes (chains, trees, with layer outputs), token trees, batched passes,
-        layer skipping; greedy trees run the LM head lazily on the CPU only (``lazy_tree_head``)."""
+        layer skipping; greedy trees run the LM head lazily on the CPU only (``lazy_tree_head``).
+        ``kv_any_pass`` on the integer path, batch-invariant: its products are row by row and its
+        attention reads each row's keys as a one-token step does, in passes of every size, so a
+        prompt chunk's keys and values are those steps and verify passes left."""
+        m = self.model
         return Capabilities(exact_argmax=True, argmax_features=True, argmax_tree=True,
-                            lazy_tree_head=self.model.greedy.lazy_tree_head, token_trees=True, batched=True,
-                            layer_skip=True, kv_segments=True, hidden_states=True, draft_batch=self.model.fixed is None)
+                            lazy_tree_head=m.greedy.lazy_tree_head, token_trees=True, batched=True,
+                            layer_skip=True, kv_segments=True, hidden_states=True, draft_batch=m.fixed is None,
+                            kv_any_pass=m.quant is not None and m.batch_invariant)
 
     @property
     def vocab_size(self) -> int:
