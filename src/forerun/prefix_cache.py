@@ -117,9 +117,11 @@ class PrefixCache:
 
 def keep_chunks(backend, tokens: list[int], cache: PrefixCache) -> int:
     """Put the whole chunks of ``tokens`` that ``backend`` holds keys and values for (positions 0..
-    its length) into ``cache`` where it lacks them: a finished sequence's prompt and answer, for a
-    prompt that starts with them (a chat's next turn). The number of chunks put."""
-    n = min(backend.length, len(tokens))
+    its length, never the last token's: a sequence's last committed token is fed by its next step,
+    and its position may still hold a rejected draft's) into ``cache`` where it lacks them: a
+    finished sequence's prompt and answer, for a prompt that starts with them (a chat's next turn).
+    The number of chunks put."""
+    n = min(backend.length, len(tokens) - 1)
     put = 0
     for (s, e), key in zip(chunk_bounds(n), chunk_keys(tokens[:n])):
         if e - s < CHUNK:
