@@ -36,14 +36,19 @@ def chunk_bounds(n: int, chunk: int | None = None) -> list[tuple[int, int]]:
 def chunk_keys(tokens: list[int], chunk: int | None = None) -> list[bytes]:
     """One key per chunk of ``tokens``: a digest of every token up to the chunk's end, chained, so
     that equal keys mean equal prefixes (and equal chunk lengths)."""
-    keys, h = [], b""
+    return [key for _, key in _each_key(tokens, chunk)]
+
+
+def _each_key(tokens: list[int], chunk: int | None = None):
+    """``chunk_keys`` one at a time, with each chunk's bounds: a walk that stops at the first chunk
+    the cache lacks hashes no further."""
+    h = b""
     for s, e in chunk_bounds(len(tokens), chunk):
         d = hashlib.blake2b(h, digest_size=16)
         d.update((e - s).to_bytes(4, "little"))
         d.update(torch.tensor(tokens[s:e], dtype=torch.int64, device="cpu").numpy().tobytes())
         h = d.digest()
-        keys.append(h)
-    return keys
+        yield (s, e), h
 
 
 @dataclass
@@ -81,11 +86,10 @@ class PrefixCache:
         """How many leading positions of ``tokens`` ``prefill`` would take from the cache (whole
         chunks, in order); neither a hit nor a miss is counted."""
         n = 0
-        with self._lock:
-            for (_, e), key in zip(chunk_bounds(len(tokens)), chunk_keys(tokens)):
-                if key not in self.entries:
-                    break
-                n = e
+        for (_, e), key in _each_key(tokens):  # hashed up to the first chunk it lacks (a draft's unread, each round)
+            if not self.holds(key):
+                break
+            n = e
         return n
 
     def holds(self, key: bytes) -> bool:
@@ -123,7 +127,7 @@ def keep_chunks(backend, tokens: list[int], cache: PrefixCache) -> int:
     The number of chunks put."""
     n = min(backend.length, len(tokens) - 1)
     put = 0
-    for (s, e), key in zip(chunk_bounds(n), chunk_keys(tokens[:n])):
+    for (s, e), key in _each_key(tokens[:n]):
         if e - s < CHUNK:
             break
         if cache.holds(key):
