@@ -155,13 +155,16 @@ def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_d
     assert torch.equal(via.backend.cache.v[:, :, :n], ref.cache.v[:, :, :n])
 
 
-def test_a_chats_next_turn_takes_its_answer_from_the_targets_cache_on_the_integer_path(smollm2):
+@pytest.mark.bundled
+@pytest.mark.parametrize("name", ["smollm2", "bundled"])
+def test_a_chats_next_turn_takes_its_answer_from_the_targets_cache_on_the_integer_path(name, request):
     """Where any pass gives a position's keys and values the same bits (``kv_any_pass``: the
     integer path), a finished request's whole chunks are kept, its answer's included: they hold
     what a prompt pass computes, bit for bit, a chat's next turn takes them, and its output equals
-    plain decoding."""
+    plain decoding (SmolLM2; the bundled Gemma 3, whose sliding-window layers read fewer keys)."""
     from forerun.chat import chat_ids
 
+    smollm2 = request.getfixturevalue(name)
     be = smollm2.backend
     if not be.capabilities.kv_any_pass:
         pytest.skip("not the integer path here (no C compiler)")
