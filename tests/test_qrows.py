@@ -287,6 +287,35 @@ def test_the_tile_width_threshold_changes_no_bit(name):
             assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (build, name)
 
 
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_codes_read_as_bytes_change_no_bit(name):
+    """``QLinear.set_many``: 5- and 6-bit parts read from a copy laid a byte a code by passes of
+    3 rows or more (or of every size, or never), at both tile widths: every build the CPU runs
+    gives the outputs and the argmax of the packed codes, and the copy holds the same weights."""
+    from forerun.backends.qweights import NEVER_WIDE, U8
+
+    typ = TYPES[name]
+    lin = QLinear([(unpack(random_blocks(typ, 61, 256, seed=11), typ), typ)])
+    assert lin.has_planes
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
+    lin.set_many(1)
+    copy = lin.parts[0].many
+    assert copy.kind == U8 and np.array_equal(copy.dequantize(), lin.parts[0].dequantize())
+    for build, lib in builds():
+        outs = []
+        for many in (NEVER_WIDE, 1, 3):
+            for wide in (2, NEVER_WIDE):
+                lin.set_wide(wide)
+                lin.set_many(many)
+                assert all(s.many_rows == (many if many < NEVER_WIDE else s.many_rows) for s in lin.structs)
+                outs.append([lin(x[:n], lib=lib) for n in (1, 2, 3, 5, 8, 9)] + [lin.argmax(x[:5], lib=lib)[0]])
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (build, name)
+    lin.drop_many()
+    assert lin.parts[0].many is None and not lin.structs[0].many
+
+
 def test_the_width_choice_is_the_smallest_row_count_from_which_the_wide_tile_keeps_winning():
     from forerun.backends.qweights import NEVER_WIDE, PAIR_ROWS, tune_wide
 

@@ -13,7 +13,7 @@ from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_co
 from forerun.backends.ckernels import chosen_isa, sources_id
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import PackedLinear, f32_rows_kernel
-from forerun.backends.qweights import ACT_CODES, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_wide
+from forerun.backends.qweights import ACT_CODES, NEVER_WIDE, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_wide
 from forerun.gguf_file import GGUFFile
 
 log = logging.getLogger("forerun")
@@ -132,30 +132,89 @@ def tune_wide_tiles(model) -> None:
     layers = [lin for q in model.quant for lin in q.linears.values()]
     head = model.lm_head.qlin
     key = ["wide-1", sources_id(), head.signature, *sorted({lin.signature for lin in layers})]
-
-    def set_layers(rows):
-        for lin in layers:
-            lin.set_wide(rows)
-        for i, q in enumerate(model.quant):
-            q.refresh()
-            model.qlayers[i] = q.c  # in place: the model holds one array
+    set_layers = _layers_setter(model, layers, "set_wide")
 
     def measure():
-        scratch = KVCache(model)
-        ids = torch.arange(max(WIDE_ROWS)) % min(model.vocab_size, 1000) + 3
         g = torch.Generator().manual_seed(0)
-
-        def body(n):
-            scratch.truncate(0)
-            model.run_rows([scratch], [ids[:n]], [0])
-
-        return {"layers": tune_wide(set_layers, body, reps=2),
+        return {"layers": tune_wide(set_layers, _pass_of(model), reps=2),
                 "head": tune_wide(head.set_wide, lambda n: head(torch.randn(n, head.shape[1], generator=g)))}
 
     chosen = kept.measured("qrows-wide", key, measure,
                            "timing the integer kernels' tile widths once for this model's shapes and this machine")
     set_layers(int(chosen["layers"]))
     head.set_wide(int(chosen["head"]))
+
+
+def tune_byte_codes(model) -> None:
+    """From how many rows of a pass the layers' 5- and 6-bit weights, and the LM head's, are
+    read as bytes (``QLinear.set_many``: a copy laid a byte a code, no unpacking): measured once
+    per model shape and machine (``tune_wide``'s rule, kept), after the tile widths, where a
+    SIMD build runs and some weight has such codes (a Q4_K_M file's Q6_K parts and head). A
+    one-token step reads the file's bits and stays bound by memory; a verify pass of several rows
+    is bound by its products, and there the unpacking is a third of a 6-bit vector's work. The
+    bits are the same either way; the copies cost memory (a Q6_K weight a third more again),
+    kept only where they pay."""
+    if chosen_isa() == "portable":
+        return
+    layers = [lin for q in model.quant for lin in q.linears.values() if lin.has_planes]
+    head = model.lm_head.qlin
+    heads = [head] if head.has_planes else []
+    if not layers and not heads:
+        return
+    every = [lin for q in model.quant for lin in q.linears.values()]
+    key = ["many-1", sources_id(), head.signature, *sorted({lin.signature for lin in every})]
+    set_layers = _layers_setter(model, layers, "set_many")
+    set_wide = _layers_setter(model, every, "set_wide")
+    wide_before = [lin.parts[0].wide for lin in every]
+
+    def measure():
+        g = torch.Generator().manual_seed(0)
+        out = {"layers": tune_wide(set_layers, _pass_of(model), reps=3) if layers else NEVER_WIDE,
+               "head": tune_wide(head.set_many, lambda n: head(torch.randn(n, head.shape[1], generator=g)))
+               if heads else NEVER_WIDE}
+        if layers and out["layers"] < NEVER_WIDE and chosen_isa() == "vnni":  # the tile width again, bytes in place
+            set_layers(out["layers"])
+            out["layers_wide"] = tune_wide(set_wide, _pass_of(model), reps=2)
+        for lin, w in zip(every, wide_before):
+            lin.set_wide(w)
+        set_layers(NEVER_WIDE)  # and every layer's struct refreshed
+        head.set_many(NEVER_WIDE)
+        return out
+
+    chosen = kept.measured("qrows-many", key, measure,
+                           "timing the integer kernels on 6-bit weights read as bytes, once for this model and machine")
+    if "layers_wide" in chosen:
+        set_wide(int(chosen["layers_wide"]))
+    for lins, rows in ((layers, int(chosen["layers"])), (heads, int(chosen["head"]))):
+        for lin in lins:
+            lin.set_many(rows) if rows < NEVER_WIDE else lin.drop_many()
+    for i, q in enumerate(model.quant):
+        q.refresh()
+        model.qlayers[i] = q.c
+
+
+def _layers_setter(model, lins, method: str):
+    """set(rows): ``lins``' ``method`` (``set_wide``, ``set_many``) at ``rows``, and every layer's
+    C struct refreshed in place (the model holds one array)."""
+    def set_rows(rows):
+        for lin in lins:
+            getattr(lin, method)(rows)
+        for i, q in enumerate(model.quant):
+            q.refresh()
+            model.qlayers[i] = q.c
+    return set_rows
+
+
+def _pass_of(model):
+    """run(n): one pass of n rows of the model's layers from position 0, on a cache of its own
+    (the weights stream from memory as in decoding)."""
+    scratch = KVCache(model)
+    ids = torch.arange(max(WIDE_ROWS)) % min(model.vocab_size, 1000) + 3
+
+    def body(n):
+        scratch.truncate(0)
+        model.run_rows([scratch], [ids[:n]], [0])
+    return body
 
 
 def attach_blocks(model, path: str) -> None:

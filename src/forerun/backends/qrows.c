@@ -206,6 +206,7 @@ void forerun_q_to_half(const float *x, uint16_t *out, int n) { floats_to_half(ou
  * vectors where the build has them, from w->wide rows on: measured per weight, see
  * qweights.tune_wide), or the plain C reference where it is forced. Same bits either way. */
 static inline void run_groups(const qweight_t *w, const qact_t *a, int64_t g, int n, float *out, int64_t ldo) {
+    if (w->many && a->N >= w->many_rows) w = w->many; /* the same codes, sums and order: the same bits */
 #if HAVE_SIMD
     if (!force_portable) {
 #if PAIR == 2

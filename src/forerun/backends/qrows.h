@@ -8,7 +8,7 @@
 
 enum { U4 = 0, U8 = 1, S8 = 2, U5 = 3, U6 = 4 };
 
-typedef struct {
+typedef struct qweight_s {
     const uint8_t *codes;
     const void *scale;
     const void *offset; /* NULL: none */
@@ -23,6 +23,9 @@ typedef struct {
     int32_t wide;       /* the fewest activation rows at which the 512-bit tile takes it (0: PAIR_ROWS) */
     const float *sfac;  /* f16 == FACTORED: scale = sfac * (int8) scale, a factor per 256 columns */
     const float *ofac;  /* the same for the offsets */
+    const struct qweight_s *many; /* NULL, or the same weight a byte a code (U8), which passes of */
+    int32_t many_rows;            /* many_rows rows or more take: no unpacking, more bytes read */
+    int32_t pad_;
 } qweight_t;
 
 /* qweight_t.f16: scales and offsets stored as float32 (0), float16 (1), or as int8 multipliers of

@@ -226,6 +226,9 @@ static inline __attribute__((always_inline)) int QT(tile)(const qweight_t *w, co
     } else if (w->kind == U6 && w->sub == 2 && span >= 2) {
         if (zb && !off && f16 == FACTORED) GT(U6, 2, 2, 1, 0, FACTORED);
         else QT_GENERIC(GT(U6, 2, 2, zb, off, f16));
+    } else if (w->kind == U8 && w->sub == 2 && span >= 2) { /* Q6_K's codes a byte each (``QPart.as_bytes``) */
+        if (zb && !off && f16 == FACTORED) GT(U8, 2, 2, 1, 0, FACTORED);
+        else QT_GENERIC(GT(U8, 2, 1, zb, off, f16));
     } else if (w->kind == S8 && w->sub == 1) {
         if (!zb && !off && f16 == 1) GT(S8, 1, 1, 0, 0, 1);
         else QT_GENERIC(GT(S8, 1, 1, zb, off, f16));

@@ -63,7 +63,8 @@ class QWeightC(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("V", ctypes.c_int64), ("D", ctypes.c_int32), ("kind", ctypes.c_int32), ("sub", ctypes.c_int32),
                 ("f16", ctypes.c_int32), ("zb", ctypes.c_int32), ("col", ctypes.c_int32),
-                ("cmax", ctypes.c_int32), ("wide", ctypes.c_int32), ("sfac", ctypes.c_void_p), ("ofac", ctypes.c_void_p)]
+                ("cmax", ctypes.c_int32), ("wide", ctypes.c_int32), ("sfac", ctypes.c_void_p), ("ofac", ctypes.c_void_p),
+                ("many", ctypes.c_void_p), ("many_rows", ctypes.c_int32), ("pad_", ctypes.c_int32)]
 
 
 class QPart:
@@ -128,12 +129,40 @@ class QPart:
         self.cmax = int(stored.max()) if kind != S8 else 127  # how many u8 x s8 pair sums int16 holds
 
     wide = 0  # the fewest rows at which the 512-bit tile takes it (0: the build's default; see tune_wide)
+    many = None  # the same weight a byte a code (``as_bytes``), taken by passes of ``many_rows`` rows or more
+    many_rows = 0
 
     def struct(self) -> QWeightC:
+        if self.many is not None:  # the copy's struct at one address for good: layers' structs point at it
+            c = self.many.struct()
+            if getattr(self, "_many_c", None) is None:
+                self._many_c = c
+            else:
+                ctypes.memmove(ctypes.addressof(self._many_c), ctypes.addressof(c), ctypes.sizeof(c))
         return QWeightC(self.codes.data_ptr(), self.scale.data_ptr(),
                         self.offset.data_ptr() if self.offset is not None else None,
                         self.V, self.D, self.kind, self.sub, self.f16, self.zb, self.col, self.cmax, self.wide,
-                        _ptr(self.sfac), _ptr(self.ofac))
+                        _ptr(self.sfac), _ptr(self.ofac),
+                        None if self.many is None else ctypes.addressof(self._many_c), self.many_rows)
+
+    def as_bytes(self) -> QPart:
+        """This weight with its 5- or 6-bit codes laid a byte each (kind U8), scales and offsets
+        shared: the kernels then load a code vector where they joined nibbles and bit planes. The
+        integer sums are the same, so every output has the same bits; a pass reads more bytes
+        (Q6_K: 8 bits a code instead of 6), which pays only where a pass is bound by its products."""
+        if self.kind not in PLANES:
+            raise ValueError("qrows: only 5- and 6-bit codes are re-laid as bytes")
+        G, nb = -(-self.V // 8), self.D // 32
+        blk = self.codes.numpy().reshape(G, nb, 128 + 32 * PLANES[self.kind])
+        b = blk[:, :, :128].reshape(G, nb, 4, 8, 4)
+        b = np.concatenate([b & 15, b >> 4], axis=2)  # [group, block, 4-column step j, lane, 4]
+        for p in range(PLANES[self.kind]):
+            plane = blk[:, :, 128 + 32 * p: 160 + 32 * p].reshape(G, nb, 1, 8, 4)
+            b = b | (((plane >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1) << (4 + p))
+        out = object.__new__(QPart)
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("many", "many_rows", "_many_c")})
+        out.codes, out.kind = torch.from_numpy(np.ascontiguousarray(b).reshape(-1)), U8
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +240,35 @@ class QLinear:
         (0: the build's default; ``NEVER_WIDE``: the 256-bit tile always). The bits are the same."""
         for i, p in enumerate(self.parts):
             p.wide = rows
-            self.structs[i].wide = rows
+            if p.many is not None:
+                p.many.wide = rows
+            self.structs[i] = p.struct()
+
+    @property
+    def has_planes(self) -> bool:
+        """Whether a part holds 5- or 6-bit codes (``set_many`` has something to re-lay)."""
+        return any(p.kind in PLANES for p in self.parts)
+
+    def set_many(self, rows: int) -> None:
+        """The fewest activation rows from which the products read this weight's 5- and 6-bit
+        parts as bytes (``QPart.as_bytes``, laid out at the first call and kept; ``NEVER_WIDE``:
+        never; ``drop_many`` frees the copy). The bits are the same."""
+        for i, p in enumerate(self.parts):
+            if p.kind not in PLANES or (rows >= NEVER_WIDE and p.many is None):
+                continue
+            if p.many is None:
+                p.many = p.as_bytes()
+                p.many.wide = p.wide
+            p.many_rows = rows
+            self.structs[i] = p.struct()
+
+    def drop_many(self) -> None:
+        """No byte-laid copy any more (``set_many``): its memory freed; structs that held it must be
+        refreshed (``QLayer.refresh``)."""
+        for i, p in enumerate(self.parts):
+            if p.many is not None:
+                p.many, p.many_rows = None, 0
+                self.structs[i] = p.struct()
 
     def __call__(self, x: torch.Tensor, lib=None, f16_scales: bool = False) -> torch.Tensor:
         """x [n, D] -> outputs [n, V]. ``f16_scales``: activation scales rounded to float16, as
@@ -259,7 +316,7 @@ class QLinear:
 
 PAIR_ROWS = 2  # qrows.c's default threshold for the 512-bit tile (a weight's ``wide`` of 0)
 NEVER_WIDE = 1 << 30  # a tile-width threshold no pass reaches: the 256-bit tile at every row count
-WIDE_ROWS = (2, 3, 4, 6, 8, 16, 64)  # the row counts the tile width is measured at
+WIDE_ROWS = (2, 3, 4, 5, 6, 8, 16, 64)  # the row counts the tile width is measured at (5: a verify pass of 4 drafts)
 
 
 def tune_wide(set_wide, run, rows=WIDE_ROWS, reps: int = 3) -> int:
