@@ -336,6 +336,24 @@ def test_the_width_choice_is_the_smallest_row_count_from_which_the_wide_tile_kee
     assert chosen({2, 4}) == NEVER_WIDE
 
 
+def test_a_setting_that_must_win_plainly_is_not_taken_for_a_hair():
+    """``tune_wide(margin=...)`` (the byte copies' rule): a setting no faster is not taken under a
+    3% margin (where the plain rule takes a tie), 60% faster is."""
+    from forerun.backends.qweights import NEVER_WIDE, PAIR_ROWS, tune_wide
+
+    def chosen(on_s, off_s):
+        state = {}
+
+        def run(n):
+            import time as _t
+            _t.sleep(on_s if state["w"] == PAIR_ROWS else off_s)
+
+        return tune_wide(lambda w: state.__setitem__("w", w), run, rows=(2, 4), reps=3, margin=0.97)
+
+    assert chosen(0.05, 0.05) == NEVER_WIDE
+    assert chosen(0.02, 0.05) == 2
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_scales_kept_factored_give_the_bits_of_float32_scales(name):

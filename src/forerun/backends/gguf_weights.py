@@ -145,6 +145,9 @@ def tune_wide_tiles(model) -> None:
     head.set_wide(int(chosen["head"]))
 
 
+BYTES_MARGIN = 0.97  # the byte copies cost memory: kept where their passes take at most 97% of the time
+
+
 def tune_byte_codes(model) -> None:
     """From how many rows of a pass the layers' 5- and 6-bit weights, and the LM head's, are
     read as bytes (``QLinear.set_many``: a copy laid a byte a code, no unpacking): measured once
@@ -162,16 +165,16 @@ def tune_byte_codes(model) -> None:
     if not layers and not heads:
         return
     every = [lin for q in model.quant for lin in q.linears.values()]
-    key = ["many-1", sources_id(), head.signature, *sorted({lin.signature for lin in every})]
+    key = ["many-2", sources_id(), head.signature, *sorted({lin.signature for lin in every})]
     set_layers = _layers_setter(model, layers, "set_many")
     set_wide = _layers_setter(model, every, "set_wide")
     wide_before = [lin.parts[0].wide for lin in every]
 
     def measure():
         g = torch.Generator().manual_seed(0)
-        out = {"layers": tune_wide(set_layers, _pass_of(model), reps=3) if layers else NEVER_WIDE,
-               "head": tune_wide(head.set_many, lambda n: head(torch.randn(n, head.shape[1], generator=g)))
-               if heads else NEVER_WIDE}
+        out = {"layers": tune_wide(set_layers, _pass_of(model), reps=5, margin=BYTES_MARGIN) if layers else NEVER_WIDE,
+               "head": tune_wide(head.set_many, lambda n: head(torch.randn(n, head.shape[1], generator=g)), reps=7,
+                                 margin=BYTES_MARGIN) if heads else NEVER_WIDE}
         if layers and out["layers"] < NEVER_WIDE and chosen_isa() == "vnni":  # the tile width again, bytes in place
             set_layers(out["layers"])
             out["layers_wide"] = tune_wide(set_wide, _pass_of(model), reps=2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import statistics
 import time
 
 import numpy as np
@@ -319,7 +320,7 @@ NEVER_WIDE = 1 << 30  # a tile-width threshold no pass reaches: the 256-bit tile
 WIDE_ROWS = (2, 3, 4, 5, 6, 8, 16, 64)  # the row counts the tile width is measured at (5: a verify pass of 4 drafts)
 
 
-def tune_wide(set_wide, run, rows=WIDE_ROWS, reps: int = 3) -> int:
+def tune_wide(set_wide, run, rows=WIDE_ROWS, reps: int = 3, margin: float = 1.0) -> int:
     """The row count from which the 512-bit tile should take some weights on this machine, by
     measurement: ``run(n)`` (a product or a pass of n rows) timed at each of ``rows`` with
     ``set_wide(PAIR_ROWS)`` (the 512-bit tile) and ``set_wide(NEVER_WIDE)`` (the 256-bit one); the
@@ -328,10 +329,14 @@ def tune_wide(set_wide, run, rows=WIDE_ROWS, reps: int = 3) -> int:
 
     Measured because no rule of thumb held: on a Zen 5 core the 512-bit tile took a 1.5B model's
     6-bit LM head (151,936 x 1536) at 5 rows in 2.2x the 256-bit tile's time, while its layers ran a
-    5-row pass faster with it and a 2-row pass slower (docs/kernels.md)."""
+    5-row pass faster with it and a 2-row pass slower (docs/kernels.md).
+
+    ``margin`` < 1: the first setting counts as winning only where its time is at most that share
+    of the other's (each side's median of ``reps``, not its best: a setting that costs memory
+    should win plainly, not by one lucky sample)."""
     wins = {}
     for n in rows:
-        best = {}
+        times = {PAIR_ROWS: [], NEVER_WIDE: []}
         for w in (PAIR_ROWS, NEVER_WIDE):  # untimed first calls
             set_wide(w)
             run(n)
@@ -340,8 +345,9 @@ def tune_wide(set_wide, run, rows=WIDE_ROWS, reps: int = 3) -> int:
                 set_wide(w)
                 t = time.perf_counter()
                 run(n)
-                best[w] = min(best.get(w, float("inf")), time.perf_counter() - t)
-        wins[n] = best[PAIR_ROWS] <= best[NEVER_WIDE]
+                times[w].append(time.perf_counter() - t)
+        pick = min if margin >= 1.0 else statistics.median
+        wins[n] = pick(times[PAIR_ROWS]) <= margin * pick(times[NEVER_WIDE])
     chosen = NEVER_WIDE
     for n in reversed(rows):
         if not wins[n]:
