@@ -165,7 +165,7 @@ def tune_byte_codes(model) -> None:
     if not layers and not heads:
         return
     every = [lin for q in model.quant for lin in q.linears.values()]
-    key = ["many-2", sources_id(), head.signature, *sorted({lin.signature for lin in every})]
+    key = ["many-2", chosen_isa(), sources_id(), head.signature, *sorted({lin.signature for lin in every})]
     set_layers = _layers_setter(model, layers, "set_many")
     set_wide = _layers_setter(model, every, "set_wide")
     wide_before = [lin.parts[0].wide for lin in every]
