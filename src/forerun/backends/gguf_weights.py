@@ -151,7 +151,8 @@ BYTES_MARGIN = 0.97  # the byte copies cost memory: kept where their passes take
 def tune_byte_codes(model) -> None:
     """From how many rows of a pass the layers' 5- and 6-bit weights, and the LM head's, are
     read as bytes (``QLinear.set_many``: a copy laid a byte a code, no unpacking): measured once
-    per model shape and machine (``tune_wide``'s rule, kept), after the tile widths, where a
+    per model shape, build and machine (``tune_wide`` with medians and ``BYTES_MARGIN``, kept;
+    the layers' tile width measured again with the copies in place), after the tile widths, where a
     SIMD build runs and some weight has such codes (a Q4_K_M file's Q6_K parts and head). A
     one-token step reads the file's bits and stays bound by memory; a verify pass of several rows
     is bound by its products, and there the unpacking is a third of a 6-bit vector's work. The
@@ -190,7 +191,10 @@ def tune_byte_codes(model) -> None:
         set_wide(int(chosen["layers_wide"]))
     for lins, rows in ((layers, int(chosen["layers"])), (heads, int(chosen["head"]))):
         for lin in lins:
-            lin.set_many(rows) if rows < NEVER_WIDE else lin.drop_many()
+            if rows < NEVER_WIDE:
+                lin.set_many(rows)
+            else:
+                lin.drop_many()  # never pays here: no copy kept in memory
     for i, q in enumerate(model.quant):
         q.refresh()
         model.qlayers[i] = q.c
