@@ -195,9 +195,7 @@ def tune_byte_codes(model) -> None:
                 lin.set_many(rows)
             else:
                 lin.drop_many()  # never pays here: no copy kept in memory
-    for i, q in enumerate(model.quant):
-        q.refresh()
-        model.qlayers[i] = q.c
+    _refresh_layers(model)
 
 
 def _layers_setter(model, lins, method: str):
@@ -206,10 +204,15 @@ def _layers_setter(model, lins, method: str):
     def set_rows(rows):
         for lin in lins:
             getattr(lin, method)(rows)
-        for i, q in enumerate(model.quant):
-            q.refresh()
-            model.qlayers[i] = q.c
+        _refresh_layers(model)
     return set_rows
+
+
+def _refresh_layers(model) -> None:
+    """Every layer's C struct made again from its weights' settings, in place (the model holds one array)."""
+    for i, q in enumerate(model.quant):
+        q.refresh()
+        model.qlayers[i] = q.c
 
 
 def _pass_of(model):

@@ -153,17 +153,26 @@ class QPart:
         (Q6_K: 8 bits a code instead of 6), which pays only where a pass is bound by its products."""
         if self.kind not in PLANES:
             raise ValueError("qrows: only 5- and 6-bit codes are re-laid as bytes")
-        G, nb = -(-self.V // 8), self.D // 32
-        blk = self.codes.numpy().reshape(G, nb, 128 + 32 * PLANES[self.kind])
-        b = blk[:, :, :128].reshape(G, nb, 4, 8, 4)
-        b = np.concatenate([b & 15, b >> 4], axis=2)  # [group, block, 4-column step j, lane, 4]
-        for p in range(PLANES[self.kind]):
-            plane = blk[:, :, 128 + 32 * p: 160 + 32 * p].reshape(G, nb, 1, 8, 4)
-            b = b | (((plane >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1) << (4 + p))
         out = object.__new__(QPart)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("many", "many_rows", "_many_c")})
-        out.codes, out.kind = torch.from_numpy(np.ascontiguousarray(b).reshape(-1)), U8
+        out.codes, out.kind = torch.from_numpy(np.ascontiguousarray(self._code_bytes()).reshape(-1)), U8
         return out
+
+    def _code_bytes(self) -> np.ndarray:
+        """The stored codes a byte each, [group, block, 4-column step j, lane, 4] (U8's layout):
+        nibbles and bit planes joined for U4, U5 and U6."""
+        G, nb = -(-self.V // 8), self.D // 32
+        raw = self.codes.numpy()
+        if self.kind not in NIBBLE_KINDS:
+            return raw.reshape(G, nb, 8, 8, 4)
+        planes = PLANES.get(self.kind, 0)
+        blk = raw.reshape(G, nb, 128 + 32 * planes)
+        b = blk[:, :, :128].reshape(G, nb, 4, 8, 4)
+        b = np.concatenate([b & 15, b >> 4], axis=2)
+        for p in range(planes):
+            plane = blk[:, :, 128 + 32 * p: 160 + 32 * p].reshape(G, nb, 1, 8, 4)
+            b = b | (((plane >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1) << (4 + p))
+        return b
 
     @property
     def nbytes(self) -> int:
@@ -173,17 +182,7 @@ class QPart:
     def dequantize(self) -> np.ndarray:
         """The weights [V, D] in float64, from the packed layout (tests: the reference)."""
         G, nb = -(-self.V // 8), self.D // 32
-        raw = self.codes.numpy()
-        if self.kind in NIBBLE_KINDS:
-            planes = PLANES.get(self.kind, 0)
-            blk = raw.reshape(G, nb, 128 + 32 * planes)
-            b = blk[:, :, :128].reshape(G, nb, 4, 8, 4)
-            b = np.concatenate([b & 15, b >> 4], axis=2)
-            for p in range(planes):
-                plane = blk[:, :, 128 + 32 * p: 160 + 32 * p].reshape(G, nb, 1, 8, 4)
-                b = b | (((plane >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1) << (4 + p))
-        else:
-            b = raw.reshape(G, nb, 8, 8, 4)
+        b = self._code_bytes()
         codes = b.view(np.int8) if self.kind == S8 else b
         codes = codes.astype(np.float64).transpose(0, 3, 1, 2, 4).reshape(G * 8, self.D)[: self.V] + self.zb
         per = 32 // self.sub
