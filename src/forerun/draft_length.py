@@ -137,8 +137,9 @@ class DraftLength:
     process, a head catching up on a long prompt) must not poison: a sample counts at most twice
     (at least half) the current average. And the cost
     of the step without drafts is what every choice is measured against, yet while drafting pays
-    it is never timed again: after ``refresh_every`` choices without a sample of it, one step
-    runs without drafts to measure it afresh (this machine's speed drifts by tens of percent).
+    it is never timed again: after ``refresh_every`` choices without a sample of it (counted across
+    requests), one step runs without drafts to measure it afresh (this machine's speed drifts by tens
+    of percent); one never timed at all is timed before anything is drafted against it.
 
     Drafters that offer a token tree or a prompt-lookup chain (``tree_or_chain``) get the option
     with more tokens per second for this round's bucket: the tree's measured yield over its
@@ -179,13 +180,16 @@ class DraftLength:
         self.choices = {"tree": 0, "chain": 0, "none": 0}  # tree-or-chain rounds by what they verified
 
     def renewed(self, k: int | str) -> DraftLength:
-        """A policy for the next request on the same target: the measured costs and tree yields
-        carry over (they belong to the machine, the model and its head); acceptance starts afresh."""
+        """A policy for the next request on the same target: the measured costs, when they were
+        timed, and tree yields carry over (they belong to the machine, the model and its head);
+        acceptance starts afresh."""
         new = DraftLength(k, k_max=self.auto_k_max, k_start=self.k_start, decay=self.decay,
                           margin=self.margin, probe_every=self.probe_every, sequential=self.sequential,
                           tree_probe_every=self.tree_probe_every, max_tree_probe_every=self.max_tree_probe_every,
                           refresh_every=self.refresh_every)
         new.costs = {kind: dict(c) for kind, c in self.costs.items()}
+        # and when each was last timed: a plain step's cost goes stale over many short requests too
+        new._clock, new._seen = self._clock, dict(self._seen)
         new.draft_cost, new.read_cost, new.model_round = self.draft_cost, self.read_cost, self.model_round
         # what a head's tree yields per bucket, and how often that was probed, describe the head and
         # the target as much as the machine: a tree-or-chain drafter's next request starts from them
@@ -236,8 +240,15 @@ class DraftLength:
         return self.accepted.rate(bucket, None)
 
     def cost(self, rows: int, kind: str = "pass") -> float | None:
-        """Predicted seconds of a pass of ``rows`` rows (None: nothing measured yet)."""
-        known = {r: t for r, t in self.costs[kind].items() if t is not None}
+        """Predicted seconds of a pass of ``rows`` rows (None: nothing measured yet). A pass never
+        costs more than one of more rows measured: an average left high by one slow sample (its
+        first, which starts it) would otherwise keep the policy from the very passes that would
+        bring it down (passes of 3 rows averaging 50 ms beside 33 ms for 4, on the Qwen pair)."""
+        known, least = {}, None
+        for r in sorted((r for r, t in self.costs[kind].items() if t is not None), reverse=True):
+            t = self.costs[kind][r]
+            least = t if least is None else min(least, t)
+            known[r] = least
         return interpolate(known, rows) if known else None
 
     # -- choice ----------------------------------------------------------------------------
@@ -261,13 +272,20 @@ class DraftLength:
                 ks = [k if i == first else 0 for i, k in enumerate(ks)]
             return ks
         plain = 1 if self.sequential else n  # the rows of a step without drafts
-        # the step without drafts timed afresh where its cost is stale, and, in a batch, where it was
-        # never timed (twice: the first pass of a row count is not a sample), or drafting would be
-        # weighed against a guess from bigger passes
+        # the step without drafts timed afresh where its cost is stale, and where it was never timed
+        # (twice: the first pass of a row count is not a sample), or drafting would be weighed against
+        # a guess from bigger passes (a draft model that drafts from its first round never makes a
+        # pass of one row by itself)
         stale = plain in self._seen and self._clock - self._seen[plain] > self.refresh_every
-        if stale or (plain > 1 and self.costs["pass"].get(plain) is None):
+        if stale or self.costs["pass"].get(plain) is None:
             self._seen[plain] = self._clock
             return [0] * n
+        # and, a sequence's pass alone, that of one drafted token, timed the same way: the cheapest draft
+        # priced from what it costs, not from a line drawn to a longer draft's pass (a pass's cost rises
+        # slowly over its first rows, and a line through a far point overprices them)
+        first = next((i for i, a in enumerate(available) if a > 0), None)
+        if plain == 1 and first is not None and self.costs["pass"].get(2) is None:
+            return [1 if i == first else 0 for i in range(n)]
         cands = []
         for i, (avail, bucket, conf) in enumerate(zip(available, buckets, confs)):
             a, reach = self.acceptance(bucket), 1.0
