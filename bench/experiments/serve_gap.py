@@ -32,6 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--method", default="draft")
+    ap.add_argument("--draft-lookup", default=None, choices=["ngram", "suffix"],
+                    help="method draft: a model-free chain beside the model (as serve's --draft-lookup)")
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -41,7 +43,8 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(2)
-    setup = build(Options(model=args.model, method=args.method, backend="torch", threads=2))
+    setup = build(Options(model=args.model, method=args.method, backend="torch", threads=2,
+                          draft_lookup=args.draft_lookup))
     target = setup.target
     service = build_service(setup, max_batch=args.max_batch, progress=True)
     batch = service.engine

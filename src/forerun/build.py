@@ -203,9 +203,10 @@ def load_draft_model(options: Options, backend: str):
     on the integer kernels (``requantize_4bit``: cheaper steps; the target still decides every token)."""
     if options.method != "draft":
         return None
+    recode = options.draft_quant == "q4_0"
     model = load_model(options.draft, dtype=options.dtype, device=options.device, backend=backend,
-                       threads=options.threads, max_context=options.max_context)
-    if options.draft_quant == "q4_0" and hasattr(model.backend, "requantize_4bit"):
+                       threads=options.threads, max_context=options.max_context, requantize=recode)
+    if recode and hasattr(model.backend, "requantize_4bit"):  # loaded another way (a file converted first)
         model.backend.requantize_4bit()
     return model
 

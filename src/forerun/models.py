@@ -390,6 +390,7 @@ def load_model(
     backend: str = "auto",
     max_context: int | None = None,
     threads: int | None = None,
+    requantize: bool = False,
 ) -> LoadedModel:
     """Load a model and put it behind a backend.
 
@@ -400,17 +401,19 @@ def load_model(
     A GGUF model that runs on the torch backend's integer path is read straight from its file
     (``_load_gguf_integer``); its transformers model is built only when asked for. The loading
     thread gives its kernel workers back at the end (``ckernels.release_threads``): the model may
-    well be driven from another thread.
+    well be driven from another thread. ``requantize``: a model read onto the integer path has its
+    layer weights re-coded to 4 bits before its kernels are timed (a draft model's: see
+    ``gguf_weights.requantize_4bit``), so that nothing is timed for weights about to go.
     """
     try:
         return _load_model(spec, dtype=dtype, device=device, backend=backend, max_context=max_context,
-                           threads=threads)
+                           threads=threads, requantize=requantize)
     finally:
         release_threads()
 
 
 def _load_model(spec: str, *, dtype: str, device: str, backend: str, max_context: int | None,
-                threads: int | None) -> LoadedModel:
+                threads: int | None, requantize: bool = False) -> LoadedModel:
     if threads is not None:
         if threads < 1:
             raise OptionError("{threads} must be >= 1, got {got}", got=threads)
@@ -424,7 +427,7 @@ def _load_model(spec: str, *, dtype: str, device: str, backend: str, max_context
     if backend == "torch":
         backend = "auto"
     if kind == "gguf" and backend in ("auto", "native") and dev.type == "cpu" and dt == torch.float32 and integer_ready(loc):
-        lean = _load_gguf_integer(spec, Path(loc), max_context=max_context)
+        lean = _load_gguf_integer(spec, Path(loc), max_context=max_context, requantize=requantize)
         if lean is not None:
             return lean
     return _load_transformers(spec, kind, loc, dt, dev, backend, max_context)
@@ -446,7 +449,7 @@ def _load_transformers(spec, kind, loc, dt, dev, backend, max_context) -> Loaded
                       gguf=loc if kind == "gguf" else None)
 
 
-def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedModel | None:
+def _load_gguf_integer(spec: str, path: Path, *, max_context=None, requantize: bool = False) -> LoadedModel | None:
     """The torch backend's integer path read straight from a GGUF file (``gguf_model``): no
     float32 copy of the layers' weights is ever made, so memory and start-up time follow the
     file's size. None (the caller converts the file instead) where the file does not fit."""
@@ -463,7 +466,7 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None) -> LoadedMode
         from forerun.backends.gguf_model import skeleton  # needs the gguf package: GGUF files only
 
         hf_model, files = skeleton(path, cfg)
-        be = NativeBackend(hf_model, max_context=max_context, gguf=str(path), file_tensors=files)
+        be = NativeBackend(hf_model, max_context=max_context, gguf=str(path), file_tensors=files, requantize=requantize)
     except ValueError as e:
         log.info("%s: not read straight onto the integer path (%s); converting it", path.name, e)
         return None

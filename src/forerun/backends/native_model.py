@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from forerun.backends.arch import Arch, Layer, norm_weight, rms_norm
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows, fixed_chunks, fixed_takes
-from forerun.backends.gguf_weights import attach_blocks, attach_gguf_integer, tune_byte_codes, tune_wide_tiles
+from forerun.backends.gguf_weights import (attach_blocks, attach_gguf_integer, requantize_4bit, tune_byte_codes,
+                                           tune_wide_tiles)
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import ROWS_ANY, PackedLinear, f32_rows_kernel, time_body_kernels
@@ -31,7 +32,7 @@ class NativeModel:
 
     def __init__(self, hf_model, *, max_context: int | None = None, pack_linear: bool = True,
                  exact_greedy: bool | str = "auto", batch_invariant: bool = True, gguf: str | None = None,
-                 integer: bool = True, file_tensors=None, fixed_rows: bool | None = None):
+                 integer: bool = True, file_tensors=None, fixed_rows: bool | None = None, requantize: bool = False):
         """``gguf``: the GGUF file the weights were dequantized from. With ``integer`` (the default)
         every layer then runs in ``qrows.c`` on the file's blocks with 8-bit activations, one native
         call per pass (see ``qweights``), where every linear weight is of a handled type and the
@@ -41,7 +42,9 @@ class NativeModel:
         all (ValueError); its token embeddings and LM head are read from the file when used.
         ``fixed_rows``: passes of up to ``fixed_rows.MAX_ROWS`` rows run in fixed shapes (see
         ``fixed_rows``; lossless in any dtype): None (the default) everywhere but the CPU's float32
-        path, which is batch-invariant by its own kernels."""
+        path, which is batch-invariant by its own kernels. ``requantize``: on the integer path, the
+        layer weights re-coded to 4 bits (``gguf_weights.requantize_4bit``: a draft model's) before
+        the kernels are timed."""
         cfg = hf_model.config
         arch = Arch.of(cfg)
         self.arch = arch
@@ -108,7 +111,8 @@ class NativeModel:
             raise ValueError("a model without its linear weights runs on the integer path only")
         self.fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         if self.quant is not None:
-            tune_wide_tiles(self)  # measured once per model shape and machine, then kept
+            if not (requantize and requantize_4bit(self)):  # which times the tiles of what it made
+                tune_wide_tiles(self)  # measured once per model shape and machine, then kept
             tune_byte_codes(self)  # the same, for 6-bit weights read as bytes by passes of several rows
 
     # -- pieces -------------------------------------------------------------------------------
