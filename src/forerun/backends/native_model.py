@@ -17,8 +17,7 @@ import torch.nn.functional as F
 
 from forerun.backends.arch import Arch, Layer, norm_weight, rms_norm
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows, fixed_chunks, fixed_takes
-from forerun.backends.gguf_weights import (attach_blocks, attach_gguf_integer, requantize_4bit, tune_byte_codes,
-                                           tune_wide_tiles)
+from forerun.backends.gguf_weights import attach_blocks, attach_gguf_integer, requantize_4bit, tune_byte_codes, tune_wide_tiles
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import ROWS_ANY, PackedLinear, f32_rows_kernel, time_body_kernels
