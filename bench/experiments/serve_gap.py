@@ -53,10 +53,13 @@ def main() -> None:
     ids = [target.tokenizer.encode(r["turns"][0]) for r in rows]
     greedy = SamplingParams()
 
+    def shown(tokens):  # the text as the server sends it
+        return target.tokenizer.decode(tokens, skip_special_tokens=True)
+
     def run_engine(text, p):
         t = time.perf_counter()
         out = engine.generate(p, max_new_tokens=args.max_new_tokens, params=greedy, k="auto")
-        return out.token_ids, time.perf_counter() - t, out.stats
+        return len(out.token_ids), shown(out.token_ids), time.perf_counter() - t, out.stats
 
     def run_batch(text, p):
         got = []
@@ -65,11 +68,11 @@ def main() -> None:
         batch.submit(req)
         while batch.n_running or batch.n_waiting:
             batch.step()
-        return got, time.perf_counter() - t, req.stats
+        return len(got), shown(got), time.perf_counter() - t, req.stats
 
     ways = {"engine": run_engine, "batch": run_batch}
     if args.http:
-        ways["served"] = _served(service, target.tokenizer, args.max_new_tokens)
+        ways["served"] = _served(service, args.max_new_tokens)
     names = list(ways)
     res = {n: [0, 0.0] for n in names}
     per = {n: [] for n in names}
@@ -82,18 +85,14 @@ def main() -> None:
         order = names[i % len(names):] + names[: i % len(names)]
         outs = {}
         for n in order:
-            toks, s, st = ways[n](text, p)
-            outs[n] = toks if isinstance(toks, str) else target.tokenizer.decode(toks, skip_special_tokens=True)
-            count = len(target.tokenizer.encode(toks)) if isinstance(toks, str) else len(toks)
+            count, outs[n], s, st = ways[n](text, p)
             res[n][0] += count
             res[n][1] += s
             per[n].append(count / s)
             if st is not None:
-                for f in ("draft_s", "verify_s"):
-                    stats[n][f] += getattr(st, f, 0.0)
-                stats[n]["passes"] += getattr(st, "target_passes", 0)
-                stats[n]["drafted"] += getattr(st, "drafted", 0)
-                stats[n]["accepted"] += getattr(st, "accepted", 0)
+                for f, got in (("draft_s", st.draft_s), ("verify_s", st.verify_s), ("passes", st.target_passes),
+                               ("drafted", st.drafted), ("accepted", st.accepted)):
+                    stats[n][f] += got
         ref = outs["engine"]
         same = all(o == ref for o in outs.values())
         equal += same
@@ -113,14 +112,14 @@ def main() -> None:
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, open(args.out, "w"), indent=1)
 
 
-def _served(service, tokenizer, max_new_tokens):
+def _served(service, max_new_tokens):
     """The service on uvicorn (a thread, as ``forerun serve`` runs HTTP) with the engine stepping on
-    this thread while a client streams one request: a function decoding one prompt that way."""
-    import http.client
-
+    this thread while ``forerun loadtest``'s client streams one request: a function decoding one
+    prompt that way (its token count from the stream's usage chunk)."""
     import uvicorn
 
     from forerun.server.app import create_app
+    from forerun.server.loadtest import _Client
 
     config = uvicorn.Config(create_app(service, engine_thread=False), host="127.0.0.1", port=8019, log_level="warning")
     server = uvicorn.Server(config)
@@ -133,17 +132,9 @@ def _served(service, tokenizer, max_new_tokens):
         box = {}
 
         def client():
-            c = http.client.HTTPConnection("127.0.0.1", 8019, timeout=600)
-            body = json.dumps({"model": service.name, "prompt": text, "max_tokens": max_new_tokens,
-                               "temperature": 0, "stream": True})
-            c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            r = c.getresponse()
-            pieces = []
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    pieces.append(json.loads(line[6:])["choices"][0].get("text", ""))
-            box["text"] = "".join(pieces)
+            box["reply"] = _Client("http://127.0.0.1:8019", None).stream(
+                {"model": service.name, "prompt": text, "max_tokens": max_new_tokens, "temperature": 0,
+                 "stream": True, "stream_options": {"include_usage": True}}, timeout=600)
             box["done"] = time.perf_counter()
 
         t = time.perf_counter()
@@ -151,7 +142,10 @@ def _served(service, tokenizer, max_new_tokens):
         th.start()
         engine.run(until=lambda: "done" in box)
         th.join()
-        return box["text"], box["done"] - t, None
+        reply = box["reply"]
+        if reply.get("status") != 200 or "text" not in reply:
+            raise SystemExit(f"the served request failed: {reply}")
+        return reply["tokens"], reply["text"], box["done"] - t, None
 
     return run
 

@@ -478,7 +478,7 @@ def _load_gguf_integer(spec: str, path: Path, *, max_context=None, requantize: b
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     return LoadedModel(name=spec, hf_model=None, hf_loader=full_model, tokenizer=tokenizer, backend=be,
-                       eos_token_ids=eos_ids(hf_model, tokenizer) | gguf_end_ids(path, tokenizer))
+                       eos_token_ids=eos_ids(hf_model, tokenizer, gguf=path))
 
 
 def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> LoadedModel:
@@ -487,7 +487,7 @@ def _load_llamacpp(spec: str, path: Path, *, max_context=None, threads=None) -> 
     be = LlamaCppBackend(model, max_context=max_context, threads=threads)
     if be.vocab_size != len(tokenizer):
         log.info("tokenizer has %d tokens, the model %d", len(tokenizer), be.vocab_size)
-    eos = model.eos_token_ids() | eos_ids(None, tokenizer) | gguf_end_ids(path, tokenizer)
+    eos = model.eos_token_ids() | eos_ids(None, tokenizer, gguf=path)
     return LoadedModel(name=spec, hf_model=None, tokenizer=tokenizer, backend=be, eos_token_ids=eos)
 
 
@@ -507,8 +507,8 @@ def wrap_model(name, hf_model, tokenizer, *, backend: str = "auto", max_context:
         be = HFBackend(hf_model, max_context=max_context)
     else:
         raise ForerunError(f"unknown backend {backend!r} (choose auto, native or hf)")
-    eos = eos_ids(hf_model, tokenizer) | (gguf_end_ids(Path(gguf), tokenizer) if gguf else set())
-    return LoadedModel(name=name, hf_model=hf_model, tokenizer=tokenizer, backend=be, eos_token_ids=eos)
+    return LoadedModel(name=name, hf_model=hf_model, tokenizer=tokenizer, backend=be,
+                       eos_token_ids=eos_ids(hf_model, tokenizer, gguf=gguf))
 
 
 # Tokens that end a generation wherever a GGUF file's vocabulary holds them as they are written here
@@ -537,8 +537,10 @@ def gguf_end_ids(path: Path, tokenizer) -> set[int]:
     return ids
 
 
-def eos_ids(hf_model, tokenizer) -> set[int]:
-    ids: set[int] = set()
+def eos_ids(hf_model, tokenizer, gguf: str | Path | None = None) -> set[int]:
+    """The ids a generation stops at: the eos ids of the model's generation config, its config and
+    its tokenizer; with ``gguf`` (the file the model was read from) also ``gguf_end_ids``."""
+    ids: set[int] = set(gguf_end_ids(Path(gguf), tokenizer)) if gguf else set()
     srcs = (getattr(hf_model, "generation_config", None), hf_model.config) if hf_model is not None else ()
     for src in (*srcs, tokenizer):
         v = getattr(src, "eos_token_id", None) if src is not None else None
