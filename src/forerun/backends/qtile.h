@@ -112,11 +112,34 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
     QT_VF acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = QF_ZERO();
     for (int b = 0; b < nb; b++, blk += cb) {
-        if (PF_AHEAD)
+        if (PF_AHEAD) {
             for (int c = 0; c < cb; c += 64) {
                 _mm_prefetch((const char *)blk + PF_AHEAD + c, _MM_HINT_T0);
                 if (QT_W == 512) _mm_prefetch((const char *)blk + gs + PF_AHEAD + c, _MM_HINT_T0);
             }
+            /* The scales, offsets and factors of the block the codes' prefetch reaches: streams
+             * of 8-32 bytes a block that the hardware prefetchers left to miss (a step stalled at
+             * each new line of them; 8-10% of a pass of 1-8 rows on the 1.5B, docs/kernels.md). */
+            const int pb = b + PF_AHEAD / cb, ssz = f16 == FACTORED ? 1 : f16 ? 2 : 4;
+            const int64_t so = (sbase + (int64_t)pb * sub * 8) * ssz; /* byte offset of its first scale */
+            if ((so & 63) < sub * 8 * ssz) { /* the first block on a new line */
+                _mm_prefetch((const char *)w->scale + so, _MM_HINT_T0);
+                if (has_off) _mm_prefetch((const char *)w->offset + so, _MM_HINT_T0);
+                if (QT_W == 512) {
+                    _mm_prefetch((const char *)w->scale + so + ss * ssz, _MM_HINT_T0);
+                    if (has_off) _mm_prefetch((const char *)w->offset + so + ss * ssz, _MM_HINT_T0);
+                }
+            }
+            if (f16 == FACTORED && pb % 8 == 0) { /* a factor per 8 blocks */
+                const int64_t fo = g * fs + (pb / 8) * 8;
+                _mm_prefetch((const char *)(w->sfac + fo), _MM_HINT_T0);
+                if (has_off) _mm_prefetch((const char *)(w->ofac + fo), _MM_HINT_T0);
+                if (QT_W == 512) {
+                    _mm_prefetch((const char *)(w->sfac + fo + fs), _MM_HINT_T0);
+                    if (has_off) _mm_prefetch((const char *)(w->ofac + fo + fs), _MM_HINT_T0);
+                }
+            }
+        }
         for (int s = 0; s < sub; s++) {
             QT_VI isum[RT];
 #if !VNNI
