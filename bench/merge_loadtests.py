@@ -28,11 +28,12 @@ def main() -> None:
             merged["methods"][name] = run
     # greedy: every server's text against forerun's plain decoding, and each llama-server variant's
     # against llama-server's own plain decoding
+    # (a server run fresh for each level is named NAME@cN: its base name is NAME)
     for ref_name in ("forerun-none", "llama-server") if merged.get("temperature") == 0 else ():
-        base = merged["methods"].get(ref_name)
-        if base is None:
+        ref = {lv["concurrency"]: lv.get("texts", {}) for name, run in merged["methods"].items()
+               if name.split("@")[0] == ref_name for lv in run["levels"]}
+        if not ref:
             continue
-        ref = {lv["concurrency"]: lv.get("texts", {}) for lv in base["levels"]}
         for name, run in merged["methods"].items():
             if ref_name == "llama-server" and not name.startswith("llama-server"):
                 continue

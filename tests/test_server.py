@@ -568,6 +568,16 @@ def test_loadtest_compares_named_servers_in_one_table(gemma, capsys):
         b.close()
 
 
+def test_a_loadtest_report_names_a_model_file_from_the_home_folder(monkeypatch, tmp_path):
+    """llama-server names its model by the file's path: the report keeps it from ``~``."""
+    from forerun.server.loadtest import report_name
+
+    monkeypatch.setenv("HOME", str(tmp_path / "u"))
+    assert report_name(str(tmp_path / "u" / ".cache" / "m.gguf")) == "~/.cache/m.gguf"
+    assert report_name(str(tmp_path / "u2" / "m.gguf")) == str(tmp_path / "u2" / "m.gguf")  # not under home
+    assert report_name("qwen2.5-coder-1.5b") == "qwen2.5-coder-1.5b"
+
+
 def _raw(port, data: bytes = b"", timeout=10.0) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     if data:

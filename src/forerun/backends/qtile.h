@@ -64,6 +64,29 @@ static inline QT_VI QT(bcast4)(const int8_t *p) {
     return QI_SET32(v);
 }
 
+/* acc + u . (4 activation codes at p, broadcast): with AVX-512 VL, vpdpbusd's own broadcast from
+ * memory ({1to8}, {1to16}: one instruction where the broadcast was a second one; GCC 12 does not
+ * fold it from the intrinsics), else the broadcast and the product apart. The same sums. Defined
+ * once for both widths (the name QT gives is chosen where it is used). */
+#ifndef DPM_ONCE
+#define DPM_ONCE
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(FORERUN_EMULATE_VNNI)
+static inline __m256i dpm_256(__m256i acc, __m256i u, const int8_t *p) {
+    __asm__("vpdpbusd %1%{1to8%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t *)p), "v"(u));
+    return acc;
+}
+#if defined(__AVX512F__)
+static inline __m512i dpm_512(__m512i acc, __m512i u, const int8_t *p) {
+    __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t *)p), "v"(u));
+    return acc;
+}
+#endif
+#define QI_DPM(acc, u, p) QT(dpm)(acc, u, p)
+#else
+#define QI_DPM(acc, u, p) QI_DPBUSD(acc, u, QT(bcast4)(p))
+#endif
+#endif
+
 /* Bit q of the codes of vector j (0..7) of a block, from its bit plane at p (bit j of each byte),
  * in place (value 1 << q): 16-bit shifts move bit j of each byte to bit q without crossing bytes
  * at that bit, and the mask drops the rest. j and q are constants where it is inlined. */
@@ -155,8 +178,8 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
                     for (int r = 0; r < nr; r++) {
                         const int8_t *x = xr[r] + b * 32 + 4 * i;
 #if VNNI
-                        QT_VI t = QI_DPBUSD(i == 0 ? QI_ZERO() : isum[r], lo, QT(bcast4)(x));
-                        isum[r] = QI_DPBUSD(t, hi, QT(bcast4)(x + 16));
+                        QT_VI t = QI_DPM(i == 0 ? QI_ZERO() : isum[r], lo, x);
+                        isum[r] = QI_DPM(t, hi, x + 16);
 #else /* 8 products of codes < 16: at most 8 * 2 * 15 * 127 < 32768 */
                         QT_VI p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, QT(bcast4)(x)),
                                                    _mm256_maddubs_epi16(hi, QT(bcast4)(x + 16)));
@@ -184,11 +207,14 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
                     }
 #pragma GCC unroll 8
                     for (int r = 0; r < nr; r++) {
+#if VNNI
+                        if (kind == S8)
+                            isum[r] = QI_DPBUSD(jj == 0 ? QI_ZERO() : isum[r], u, QI_SIGN8(QT(bcast4)(xr[r] + b * 32 + 4 * j), v));
+                        else
+                            isum[r] = QI_DPM(jj == 0 ? QI_ZERO() : isum[r], u, xr[r] + b * 32 + 4 * j);
+#else
                         QT_VI xb = QT(bcast4)(xr[r] + b * 32 + 4 * j);
                         if (kind == S8) xb = QI_SIGN8(xb, v);
-#if VNNI
-                        isum[r] = QI_DPBUSD(jj == 0 ? QI_ZERO() : isum[r], u, xb);
-#else
                         QT_VI p = _mm256_maddubs_epi16(u, xb);
                         part[r] = jj % span == 0 ? p : _mm256_add_epi16(part[r], p);
                         IN_ORDER(part[r]);

@@ -293,6 +293,13 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requ
     }
 
 
+def report_name(name: str) -> str:
+    """A served model's name as a report keeps it: a path under the home folder written from ``~``
+    (llama-server names its model by the file's path), so that a report can be shared."""
+    home = os.path.expanduser("~").rstrip(os.sep)
+    return "~" + name[len(home):] if home and name.startswith(home + os.sep) else name
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -376,7 +383,7 @@ def run_loadtest(args, log=print) -> dict:
             code, body = _Client(url, args.api_key).get("/v1/models")
             if code == 200:
                 model = json.loads(body)["data"][0]["id"]
-            out = {"served_model": model, "levels": []}
+            out = {"served_model": report_name(model), "levels": []}
             for c in levels:
                 n = args.requests or max(26, 4 * c)
                 mem = {}
