@@ -87,6 +87,12 @@ static inline __m512i dpm_512(__m512i acc, __m512i u, const int8_t *p) {
 #endif
 #endif
 
+/* Prefetch p and, at 512 bits, the same place in group g + 1's stream, ``next`` bytes on. */
+static inline __attribute__((always_inline)) void QT(prefetch)(const void *p, int64_t next) {
+    _mm_prefetch((const char *)p, _MM_HINT_T0);
+    if (QT_W == 512) _mm_prefetch((const char *)p + next, _MM_HINT_T0);
+}
+
 /* Bit q of the codes of vector j (0..7) of a block, from its bit plane at p (bit j of each byte),
  * in place (value 1 << q): 16-bit shifts move bit j of each byte to bit q without crossing bytes
  * at that bit, and the mask drops the rest. j and q are constants where it is inlined. */
@@ -136,31 +142,20 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
     for (int r = 0; r < nr; r++) acc[r] = QF_ZERO();
     for (int b = 0; b < nb; b++, blk += cb) {
         if (PF_AHEAD) {
-            for (int c = 0; c < cb; c += 64) {
-                _mm_prefetch((const char *)blk + PF_AHEAD + c, _MM_HINT_T0);
-                if (QT_W == 512) _mm_prefetch((const char *)blk + gs + PF_AHEAD + c, _MM_HINT_T0);
-            }
+            for (int c = 0; c < cb; c += 64) QT(prefetch)(blk + PF_AHEAD + c, gs);
             /* The scales, offsets and factors of the block the codes' prefetch reaches: streams
              * of 8-32 bytes a block that the hardware prefetchers left to miss (a step stalled at
              * each new line of them; 8-10% of a pass of 1-8 rows on the 1.5B, docs/kernels.md). */
             const int pb = b + PF_AHEAD / cb, ssz = f16 == FACTORED ? 1 : f16 ? 2 : 4;
             const int64_t so = (sbase + (int64_t)pb * sub * 8) * ssz; /* byte offset of its first scale */
             if ((so & 63) < sub * 8 * ssz) { /* the first block on a new line */
-                _mm_prefetch((const char *)w->scale + so, _MM_HINT_T0);
-                if (has_off) _mm_prefetch((const char *)w->offset + so, _MM_HINT_T0);
-                if (QT_W == 512) {
-                    _mm_prefetch((const char *)w->scale + so + ss * ssz, _MM_HINT_T0);
-                    if (has_off) _mm_prefetch((const char *)w->offset + so + ss * ssz, _MM_HINT_T0);
-                }
+                QT(prefetch)((const char *)w->scale + so, ss * ssz);
+                if (has_off) QT(prefetch)((const char *)w->offset + so, ss * ssz);
             }
             if (f16 == FACTORED && pb % 8 == 0) { /* a factor per 8 blocks */
                 const int64_t fo = g * fs + (pb / 8) * 8;
-                _mm_prefetch((const char *)(w->sfac + fo), _MM_HINT_T0);
-                if (has_off) _mm_prefetch((const char *)(w->ofac + fo), _MM_HINT_T0);
-                if (QT_W == 512) {
-                    _mm_prefetch((const char *)(w->sfac + fo + fs), _MM_HINT_T0);
-                    if (has_off) _mm_prefetch((const char *)(w->ofac + fo + fs), _MM_HINT_T0);
-                }
+                QT(prefetch)(w->sfac + fo, fs * (int64_t)sizeof(float));
+                if (has_off) QT(prefetch)(w->ofac + fo, fs * (int64_t)sizeof(float));
             }
         }
         for (int s = 0; s < sub; s++) {
@@ -207,13 +202,14 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
                     }
 #pragma GCC unroll 8
                     for (int r = 0; r < nr; r++) {
+                        const int8_t *x = xr[r] + b * 32 + 4 * j;
 #if VNNI
                         if (kind == S8)
-                            isum[r] = QI_DPBUSD(jj == 0 ? QI_ZERO() : isum[r], u, QI_SIGN8(QT(bcast4)(xr[r] + b * 32 + 4 * j), v));
+                            isum[r] = QI_DPBUSD(jj == 0 ? QI_ZERO() : isum[r], u, QI_SIGN8(QT(bcast4)(x), v));
                         else
-                            isum[r] = QI_DPM(jj == 0 ? QI_ZERO() : isum[r], u, xr[r] + b * 32 + 4 * j);
+                            isum[r] = QI_DPM(jj == 0 ? QI_ZERO() : isum[r], u, x);
 #else
-                        QT_VI xb = QT(bcast4)(xr[r] + b * 32 + 4 * j);
+                        QT_VI xb = QT(bcast4)(x);
                         if (kind == S8) xb = QI_SIGN8(xb, v);
                         QT_VI p = _mm256_maddubs_epi16(u, xb);
                         part[r] = jj % span == 0 ? p : _mm256_add_epi16(part[r], p);
