@@ -122,6 +122,21 @@ def integer_sub_head(model, rows: torch.Tensor):
     return head
 
 
+def joined_head(model, first, rows: torch.Tensor):
+    """``first`` (an ``integer_sub_head``) with the vocabulary rows ``rows`` after its own, in one
+    head (logits: first's rows, then these), its blocks shared, not copied: a draft vocabulary
+    grown by the tokens a context brings (``drafters.draft_model.ContextVocab``). None off the
+    integer path or where ``first`` is not an integer head."""
+    if getattr(first, "qlin", None) is None or not len(rows):
+        return None
+    more = integer_sub_head(model, rows)
+    if more is None:
+        return None
+    head = PackedLinear(torch.empty(first.qlin.shape[0] + len(rows), model.hidden_size, device="meta"), False)
+    head.qlin = QLinear([*first.qlin.parts, *more.qlin.parts])  # the first's parts keep column 0
+    return head
+
+
 def tune_wide_tiles(model) -> None:
     """In the AVX-512 build, from how many rows of a pass the 512-bit tile takes the layers'
     weights, and the LM head's: measured once per model shape and machine (``tune_wide``,

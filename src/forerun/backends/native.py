@@ -14,7 +14,7 @@ import torch
 
 from forerun.backends.base import ArgmaxOutput, BackendBase, Capabilities, ForwardOutput, check_forward
 from forerun.backends.fixed_rows import fixed_chunks, fixed_takes
-from forerun.backends.gguf_weights import attach_integer, integer_sub_head, requantize_4bit
+from forerun.backends.gguf_weights import attach_integer, integer_sub_head, joined_head, requantize_4bit
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import PackedLinear
 from forerun.backends.native_model import NativeModel
@@ -109,6 +109,11 @@ class NativeBackend(BackendBase):
     def integer_sub_head(self, rows: torch.Tensor):
         """``sub_head`` on the integer kernels from the GGUF file's own blocks (None off that path)."""
         return integer_sub_head(self.model, rows)
+
+    def joined_head(self, first, rows: torch.Tensor):
+        """``first`` (an ``integer_sub_head``) and the rows ``rows`` after it in one integer head
+        (``gguf_weights.joined_head``; None off that path)."""
+        return joined_head(self.model, first, rows)
 
     def requantize_4bit(self) -> bool:
         """The model's layer weights re-coded to Q4_0 (``gguf_weights.requantize_4bit``): a draft's."""

@@ -11,6 +11,49 @@ from forerun.prefix_cache import PrefixCache, keep_chunks, prefill
 from forerun.sampling import SeededNoise, logits_to_probs, sample
 
 PROB_BINS = 20  # a drafted token's confidence is learnt per twentieth of its draft probability
+MAX_CONTEXT_TOKENS = 4096  # the most tokens contexts add to a draft vocabulary before it starts afresh
+
+
+class ContextVocab:
+    """A draft vocabulary (``vocab``, its head ``head``) grown by every token of the contexts the
+    draft model reads that it lacks: a prompt's names and words, which a fixed vocabulary chosen
+    from other text misses and the target then copies (the Qwen2.5-Coder pair, Spec-Bench chat
+    turns, 2026-12-02: 7.8% of the target's tokens outside the 32,768-token vocabulary, 4.1% outside
+    it and the prompt; the draft model's top-1 agreement with the target 0.764 -> 0.796). Shared by
+    a drafter's forks (one head for a batched step); the added rows come after the vocabulary's
+    own, so a head built later holds every row of an earlier one at the same place. Where the
+    added tokens pass ``max_added``, ``start_request`` drops them (between rounds: each round's
+    drafts take one head and its map). Only heads on the integer kernels grow (``joined_head``)."""
+
+    def __init__(self, backend, vocab: torch.Tensor, head, max_added: int = MAX_CONTEXT_TOKENS):
+        self.backend, self.vocab, self.base_head, self.max_added = backend, vocab, head, max_added
+        self.rows = backend.vocab_size  # the draft model's head rows (a target's tokenizer may count more)
+        self.known = set(vocab.tolist())
+        self.added: list[int] = []
+        self.head, self.map = head, vocab
+        self._pending: set[int] = set()
+
+    def start_request(self) -> None:
+        if len(self.added) > self.max_added:
+            self.known.difference_update(self.added)
+            self.added, self.head, self.map = [], self.base_head, self.vocab
+
+    def add(self, tokens) -> None:
+        """Tokens the vocabulary should hold from the next ``current`` on."""
+        self._pending.update(t for t in tokens if t not in self.known and 0 <= t < self.rows)
+
+    def current(self):
+        """(head, map) with every token added so far."""
+        if self._pending:
+            fresh = sorted(self._pending)
+            self._pending.clear()
+            rows = torch.tensor(self.added + fresh, dtype=torch.long)
+            head = self.backend.joined_head(self.base_head, rows)
+            if head is not None:
+                self.added += fresh
+                self.known.update(fresh)
+                self.head, self.map = head, torch.cat([self.vocab, rows.to(self.vocab.device)])
+        return self.head, self.map
 
 
 class DraftModelDrafter(Drafter):
@@ -27,7 +70,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, backend, vocab: torch.Tensor | None = None, head=None, window: int | None = None,
                  p_min: float = 0.0, calibration: Acceptance | None = None, lookup=None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, context_vocab: bool | ContextVocab = True):
         """``vocab``: the token ids the draft may propose (``draft_vocab``), its LM head cut to them.
         ``window``: the most committed tokens the draft reads when it (re)starts: a long prompt, or
         a long stretch it did not draft for, is read from its last ``window`` tokens only (None: all).
@@ -39,7 +82,9 @@ class DraftModelDrafter(Drafter):
         it promises more tokens per second than the model's draft, and the model then drafts nothing.
         ``prefix_cache``: the draft model's keys and values of prompt chunks, shared by forks
         (``share_prefixes``); a prompt is then read in the cache's chunks from position 0, those
-        an earlier prompt computed taken from it (a windowed draft reads as before)."""
+        an earlier prompt computed taken from it (a windowed draft reads as before).
+        ``context_vocab``: with ``vocab``, every token of the context that the vocabulary lacks joins
+        it (``ContextVocab``; on the integer kernels; False: the vocabulary as given)."""
         if window is not None and window < 1:
             raise ForerunError(f"the draft model's context window must be at least 1 token, got {window}")
         if not 0.0 <= p_min < 1.0:
@@ -56,18 +101,27 @@ class DraftModelDrafter(Drafter):
         self.prefix_cache = prefix_cache
         if vocab is not None and head is None:  # the integer kernels' rows where the model runs on them
             self.head = getattr(backend, "integer_sub_head", lambda r: None)(vocab) or backend.sub_head(vocab)
+        self.context = context_vocab if isinstance(context_vocab, ContextVocab) else None
+        if (context_vocab is True and self.vocab is not None and hasattr(backend, "joined_head")
+                and getattr(self.head, "qlin", None) is not None):
+            self.context = ContextVocab(backend, self.vocab, self.head)
+        self._shown = 0  # how many of the sequence's tokens ``context`` has been shown
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
         self.backend.reset()
         self.offset = 0
         self._last = None
+        self._shown = 0
+        if self.context is not None:
+            self.context.start_request()
         if self.lookup is not None:
             self.lookup.begin(prompt, params, generator)
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.backend.fork(), self.vocab, self.head, self.window, self.p_min, self.calibration,
-                                 None if self.lookup is None else self.lookup.fork(), self.prefix_cache)
+                                 None if self.lookup is None else self.lookup.fork(), self.prefix_cache,
+                                 self.context if self.context is not None else False)
 
     def share_prefixes(self, max_bytes: int) -> None:
         if max_bytes > 0 and self.window is None and self.backend.capabilities.kv_segments:
@@ -143,6 +197,10 @@ class DraftModelDrafter(Drafter):
         the draft model one batched pass over the sequences still drafting."""
         chains, fwd = zip(*(d._chain(t, k, more) for d, t, k in zip(drafters, tokens, ks)))
         be, kw = drafters[0].backend, fwd[0]
+        if drafters[0].context is not None:  # one head for the batch: the vocabulary as every chain grew it
+            kw = {"head": drafters[0].context.current()[0]}
+            for c in chains:
+                c.vocab_map = drafters[0].context.map
         live = [i for i, k in enumerate(ks) if k > 0]
         while live:
             outs = be.forward_batch([drafters[i].backend for i in live], [chains[i].feed for i in live],
@@ -167,7 +225,14 @@ class DraftModelDrafter(Drafter):
     def forward_kwargs(self, tokens: list[int]) -> dict:
         """Extra arguments for the draft backend's forward (a draft vocabulary's head; subclasses:
         skipped layers)."""
-        return {} if self.vocab is None else {"head": self.head, "vocab_map": self.vocab}
+        if self.vocab is None:
+            return {}
+        if self.context is None:
+            return {"head": self.head, "vocab_map": self.vocab}
+        self.context.add(tokens[self._shown:])
+        self._shown = len(tokens)
+        head, vocab_map = self.context.current()
+        return {"head": head, "vocab_map": vocab_map}
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.
