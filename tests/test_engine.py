@@ -128,6 +128,21 @@ def test_layer_skip_calibration_is_bounded_and_kept(gemma, tmp_path, monkeypatch
     assert ls.default_calibration(gemma) == first and len(calls) == 1
 
 
+def test_a_draft_vocabulary_takes_the_sample_up_to_its_share_then_the_lowest_ids(tmp_path, monkeypatch):
+    """Of 40 tokens: the 4 special ones, the sample's commonest up to five eighths (25 in all), then
+    the lowest ids left; a rule's choice is kept under its own name."""
+    from conftest import word_tokenizer
+
+    from forerun.drafters import draft_vocab
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    text = " ".join(f"w{60 + i}" for i in range(30) for _ in range(100 - i))  # w60 the commonest, then w61, ...
+    monkeypatch.setattr(draft_vocab, "_sample", lambda: [text])
+    v = draft_vocab.draft_vocabulary(word_tokenizer(96), 40)
+    assert set(v.tolist()) == {0, 1, 2, 3} | set(range(60, 81)) | set(range(4, 19))
+    assert [f.name.endswith(f"-40-r{draft_vocab.RULE}.json") for f in (tmp_path / "draft-vocab").iterdir()] == [True]
+
+
 def test_a_draft_vocabulary_is_lossless_greedy_and_chosen_once(tmp_path, monkeypatch):
     """``draft_tokens``: the draft model proposes only the commonest tokens (specials, then the
     standard library sample's most frequent, then the lowest ids), its head cut to them; greedy
