@@ -127,8 +127,12 @@ def test_the_joined_head_computes_its_rows_own_logits_and_starts_afresh_past_its
     h = torch.randn(3, be.model.hidden_size, generator=torch.Generator().manual_seed(0))
     whole = be.integer_sub_head(vocab_map)(h)
     assert torch.equal(head(h), whole) and torch.equal(base(h), whole[:, : len(BASE)])
-    ctx.add(range(100, 110))
-    assert ctx.current()[1].tolist()[: len(BASE) + 2] == vocab_map.tolist()  # earlier rows keep their places
+    for i in range(10):  # ten more batches of new rows: one part each, joined again past eight parts
+        ctx.add([100 + i])
+        grown, m = ctx.current()
+        assert m.tolist()[: len(BASE) + 2] == vocab_map.tolist() and len(grown.qlin.parts) <= 8  # rows keep their places
+        assert torch.equal(grown(h), be.integer_sub_head(m)(h))
+    assert m.tolist() == BASE.tolist() + [50, 77, *range(100, 110)]
     ctx.start_request()  # 12 added, over the cap of 8: the next request starts from the vocabulary
     assert ctx.current()[0] is base and ctx.added == [] and ctx.map is BASE
     ctx.add([50])

@@ -12,6 +12,7 @@ from forerun.sampling import SeededNoise, logits_to_probs, sample
 
 PROB_BINS = 20  # a drafted token's confidence is learnt per twentieth of its draft probability
 MAX_CONTEXT_TOKENS = 4096  # the most tokens contexts add to a draft vocabulary before it starts afresh
+MAX_HEAD_PARTS = 8  # parts of one integer weight (qrows.c): the added rows' parts joined into one past it
 
 
 class ContextVocab:
@@ -21,7 +22,9 @@ class ContextVocab:
     turns, 2026-12-02: 7.8% of the target's tokens outside the 32,768-token vocabulary, 4.1% outside
     it and the prompt; the draft model's top-1 agreement with the target 0.764 -> 0.796). Shared by
     a drafter's forks (one head for a batched step); the added rows come after the vocabulary's
-    own, so a head built later holds every row of an earlier one at the same place. Where the
+    own, so a head built later holds every row of an earlier one at the same place (each batch of
+new rows one more part of the head, from the file's blocks of those rows only; past
+``MAX_HEAD_PARTS`` the added rows are joined into one part again). Where the
     added tokens pass ``max_added``, ``start_request`` drops them (between rounds: each round's
     drafts take one head and its map). Only heads on the integer kernels grow (``joined_head``)."""
 
@@ -47,12 +50,15 @@ class ContextVocab:
         if self._pending:
             fresh = sorted(self._pending)
             self._pending.clear()
-            rows = torch.tensor(self.added + fresh, dtype=torch.long)
-            head = self.backend.joined_head(self.base_head, rows)
+            if len(self.head.qlin.parts) < MAX_HEAD_PARTS:  # the new rows one more part: nothing built again
+                head = self.backend.joined_head(self.head, torch.tensor(fresh, dtype=torch.long))
+            else:  # the added rows in one part again
+                head = self.backend.joined_head(self.base_head, torch.tensor(self.added + fresh, dtype=torch.long))
             if head is not None:
                 self.added += fresh
                 self.known.update(fresh)
-                self.head, self.map = head, torch.cat([self.vocab, rows.to(self.vocab.device)])
+                self.head = head
+                self.map = torch.cat([self.vocab, torch.tensor(self.added, dtype=torch.long, device=self.vocab.device)])
         return self.head, self.map
 
 
