@@ -23,10 +23,10 @@ class ContextVocab:
     it and the prompt; the draft model's top-1 agreement with the target 0.764 -> 0.796). Shared by
     a drafter's forks (one head for a batched step); the added rows come after the vocabulary's
     own, so a head built later holds every row of an earlier one at the same place (each batch of
-new rows one more part of the head, from the file's blocks of those rows only; past
-``MAX_HEAD_PARTS`` the added rows are joined into one part again). Where the
-    added tokens pass ``max_added``, ``start_request`` drops them (between rounds: each round's
-    drafts take one head and its map). Only heads on the integer kernels grow (``joined_head``)."""
+    new rows one more part of the head, from the file's blocks of those rows only; past
+    ``MAX_HEAD_PARTS`` the added rows are joined into one part again). Where the added tokens pass
+    ``max_added``, ``start_request`` drops them (between rounds: each round's drafts take one head
+    and its map). Only heads on the integer kernels grow (``joined_head``)."""
 
     def __init__(self, backend, vocab: torch.Tensor, head, max_added: int = MAX_CONTEXT_TOKENS):
         self.backend, self.vocab, self.base_head, self.max_added = backend, vocab, head, max_added

@@ -9,8 +9,9 @@ the tokenizer was made from, prose of every kind) up to ``n``; counted once per 
 in the cache. (Five eighths, measured on the Qwen2.5-Coder pair's own greedy output for 18 chat
 prompts and 5 code stubs, none from a benchmark: the share of its tokens the vocabulary holds went
 from 0.929 to 0.937 on the chat answers and from 0.972 to 0.978 on the code, against the sample's
-23,178 tokens taken whole; docs/drafters.md.) Lossless whatever it holds: the target verifies every draft, and a sampling
-draft is judged against the restricted distribution it really drew from.
+23,178 tokens taken whole; docs/drafters.md.) Lossless whatever it holds: the target verifies
+every draft, and a sampling draft is judged against the restricted distribution it really drew
+from.
 """
 
 from __future__ import annotations
