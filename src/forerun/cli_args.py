@@ -39,8 +39,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "fingerprint)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="--method draft: the draft model proposes only its N commonest tokens, its LM head cut to "
-                        "them (lossless: the target verifies; 0: all; default 32768 where its vocabulary is over "
-                        "65,536 tokens)")
+                        "them, which the tokens of each prompt and answer then join (lossless: the target verifies; "
+                        "0: all; default 32768 where its vocabulary is over 65,536 tokens)")
     p.add_argument("--draft-window", type=int, default=None,
                    help="--method draft: the draft model reads a long prompt, or a long stretch it did not draft "
                         "for, from its last N tokens only (lossless: the target verifies; default 0: all)")
