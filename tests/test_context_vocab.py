@@ -6,11 +6,10 @@ the draft proposes context tokens it could not before, and only those; a batched
 head for every chain; the joined head computes the rows' own logits; the added tokens are dropped
 past their cap."""
 
-import warnings
-
 import pytest
 import torch
 from conftest import run_batch
+from test_gguf_model import lean_backend
 from tiny_gguf import VOCAB, write_tiny_gguf
 
 from forerun.batching import BatchEngine, BatchRequest
@@ -21,26 +20,10 @@ from forerun.sampling import SamplingParams
 BASE = torch.arange(40)  # the draft vocabulary before any context
 
 
-def _lean(path):
-    from transformers import AutoConfig
-
-    from forerun.backends.gguf_model import skeleton
-    from forerun.backends.native import NativeBackend
-    from forerun.backends.qweights import qrows_lib
-
-    if qrows_lib() is None:
-        pytest.skip("the integer kernels do not build here (no C compiler)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model, files = skeleton(path, cfg)
-    return NativeBackend(model, gguf=str(path), file_tensors=files)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("ctx") / "llama.gguf", "llama")
-    return _lean(path), _lean(path)  # target, draft: the same weights, caches of their own
+    return lean_backend(path)[0], lean_backend(path)[0]  # target, draft: the same weights, caches of their own
 
 
 def _prompts(n=4):

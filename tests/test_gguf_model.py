@@ -12,9 +12,10 @@ from tiny_gguf import VOCAB, write_tiny_gguf
 CASES = [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", True), ("gemma3", True)]
 
 
-def _both(path):
-    """(read from the file, converted by transformers): native backends on the integer path."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def lean_backend(path):
+    """(a native backend read straight from the file on the integer path, its skeleton model, its
+    file tensors); skips where the integer kernels do not build."""
+    from transformers import AutoConfig
 
     from forerun.backends.gguf_model import skeleton
     from forerun.backends.native import NativeBackend
@@ -25,9 +26,20 @@ def _both(path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     model, files = skeleton(path, cfg)
-    lean = NativeBackend(model, gguf=str(path), file_tensors=files)
+    return NativeBackend(model, gguf=str(path), file_tensors=files), model, files
+
+
+def _both(path):
+    """(read from the file, converted by transformers): native backends on the integer path."""
+    from transformers import AutoModelForCausalLM
+
+    from forerun.backends.native import NativeBackend
+
+    lean, model, files = lean_backend(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     full = NativeBackend(ref, gguf=str(path))
     assert lean.model.quant is not None and full.model.quant is not None
     return lean, full, model, ref, files
