@@ -201,12 +201,10 @@ class DraftModelDrafter(Drafter):
                       ) -> list[Draft]:
         """``propose`` for several sequences (forks of one drafter, ``batchable``), each step of
         the draft model one batched pass over the sequences still drafting."""
+        for d, t in zip(drafters, tokens):  # every context's tokens first: one head, built once, for every chain
+            d._show(t)
         chains, fwd = zip(*(d._chain(t, k, more) for d, t, k in zip(drafters, tokens, ks)))
         be, kw = drafters[0].backend, fwd[0]
-        if drafters[0].context is not None:  # one head for the batch: the vocabulary as every chain grew it
-            kw = {"head": drafters[0].context.current()[0]}
-            for c in chains:
-                c.vocab_map = drafters[0].context.map
         live = [i for i, k in enumerate(ks) if k > 0]
         while live:
             outs = be.forward_batch([drafters[i].backend for i in live], [chains[i].feed for i in live],
@@ -235,10 +233,15 @@ class DraftModelDrafter(Drafter):
             return {}
         if self.context is None:
             return {"head": self.head, "vocab_map": self.vocab}
-        self.context.add(tokens[self._shown:])
-        self._shown = len(tokens)
+        self._show(tokens)
         head, vocab_map = self.context.current()
         return {"head": head, "vocab_map": vocab_map}
+
+    def _show(self, tokens: list[int]) -> None:
+        """The tokens ``context`` has not been shown yet, to join it at its next ``current``."""
+        if self.context is not None:
+            self.context.add(tokens[self._shown:])
+            self._shown = len(tokens)
 
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.
