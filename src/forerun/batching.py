@@ -114,11 +114,8 @@ class BatchEngine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if target.capabilities.kv_segments and prefix_cache_bytes else None
         if self.drafter is not None and prefix_cache_bytes:  # a draft model keeps its own prefixes, as much again
             self.drafter.share_prefixes(prefix_cache_bytes)
-        # the server's draft lengths: slower to forget, and drafting must beat plain batched decoding by 3%;
-        # a step without drafts timed afresh every 256 choices, as the engine's (each refresh is a round not
-        # drafted: at 64, one client's code completions on the Qwen pair took 1.023x the time, paired)
-        self.policy = DraftLength(k_max=k_max, decay=0.95, margin=0.03, probe_every=32, sequential=not self.batched,
-                                  refresh_every=256)
+        # the server's draft lengths: slower to forget, and drafting must beat plain batched decoding by 3%
+        self.policy = DraftLength(k_max=k_max, decay=0.95, margin=0.03, probe_every=32, sequential=not self.batched)
         self.decoder = Decoder(target, self.drafter, eos_token_ids, self.policy)
         self.waiting: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []

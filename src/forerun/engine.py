@@ -47,10 +47,8 @@ class Engine:
     def __init__(self, target, drafter: Drafter | None = None, eos_token_ids=()):
         self.target = target  # a Backend
         self.drafter = drafter
-        # the last request's draft-length policy: the next one starts from its measured costs. A plain
-        # step is timed afresh every 256 choices across requests (each such step is a round not drafted:
-        # at 64, the Qwen pair's code completions ran 4-7% slower, paired)
-        self.policy = DraftLength(refresh_every=256)
+        # the last request's draft-length policy: the next one starts from its measured costs
+        self.policy = DraftLength()
         self.decoder = Decoder(target, drafter, eos_token_ids, self.policy)
         self.eos = self.decoder.eos
 
