@@ -205,6 +205,13 @@ MUTANTS = [
     ("grammar-tree-no-reroot", "constrain.py", "            for n in want[common:]:  # then down to the parent",
      "            for n in want[len(want):]:  # then down to the parent",
      "a tree node's mask taken in its last sibling's state", ["tests/test_constrain.py"]),
+    ("draft-keeps-past-shared", "drafters/draft_model.py", "        while n < most and held[n] == prompt[n]:",
+     "        while n < most and held[n - 1] == prompt[n - 1]:",
+     "a draft model's next sequence keeps one position past the tokens it shares with the last", ENGINE),
+    ("draft-keeps-unsettled", "drafters/draft_model.py",
+     "        self._settled = False  # drafts go into the cache until the verdict (``accepted``) cuts them",
+     "        self._settled = True", "a draft model keeps positions after a sequence that ended with drafts in its cache",
+     ENGINE),
 ]
 
 

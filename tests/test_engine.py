@@ -198,6 +198,38 @@ def test_a_windowed_draft_model_reads_little_and_stays_lossless(gemma, gemma_dra
         DraftModelDrafter(gemma_draft.backend, p_min=1.0)
 
 
+def test_a_draft_model_keeps_the_positions_the_next_prompt_shares(gemma, gemma_draft):
+    """A draft model's next sequence keeps the cached positions of the tokens it begins with like
+    the last one (a system prompt, earlier turns): it reads only the rest, drafts exactly what a
+    fresh draft model drafts there, and the output is plain decoding's. ``forget_history`` drops them."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    shared = [2] + [5 + (i * 7) % 40 for i in range(14)]
+    a, b = shared + [9, 31, 17, 4], shared + [22, 8, 13]
+    plain = Engine(gemma.backend, None, gemma.eos_token_ids)
+    d = DraftModelDrafter(gemma_draft.backend.fork())
+    eng = Engine(gemma.backend, d, gemma.eos_token_ids)
+    assert eng.generate(a, max_new_tokens=12, k=4).token_ids == plain.generate(a, max_new_tokens=12).token_ids
+    d.begin(b, SamplingParams(), None)
+    assert d.backend.length == len(shared) and d.unread(b) == len(b) - 1 - len(shared)
+    fresh = gemma_draft.backend.fork()  # what the model computes reading all of b
+    want = fresh.forward(torch.tensor(b), 0, last_only=True).logits[-1]
+    got = d.backend.forward(torch.tensor(b[len(shared):]), len(shared), last_only=True).logits[-1]
+    assert torch.allclose(got, want, atol=1e-5)
+    d.backend.truncate(len(shared))
+    assert eng.generate(b, max_new_tokens=12, k=4).token_ids == plain.generate(b, max_new_tokens=12).token_ids
+    d.begin(a[:3], SamplingParams(), None)  # shares 3 tokens: keeps the 2 before its last
+    assert d.backend.length == 2
+    d.propose(a[:3], 2)  # a sequence that ends with its drafts in the cache (it failed): none kept
+    d.begin(a, SamplingParams(), None)
+    assert d.backend.length == 0
+    d.catch_up(a)
+    d.accepted(a, 0)
+    d.forget_history()
+    d.begin(a, SamplingParams(), None)
+    assert d.backend.length == 0
+
+
 def test_p_min_stops_the_draft_where_it_is_unsure(gemma, gemma_draft):
     """A draft cut by ``p_min`` is the prefix of the uncut one up to its first token under p_min,
     and it counts the step that found that token (what the policy charges for drafting)."""

@@ -112,10 +112,17 @@ class DraftModelDrafter(Drafter):
                 and getattr(self.head, "qlin", None) is not None):
             self.context = ContextVocab(backend, self.vocab, self.head)
         self._shown = 0  # how many of the sequence's tokens ``context`` has been shown
+        self._held = None  # the last sequence's committed tokens (its cache holds a prefix of them)
+        self._settled = True  # no draft in the cache beyond the committed tokens (``accepted`` came last)
 
     def begin(self, prompt, params, generator):
         super().begin(prompt, params, generator)
-        self.backend.reset()
+        keep = self._kept(prompt)
+        if keep:
+            self.backend.truncate(keep)
+        else:
+            self.backend.reset()
+        self._held = prompt  # the sequence's own list: it grows with every committed token
         self.offset = 0
         self._last = None
         self._shown = 0
@@ -133,7 +140,32 @@ class DraftModelDrafter(Drafter):
         if max_bytes > 0 and self.window is None and self.backend.capabilities.kv_segments:
             self.prefix_cache = PrefixCache(max_bytes)
 
+    def _kept(self, prompt: list[int]) -> int:
+        """The draft cache positions a new sequence keeps from the last one: those of the tokens the
+        two begin with alike (a chat's system prompt and earlier turns, a prompt asked again), so
+        that the model does not read them again. Keys and values depend only on the tokens up to
+        their position, and the target verifies every draft whatever the draft read: the output
+        never depends on what was kept. Only on a backend that holds its cache by position
+        (``kv_segments``; a sliding-window cache of transformers cannot go back that far). None where
+        the prefix cache would give more of the prompt (it is read through the cache), after a
+        windowed read (offset), or where the last sequence ended with drafts in the cache (it failed
+        before their verdict)."""
+        held = self._held
+        if held is None or not self._settled or self.offset != 0 or not self.backend.capabilities.kv_segments:
+            return 0
+        most = min(self.backend.length, len(held) - 1, len(prompt) - 1)  # committed tokens only
+        n = 0
+        while n < most and held[n] == prompt[n]:
+            n += 1
+        if n and self.prefix_cache is not None and self.window is None \
+                and self.prefix_cache.cached_positions(prompt[:-1]) > n:
+            return 0
+        return n
+
     def forget_history(self) -> None:
+        """Forget what earlier sequences left: the positions a next one would keep (``_kept``) and
+        the lookup's history."""
+        self._held = None
         if self.lookup is not None:
             self.lookup.forget_history()
 
@@ -217,6 +249,7 @@ class DraftModelDrafter(Drafter):
         start = self._unread(tokens)
         feed = torch.tensor(tokens[self.offset + start:], dtype=torch.long, device=self.backend.device)
         fwd = self.forward_kwargs(tokens)
+        self._settled = False  # drafts go into the cache until the verdict (``accepted``) cuts them
         chain = Chain(feed, start, k, self.params, self.generator, self.backend.vocab_size, fwd.pop("vocab_map", None),
                       self.offset, self.p_min, lambda p: self.calibration.rate(("p", _bin(p))), more)
         return chain, fwd
@@ -246,6 +279,7 @@ class DraftModelDrafter(Drafter):
     def accepted(self, tokens: list[int], num_accepted: int) -> None:
         # Cached positions are valid up to the last accepted draft; the new token is fed next time.
         self.backend.truncate(max(0, min(self.backend.length, len(tokens) - 1 - self.offset)))
+        self._settled = True
         if self.lookup is not None:  # it learns from every committed token, whoever drafted them
             self.lookup.accepted(tokens, num_accepted)
         if self._last is not None:  # every drafted token the committed ones decide (the verified ones, and
