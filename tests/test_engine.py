@@ -200,8 +200,8 @@ def test_a_windowed_draft_model_reads_little_and_stays_lossless(gemma, gemma_dra
 
 def test_a_draft_model_keeps_the_positions_the_next_prompt_shares(gemma, gemma_draft):
     """A draft model's next sequence keeps the cached positions of the tokens it begins with like
-    the last one (a system prompt, earlier turns): it reads only the rest, drafts exactly what a
-    fresh draft model drafts there, and the output is plain decoding's. ``forget_history`` drops them."""
+    the last one (a system prompt, earlier turns): it reads only the rest, its logits there are
+    those of a fresh read of the whole prompt, and the output is plain decoding's. ``forget_history`` drops them."""
     from forerun.drafters.draft_model import DraftModelDrafter
 
     shared = [2] + [5 + (i * 7) % 40 for i in range(14)]

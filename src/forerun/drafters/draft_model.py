@@ -6,6 +6,7 @@ import torch
 
 from forerun.draft_length import Acceptance
 from forerun.drafters.base import Draft, Drafter
+from forerun.drafters.lookup import common_prefix
 from forerun.errors import ForerunError
 from forerun.prefix_cache import PrefixCache, keep_chunks, prefill
 from forerun.sampling import SeededNoise, logits_to_probs, sample
@@ -153,10 +154,7 @@ class DraftModelDrafter(Drafter):
         held = self._held
         if held is None or not self._settled or self.offset != 0 or not self.backend.capabilities.kv_segments:
             return 0
-        most = min(self.backend.length, len(held) - 1, len(prompt) - 1)  # committed tokens only
-        n = 0
-        while n < most and held[n] == prompt[n]:
-            n += 1
+        n = min(common_prefix(held, prompt), self.backend.length, len(held) - 1, len(prompt) - 1)  # committed tokens only
         if n and self.prefix_cache is not None and self.window is None \
                 and self.prefix_cache.cached_positions(prompt[:-1]) > n:
             return 0

@@ -23,7 +23,8 @@ from forerun.drafters.ngram import lookup_match
 from forerun.drafters.suffix import SuffixDrafter
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` begin with alike."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -66,7 +67,7 @@ class NgramLookup:
             # How far the chain alone would have gone: the committed tokens are the target's own.
             base, chain, bucket = offer
             new = tokens[base:]
-            self.acc.observe(bucket, _common_prefix(chain, new), min(len(chain), len(new)))
+            self.acc.observe(bucket, common_prefix(chain, new), min(len(chain), len(new)))
 
 
 class SuffixLookup:
