@@ -143,6 +143,18 @@ def run_batch(engine, reqs) -> list[list[int]]:
     return [done.get(r.id, []) for r in reqs]
 
 
+def always_draft(policy, monkeypatch) -> None:
+    """A batch engine's policy that drafts every step it can, whatever this machine's speed: drafted
+    rows, draft tokens and a draft model's reading priced at nothing, the prices frozen (measured
+    ones would make whether a draft model drafts, or reads a prompt, depend on how loaded the
+    machine is: ``margin`` alone does not rule ``draft_more`` or ``worth_reading``)."""
+    policy.margin = -1.0
+    policy.costs["pass"] = {r: 0.01 for r in range(1, 64)}
+    policy.draft_cost = policy.read_cost = 1e-6
+    for name in ("observe_pass", "observe_draft", "observe_reading", "observe_model_round"):
+        monkeypatch.setattr(policy, name, lambda *a, **kw: None)
+
+
 def _need_smollm2():
     import importlib.util
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_batch
+from conftest import always_draft, run_batch
 
 from forerun.batching import BatchEngine, BatchRequest, QueueFull
 from forerun.draft_length import DraftLength
@@ -228,13 +228,7 @@ def test_draft_model_batches_equal_plain(gemma, gemma_draft, vocab, monkeypatch)
         rows.append(len(seqs)) if kw.get("last_only") else None) or real(self, seqs, *a, **kw))
     eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=4,
                       drafter=DraftModelDrafter(be, None if vocab is None else torch.arange(vocab)))
-    eng.policy.margin = -1.0  # always draft, so the draft path is exercised
-    # and every slot: drafted rows and draft tokens priced at nothing, the prices frozen (measured ones
-    # would make whether a second slot drafts depend on how loaded the machine is)
-    eng.policy.costs["pass"] = {r: 0.01 for r in range(1, 64)}
-    eng.policy.draft_cost = eng.policy.read_cost = 1e-6
-    for name in ("observe_pass", "observe_draft", "observe_reading", "observe_model_round"):
-        monkeypatch.setattr(eng.policy, name, lambda *a, **kw: None)
+    always_draft(eng.policy, monkeypatch)  # every slot, so the draft path is exercised, batched
     reqs = [BatchRequest(prompt=p, max_new_tokens=15) for p in prompts]
     assert run_batch(eng, reqs) == plain
     assert sum(r.stats.drafted for r in reqs) > 0

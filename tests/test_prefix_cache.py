@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_batch
+from conftest import always_draft, run_batch
 
 import forerun.prefix_cache as pc
 from forerun.batching import BatchEngine, BatchRequest
@@ -112,7 +112,7 @@ def test_a_batched_pass_past_the_invariant_rows_is_still_row_by_row(gemma):
         assert torch.equal(o.layers, alone.forward(f, len(p), layers=layers).layers)
 
 
-def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_draft, chunk16):
+def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_draft, chunk16, monkeypatch):
     """Served with a draft model and the cache, a chat's next turn (the first turn's prompt and
     answer, then more) has its draft model compute only what is new: the whole chunks it read of
     the first turn, answer included, come from its own cache, bit for bit what reading them
@@ -126,7 +126,7 @@ def test_a_draft_model_reads_a_chats_next_turn_from_its_own_cache(gemma, gemma_d
     plain2 = Engine(gemma.backend, None, gemma.eos_token_ids).generate(turn2, max_new_tokens=10).token_ids
     eng = BatchEngine(gemma.backend, gemma.eos_token_ids, max_batch=2, drafter=DraftModelDrafter(gemma_draft.backend.fork()),
                       prefix_cache_bytes=64 << 20)
-    eng.policy.margin = -1.0  # always draft, so the draft model reads every prompt
+    always_draft(eng.policy, monkeypatch)  # so the draft model reads every prompt, on any machine
     cache = eng.drafter.prefix_cache
     assert cache is not None and cache is not eng.prefix_cache
     assert run_batch(eng, [BatchRequest(prompt=turn1, max_new_tokens=30)]) == [plain1]
