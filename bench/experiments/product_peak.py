@@ -4,8 +4,9 @@ a second on one core. Without VNNI a 32-product vector of 4-bit codes against 8-
 ``vpmaddubsw`` plus an int16 add (``vpaddw``), and the tile's weight layout (8 weight rows x 4
 columns a vector) takes each row's 4 activation codes as a broadcast: the patterns below price
 that broadcast, from memory (as the tile does) and from a register, against a product whose
-activations are already laid out (a memory operand). Used for docs/kernels.md ("What a 5-row pass
-can cost with AVX2 only").
+activations are already laid out (a memory operand). Used for docs/kernels.md ("The activations'
+broadcast in AVX2 products"). A shared machine's speed moves from run to run: take the best of
+several rounds.
 
     python bench/experiments/product_peak.py [--rounds 3] [--out results.json]
 """
