@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -79,9 +78,9 @@ def main() -> None:
     for name, g in best.items():
         print(f"{name:<{width}}  {g:6.2f}")
     if args.out:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), platform.processor())
-        args.out.write_text(json.dumps({"cpu": cpu, "rounds": runs, "best_g_per_s": best,
+        from forerun.machine import cpu_name
+
+        args.out.write_text(json.dumps({"cpu": cpu_name(), "rounds": runs, "best_g_per_s": best,
                                         "instructions_per_pattern": {k: v[1] for k, v in PATTERNS.items()}}, indent=1))
 
 
