@@ -3,7 +3,7 @@ the tree-or-lookup choice."""
 
 import random
 
-from forerun.bench_report import predicted_speedup
+from forerun.bench_report import predicted_speedup, time_split
 from forerun.draft_length import Acceptance, DraftLength, chain_yield, expected_tokens, interpolate
 from forerun.drafters import make_drafter
 from forerun.drafters.ngram import NgramDrafter, lookup_match
@@ -498,3 +498,21 @@ def test_a_draft_model_leaves_a_long_prompt_unread_for_a_short_answer(gemma, gem
     assert got.token_ids == plain and got.stats.drafted == 0
     shared = next(i for i, (a, b) in enumerate(zip(prompt[:24] + first.token_ids, prompt)) if a != b)
     assert drafter.backend.length == shared  # what the first request left of the same start, nothing read
+
+
+def test_a_draft_models_reading_is_timed_apart_from_its_drafting(gemma, gemma_draft):
+    """``stats.read_s``: the part of ``draft_s`` a draft model spent reading what it had not read
+    (here, its prompt before the first draft); the bench's time split shows it apart and prices a
+    drafted token without it, and with it in brackets."""
+    eng = Engine(gemma.backend, make_drafter("draft", gemma, draft_model=gemma_draft))
+    prompt = [2] + [(5 * i) % 80 + 3 for i in range(60)]
+    st = eng.generate(prompt, max_new_tokens=12, k=2).stats
+    assert st.drafted > 0 and 0.0 < st.read_s < st.draft_s
+    again = eng.generate(prompt[:2], max_new_tokens=12, k=2).stats  # one token to read: no reading
+    assert again.read_s == 0.0 and again.draft_s > 0.0
+    none = {"target_passes": 10, "new_tokens": 10, "verify_s": 1.0, "wall_s": 1.0, "draft_s": 0.0}
+    m = {"target_passes": 4, "new_tokens": 10, "verify_s": 0.5, "wall_s": 1.0, "draft_s": 0.3, "read_s": 0.1,
+         "drafted": 8}
+    split = time_split({"none": none, "draft:2": m})["draft:2"]
+    assert abs(split["read"] - 10.0) < 1e-9 and abs(split["draft"] - 30.0) < 1e-9
+    assert abs(split["draft_per_step"] - 0.25) < 1e-9 and abs(split["draft_per_step_read"] - 0.375) < 1e-9

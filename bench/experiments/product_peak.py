@@ -34,6 +34,14 @@ PATTERNS = {
     "product after vpbroadcastd (reg)": (
         "vpbroadcastd %%xmm1, %%ymm2\\n\\tvpmaddubsw %%ymm2, %%ymm0, %%ymm3\\n\\tvpaddw %%ymm3, %%ymm{i}, %%ymm{i}", 3),
 }
+# --vnni: the VNNI tiles' product, one instruction a vector (8 or 16 weight rows x 4 columns: 32 or
+# 64 products), the activations' 4 codes broadcast from memory (embedded in the 512-bit form)
+VNNI_PATTERNS = {
+    "vpdpbusd ymm (32 products)": ("vpdpbusd %%ymm1, %%ymm0, %%ymm{i}", 1),
+    "vpdpbusd ymm, activations broadcast from memory": ("vpbroadcastd (%1), %%ymm2\\n\\tvpdpbusd %%ymm2, %%ymm0, %%ymm{i}", 2),
+    "vpdpbusd zmm (64 products)": ("vpdpbusd %%zmm1, %%zmm0, %%zmm{i}", 1),
+    "vpdpbusd zmm, embedded broadcast from memory": ("vpdpbusd (%1)%{{1to16%}}, %%zmm0, %%zmm{i}", 1),
+}
 
 HEAD = r"""
 #include <stdio.h>
@@ -50,9 +58,9 @@ int main(void) {
 CLOBBER = ",".join(f'"ymm{r}"' for r in range(16))
 
 
-def source() -> str:
+def source(patterns: dict) -> str:
     body = [HEAD]
-    for name, (ins, _) in PATTERNS.items():
+    for name, (ins, _) in patterns.items():
         chains = "".join(ins.format(i=i) + "\\n\\t" for i in range(4, 16))
         body.append(f'    n = ITERS; t = now();\n'
                     f'    __asm__ volatile("1:\\n\\t{chains}dec %0\\n\\tjnz 1b" : "+r"(n) : "r"(mem) : "memory", {CLOBBER});\n'
@@ -65,15 +73,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--vnni", action="store_true", help="also the VNNI products (AVX-512 VNNI machines)")
     args = ap.parse_args()
+    patterns = {**PATTERNS, **(VNNI_PATTERNS if args.vnni else {})}
+    flags = ["-mavx2", "-mfma"] + (["-mavx512f", "-mavx512vnni", "-mavx512vl"] if args.vnni else [])
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
-        src.write_text(source())
-        subprocess.run(["cc", "-O2", "-mavx2", "-mfma", str(src), "-o", str(exe)], check=True)
+        src.write_text(source(patterns))
+        subprocess.run(["cc", "-O2", *flags, str(src), "-o", str(exe)], check=True)
         runs = [[float(x) for x in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
                 for _ in range(args.rounds)]
-    best = {name: max(r[j] for r in runs) for j, name in enumerate(PATTERNS)}
-    width = max(map(len, PATTERNS))
+    best = {name: max(r[j] for r in runs) for j, name in enumerate(patterns)}
+    width = max(map(len, patterns))
     print(f"{'pattern (12 chains, one core)':<{width}}  G patterns/s (best of {args.rounds})")
     for name, g in best.items():
         print(f"{name:<{width}}  {g:6.2f}")
@@ -81,7 +92,7 @@ def main() -> None:
         from forerun.machine import cpu_name
 
         args.out.write_text(json.dumps({"cpu": cpu_name(), "rounds": runs, "best_g_per_s": best,
-                                        "instructions_per_pattern": {k: v[1] for k, v in PATTERNS.items()}}, indent=1))
+                                        "instructions_per_pattern": {k: v[1] for k, v in patterns.items()}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def summarise(records, names, ref_of=None):
             continue
         m = agg(rs)
         m["draft_s"] = sum(r.get("draft_s", 0.0) for r in rs)
+        m["read_s"] = sum(r.get("read_s", 0.0) for r in rs)
         m["verify_s"] = sum(r.get("verify_s", 0.0) for r in rs)
         m["prefill_s"] = sum(r.get("prefill_s", 0.0) for r in rs)
         dpp = [0] * 32
@@ -257,20 +258,25 @@ def write_markdown(results: dict, path: Path) -> None:
     split = time_split(methods)
     if split:
         lines += ["", "Where the time goes: milliseconds per generated token, prompt passes apart (draft: the "
-                  "drafter, a draft model's reading of the prompt included; verify: the target's passes; other: "
-                  "acceptance, rollback, the loop); draft/step: drafting seconds per drafted token over plain "
-                  "decoding's seconds per pass:", "",
-                  "| method | draft | verify | other | prompt | draft/step |", "|---|---|---|---|---|---|"]
+                  "drafter; read: of that, a draft model reading what it had not read, its prompt mostly; verify: the "
+                  "target's passes; other: acceptance, rollback, the loop); draft/step: drafting seconds per drafted "
+                  "token over plain decoding's seconds per pass, the reading left out (with it, in brackets):", "",
+                  "| method | draft | read | verify | other | prompt | draft/step |", "|---|---|---|---|---|---|---|"]
         for n, t in split.items():
-            lines.append(f"| {n} | {t['draft']:.2f} | {t['verify']:.2f} | {t['other']:.2f} | {t['prompt']:.2f} | "
-                         f"{'-' if t['draft_per_step'] is None else format(t['draft_per_step'], '.2f')} |")
+            per_step = "-" if t["draft_per_step"] is None else (
+                f"{t['draft_per_step']:.2f}" + (f" ({t['draft_per_step_read']:.2f})" if t["read"] else ""))
+            lines.append(f"| {n} | {t['draft']:.2f} | {t['read']:.2f} | {t['verify']:.2f} | {t['other']:.2f} | "
+                         f"{t['prompt']:.2f} | {per_step} |")
     path.write_text("\n".join(lines) + "\n")
 
 
 def time_split(methods: dict) -> dict:
     """Per method of ours (those with a target pass count), milliseconds per generated token spent
-    drafting, verifying, elsewhere in the loop and on the prompt; and drafting seconds per drafted
-    token against plain decoding's seconds per pass (None without drafts or plain decoding)."""
+    drafting (``read``: of that, a draft model's reading), verifying, elsewhere in the loop and on
+    the prompt; and drafting seconds per drafted token against plain decoding's seconds per pass,
+    without the reading (``draft_per_step``) and with it (``draft_per_step_read``; None without
+    drafts or plain decoding). A reading is paid once per prompt (and per stretch the model did
+    not draft for), not per drafted token."""
     none = methods.get("none") or {}
     step = none["verify_s"] / none["target_passes"] if none.get("target_passes") else None
     out = {}
@@ -279,9 +285,12 @@ def time_split(methods: dict) -> dict:
             continue
         per = 1000.0 / m["new_tokens"]
         decode = m["wall_s"] - m.get("prefill_s", 0.0)
-        out[n] = {"draft": m["draft_s"] * per, "verify": m["verify_s"] * per,
+        read = min(m.get("read_s", 0.0), m["draft_s"])
+        priced = bool(step and m.get("drafted") and m["draft_s"])
+        out[n] = {"draft": m["draft_s"] * per, "read": read * per, "verify": m["verify_s"] * per,
                   "other": max(0.0, decode - m["draft_s"] - m["verify_s"]) * per, "prompt": m.get("prefill_s", 0.0) * per,
-                  "draft_per_step": m["draft_s"] / m["drafted"] / step if step and m.get("drafted") and m["draft_s"] else None}
+                  "draft_per_step": (m["draft_s"] - read) / m["drafted"] / step if priced else None,
+                  "draft_per_step_read": m["draft_s"] / m["drafted"] / step if priced else None}
     return out
 
 

@@ -295,6 +295,8 @@ class Decoder:
             before = secs[i]
             timed(i, lambda: seqs[i].drafter.catch_up(seqs[i].tokens) or empty_draft())
             pol.observe_reading(unread[i], secs[i] - before)
+            if unread[i] > 1:  # it read (``catch_up``): part of its drafting time (``_commit``)
+                seqs[i].stats.read_s += secs[i] - before
         reading = list(secs)
         planned = [(i, k) for i, k in planned if i in alive]
         got = self._propose_batch(seqs, planned, secs) if len(planned) > 1 and self._draft_batch else None

@@ -25,6 +25,7 @@ class GenerationStats:
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
+    read_s: float = 0.0  # of draft_s: a draft model reading what it had not read (a prompt, a stretch without drafts)
     verify_s: float = 0.0
 
     def record_forced(self, k: int, n_accepted: int) -> None:
