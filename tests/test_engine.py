@@ -198,6 +198,23 @@ def test_a_windowed_draft_model_reads_little_and_stays_lossless(gemma, gemma_dra
         DraftModelDrafter(gemma_draft.backend, p_min=1.0)
 
 
+def test_a_draft_models_reading_skips_its_lm_head(gemma_draft, monkeypatch):
+    """``catch_up`` computes no logits where the backend can skip its LM head (nothing reads them
+    there), and the drafts after it are those of a model that read the prompt in its first draft step."""
+    from forerun.drafters.draft_model import DraftModelDrafter
+
+    p = [2] + [5 + (i * 7) % 40 for i in range(30)]
+    d = DraftModelDrafter(gemma_draft.backend.fork())
+    asked, fwd = [], d.backend.forward
+    monkeypatch.setattr(d.backend, "forward", lambda *a, **k: asked.append(k.get("logits", True)) or fwd(*a, **k))
+    d.begin(p, SamplingParams(), None)
+    d.catch_up(p)
+    assert asked == [not d.backend.capabilities.kv_segments] and d.backend.length == len(p) - 1
+    ref = DraftModelDrafter(gemma_draft.backend.fork())
+    ref.begin(p, SamplingParams(), None)
+    assert d.propose(p, 4).tokens.tolist() == ref.propose(p, 4).tokens.tolist()
+
+
 def test_a_draft_model_keeps_the_positions_the_next_prompt_shares(gemma, gemma_draft):
     """A draft model's next sequence keeps the cached positions of the tokens it begins with like
     the last one (a system prompt, earlier turns): it reads only the rest, its logits there are
