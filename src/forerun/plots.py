@@ -113,14 +113,13 @@ def bench_charts(results: dict, out_dir: str | Path) -> list[Path]:
         names = list(split)[::-1]
         fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.4))
         left = [0.0] * len(names)
-        parts = {"draft": lambda t: t["draft"] - t["read"], "draft: reading": lambda t: t["read"],
-                 "verify": lambda t: t["verify"], "other": lambda t: t["other"]}
-        colors = {"draft": "#dd8452", "draft: reading": "#f2c29b", "verify": "#2b6cb0", "other": "#999999"}
-        for part, value in parts.items():
+        parts = (("draft", lambda t: t["draft"] - t["read"], "#dd8452"), ("draft: reading", lambda t: t["read"], "#f2c29b"),
+                 ("verify", lambda t: t["verify"], "#2b6cb0"), ("other", lambda t: t["other"], "#999999"))
+        for part, value, color in parts:
             vals = [value(split[n]) for n in names]
             if part == "draft: reading" and not any(vals):
                 continue
-            ax.barh(names, vals, left=left, color=colors[part], label=part)
+            ax.barh(names, vals, left=left, color=color, label=part)
             left = [a + b for a, b in zip(left, vals)]
         ax.set_xlabel("milliseconds per generated token (prompt passes left out)")
         ax.legend(fontsize=8)
