@@ -288,6 +288,53 @@ def test_the_tile_width_threshold_changes_no_bit(name):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "Q8_0"])
+def test_where_the_weights_are_prefetched_changes_no_bit(name):
+    """``QLinear.set_prefetch``: the stream prefetched into L1 or L2, at both tile widths and with
+    the byte copy where the type has one: every build the CPU runs gives the same outputs and
+    argmax either way, and the setting reaches the C structs (the copy's too)."""
+    from forerun.backends.qweights import NEVER_WIDE
+
+    typ = TYPES[name]
+    lin = QLinear([(unpack(random_blocks(typ, 61, 512, seed=13), typ), typ)])
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
+    if lin.has_planes:
+        lin.set_many(3)
+    for build, lib in builds():
+        outs = []
+        for l1 in (0, 1):
+            lin.set_prefetch(l1)
+            assert all(s.pf_l1 == l1 for s in lin.structs)
+            assert all(p.many is None or p.many.pf_l1 == l1 for p in lin.parts)
+            for wide in (2, NEVER_WIDE):
+                lin.set_wide(wide)
+                outs.append([lin(x[:n], lib=lib) for n in (1, 2, 3, 5, 9)] + [lin.argmax(x[:5], lib=lib)[0]])
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (build, name)
+
+
+def test_the_prefetch_choice_is_the_setting_whose_passes_take_less_time():
+    """``tune_prefetch_level``: L1 where its passes (summed over the row counts) are faster, L2
+    where they are; the weights left set to the choice."""
+    from forerun.backends.qweights import tune_prefetch_level
+
+    def chosen(l1_s, l2_s):
+        state = {}
+
+        def run(n):
+            import time as _t
+            _t.sleep(l1_s[n] if state["l1"] else l2_s[n])
+
+        got = tune_prefetch_level(lambda v: state.__setitem__("l1", v), run, rows=(1, 5), reps=3)
+        assert state["l1"] == got
+        return got
+
+    assert chosen({1: 0.002, 5: 0.004}, {1: 0.004, 5: 0.008}) == 1
+    assert chosen({1: 0.004, 5: 0.008}, {1: 0.002, 5: 0.004}) == 0
+    assert chosen({1: 0.002, 5: 0.012}, {1: 0.003, 5: 0.006}) == 0  # one row faster, the pair slower
+
+
+@needs_kernels
 @pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_codes_read_as_bytes_change_no_bit(name):
     """``QLinear.set_many``: 5- and 6-bit parts read from a copy laid a byte a code by passes of

@@ -13,7 +13,7 @@ from forerun.backends.block_weights import block_rows_kernel, from_gguf, gguf_co
 from forerun.backends.ckernels import chosen_isa, sources_id
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import PackedLinear, f32_rows_kernel
-from forerun.backends.qweights import ACT_CODES, NEVER_WIDE, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_wide
+from forerun.backends.qweights import ACT_CODES, NEVER_WIDE, WIDE_ROWS, QLayer, QLayerC, QLinear, qrows_lib, tune_prefetch_level, tune_wide
 from forerun.gguf_file import GGUFFile
 
 log = logging.getLogger("forerun")
@@ -99,6 +99,7 @@ def requantize_4bit(model) -> bool:
         q.set_linears({name: lin.requantized() for name, lin in q.linears.items()})
         model.qlayers[i] = q.c  # in place: the model holds one array
     model.requantized = True
+    tune_prefetch(model)
     tune_wide_tiles(model)
     log.info("layer weights re-coded to 4 bits: %.0f MB -> %.0f MB", before / 1e6,
              sum(q.nbytes for q in model.quant) / 1e6)
@@ -119,6 +120,7 @@ def integer_sub_head(model, rows: torch.Tensor):
     if model.requantized:
         head.qlin = head.qlin.requantized()
     head.qlin.set_wide(model.lm_head.qlin.parts[0].wide)
+    head.qlin.set_prefetch(model.lm_head.qlin.parts[0].pf_l1)
     return head
 
 
@@ -137,6 +139,37 @@ def joined_head(model, first, rows: torch.Tensor):
     return head
 
 
+def tune_prefetch(model) -> None:
+    """Whether the products prefetch the model's weights (layers and LM head) into L1 or L2:
+    measured once per model shape, build and machine (``tune_prefetch_level``, kept) by whole
+    passes of 1 and 5 rows, the head's products included, before the tile widths are (they are
+    timed under the choice). The bits are the same either way."""
+    if chosen_isa() in (None, "portable"):
+        return
+    every = [lin for q in model.quant for lin in q.linears.values()]
+    head = getattr(model.lm_head, "qlin", None)
+    key = ["prefetch-1", chosen_isa(), sources_id(), getattr(head, "signature", ""),
+           *sorted({lin.signature for lin in every})]
+    set_layers = _layers_setter(model, every, "set_prefetch")
+
+    def set_l1(l1):
+        set_layers(l1)
+        if head is not None:
+            head.set_prefetch(l1)
+
+    body = _pass_of(model)
+    g = torch.Generator().manual_seed(0)
+
+    def run(n):
+        body(n)
+        if head is not None:
+            head(torch.randn(n, head.shape[1], generator=g))
+
+    chosen = kept.measured("qrows-prefetch", key, lambda: tune_prefetch_level(set_l1, run),
+                           "timing where the integer kernels prefetch the weights, once for this model and machine")
+    set_l1(int(chosen))
+
+
 def tune_wide_tiles(model) -> None:
     """In the AVX-512 build, from how many rows of a pass the 512-bit tile takes the layers'
     weights, and the LM head's: measured once per model shape and machine (``tune_wide``,
@@ -146,7 +179,7 @@ def tune_wide_tiles(model) -> None:
         return
     layers = [lin for q in model.quant for lin in q.linears.values()]
     head = model.lm_head.qlin
-    key = ["wide-1", sources_id(), head.signature, *sorted({lin.signature for lin in layers})]
+    key = ["wide-1", sources_id(), head.signature, *sorted({lin.signature for lin in layers}), _prefetch_of(layers)]
     set_layers = _layers_setter(model, layers, "set_wide")
 
     def measure():
@@ -181,7 +214,8 @@ def tune_byte_codes(model) -> None:
     if not layers and not heads:
         return
     every = [lin for q in model.quant for lin in q.linears.values()]
-    key = ["many-2", chosen_isa(), sources_id(), head.signature, *sorted({lin.signature for lin in every})]
+    key = ["many-2", chosen_isa(), sources_id(), head.signature, *sorted({lin.signature for lin in every}),
+           _prefetch_of(every)]
     set_layers = _layers_setter(model, layers, "set_many")
     set_wide = _layers_setter(model, every, "set_wide")
     wide_before = [lin.parts[0].wide for lin in every]
@@ -211,6 +245,11 @@ def tune_byte_codes(model) -> None:
             else:
                 lin.drop_many()  # never pays here: no copy kept in memory
     _refresh_layers(model)
+
+
+def _prefetch_of(lins) -> str:
+    """The prefetch setting the weights run under (``tune_prefetch``), for the keys of what is timed after it."""
+    return f"pf_l1={lins[0].parts[0].pf_l1 if lins else 0}"
 
 
 def _layers_setter(model, lins, method: str):

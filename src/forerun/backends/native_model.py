@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 from forerun.backends.arch import Arch, Layer, norm_weight, rms_norm
 from forerun.backends.fixed_rows import FIXED_DEFAULT_CONTEXT, FixedRows, fixed_chunks, fixed_takes
-from forerun.backends.gguf_weights import attach_blocks, attach_gguf_integer, requantize_4bit, tune_byte_codes, tune_wide_tiles
+from forerun.backends.gguf_weights import (
+    attach_blocks,
+    attach_gguf_integer,
+    requantize_4bit,
+    tune_byte_codes,
+    tune_prefetch,
+    tune_wide_tiles,
+)
 from forerun.backends.greedy_targets import GreedyTargets
 from forerun.backends.kv_cache import KVCache
 from forerun.backends.linear import ROWS_ANY, PackedLinear, f32_rows_kernel, time_body_kernels
@@ -110,8 +117,9 @@ class NativeModel:
             raise ValueError("a model without its linear weights runs on the integer path only")
         self.fixed = FixedRows(self) if fixed_rows and self.quant is None else None
         if self.quant is not None:
-            if not (requantize and requantize_4bit(self)):  # which times the tiles of what it made
-                tune_wide_tiles(self)  # measured once per model shape and machine, then kept
+            if not (requantize and requantize_4bit(self)):  # which times the kernels on what it made
+                tune_prefetch(self)  # measured once per model shape and machine, then kept
+                tune_wide_tiles(self)  # the same, under the prefetch chosen
             tune_byte_codes(self)  # the same, for 6-bit weights read as bytes by passes of several rows
 
     # -- pieces -------------------------------------------------------------------------------

@@ -125,8 +125,12 @@ static void group_portable(const qweight_t *w, const qact_t *a, int64_t g, float
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_SIMD 1
-#ifndef PF_AHEAD
-#define PF_AHEAD 8192
+/* How far ahead the tile prefetches a weight's stream (bytes): into L1 (qweight_t.pf_l1) or L2 */
+#ifndef PF_L1_AHEAD
+#define PF_L1_AHEAD 8192
+#endif
+#ifndef PF_L2_AHEAD
+#define PF_L2_AHEAD 16384
 #endif
 #ifndef RT
 #if defined(__AVX512VL__)

@@ -25,7 +25,7 @@ typedef struct qweight_s {
     const float *ofac;  /* the same for the offsets */
     const struct qweight_s *many; /* NULL, or the same weight a byte a code (U8), which passes of */
     int32_t many_rows;            /* many_rows rows or more take: no unpacking, more bytes read */
-    int32_t pad_;
+    int32_t pf_l1;      /* 1: its codes and scales prefetched into L1, 8 KiB ahead; 0: into L2, 16 KiB */
 } qweight_t;
 
 /* qweight_t.f16: scales and offsets stored as float32 (0), float16 (1), or as int8 multipliers of

@@ -87,10 +87,16 @@ static inline __m512i dpm_512(__m512i acc, __m512i u, const int8_t *p) {
 #endif
 #endif
 
-/* Prefetch p and, at 512 bits, the same place in group g + 1's stream, ``next`` bytes on. */
-static inline __attribute__((always_inline)) void QT(prefetch)(const void *p, int64_t next) {
-    _mm_prefetch((const char *)p, _MM_HINT_T0);
-    if (QT_W == 512) _mm_prefetch((const char *)p + next, _MM_HINT_T0);
+/* Prefetch p and, at 512 bits, the same place in group g + 1's stream, ``next`` bytes on: into L1
+ * where l1, else into L2 (qweight_t.pf_l1). */
+static inline __attribute__((always_inline)) void QT(prefetch)(const void *p, int64_t next, int l1) {
+    if (l1) {
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+        if (QT_W == 512) _mm_prefetch((const char *)p + next, _MM_HINT_T0);
+    } else {
+        _mm_prefetch((const char *)p, _MM_HINT_T1);
+        if (QT_W == 512) _mm_prefetch((const char *)p + next, _MM_HINT_T1);
+    }
 }
 
 /* Bit q of the codes of vector j (0..7) of a block, from its bit plane at p (bit j of each byte),
@@ -140,22 +146,25 @@ static inline __attribute__((always_inline)) void QT(group_tile)(const qweight_t
     }
     QT_VF acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = QF_ZERO();
+    const int l1 = w->pf_l1; /* the weight stream prefetched into L1 or L2, and how far ahead */
+    const int64_t ahead = l1 ? PF_L1_AHEAD : PF_L2_AHEAD;
+    const int ahead_b = (int)(ahead / cb); /* in blocks */
     for (int b = 0; b < nb; b++, blk += cb) {
-        if (PF_AHEAD) {
-            for (int c = 0; c < cb; c += 64) QT(prefetch)(blk + PF_AHEAD + c, gs);
+        if (ahead) {
+            for (int c = 0; c < cb; c += 64) QT(prefetch)(blk + ahead + c, gs, l1);
             /* The scales, offsets and factors of the block the codes' prefetch reaches: streams
              * of 8-32 bytes a block that the hardware prefetchers left to miss (a step stalled at
              * each new line of them; 8-10% of a pass of 1-8 rows on the 1.5B, docs/kernels.md). */
-            const int pb = b + PF_AHEAD / cb, ssz = f16 == FACTORED ? 1 : f16 ? 2 : 4;
+            const int pb = b + ahead_b, ssz = f16 == FACTORED ? 1 : f16 ? 2 : 4;
             const int64_t so = (sbase + (int64_t)pb * sub * 8) * ssz; /* byte offset of its first scale */
             if ((so & 63) < sub * 8 * ssz) { /* the first block on a new line */
-                QT(prefetch)((const char *)w->scale + so, ss * ssz);
-                if (has_off) QT(prefetch)((const char *)w->offset + so, ss * ssz);
+                QT(prefetch)((const char *)w->scale + so, ss * ssz, l1);
+                if (has_off) QT(prefetch)((const char *)w->offset + so, ss * ssz, l1);
             }
             if (f16 == FACTORED && pb % 8 == 0) { /* a factor per 8 blocks */
                 const int64_t fo = g * fs + (pb / 8) * 8;
-                QT(prefetch)(w->sfac + fo, fs * (int64_t)sizeof(float));
-                if (has_off) QT(prefetch)(w->ofac + fo, fs * (int64_t)sizeof(float));
+                QT(prefetch)(w->sfac + fo, fs * (int64_t)sizeof(float), l1);
+                if (has_off) QT(prefetch)(w->ofac + fo, fs * (int64_t)sizeof(float), l1);
             }
         }
         for (int s = 0; s < sub; s++) {
