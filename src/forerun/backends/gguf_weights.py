@@ -148,7 +148,7 @@ def tune_prefetch(model) -> None:
         return
     every = [lin for q in model.quant for lin in q.linears.values()]
     head = getattr(model.lm_head, "qlin", None)
-    key = ["prefetch-1", chosen_isa(), sources_id(), getattr(head, "signature", ""),
+    key = ["prefetch-2", chosen_isa(), sources_id(), getattr(head, "signature", ""),
            *sorted({lin.signature for lin in every})]
     set_layers = _layers_setter(model, every, "set_prefetch")
 
