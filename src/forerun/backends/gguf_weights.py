@@ -147,23 +147,20 @@ def tune_prefetch(model) -> None:
     if chosen_isa() in (None, "portable"):
         return
     every = [lin for q in model.quant for lin in q.linears.values()]
-    head = getattr(model.lm_head, "qlin", None)
-    key = ["prefetch-2", chosen_isa(), sources_id(), getattr(head, "signature", ""),
-           *sorted({lin.signature for lin in every})]
+    head = model.lm_head.qlin
+    key = ["prefetch-2", chosen_isa(), sources_id(), head.signature, *sorted({lin.signature for lin in every})]
     set_layers = _layers_setter(model, every, "set_prefetch")
 
     def set_l1(l1):
         set_layers(l1)
-        if head is not None:
-            head.set_prefetch(l1)
+        head.set_prefetch(l1)
 
     body = _pass_of(model)
     g = torch.Generator().manual_seed(0)
 
     def run(n):
         body(n)
-        if head is not None:
-            head(torch.randn(n, head.shape[1], generator=g))
+        head(torch.randn(n, head.shape[1], generator=g))
 
     chosen = kept.measured("qrows-prefetch", key, lambda: tune_prefetch_level(set_l1, run),
                            "timing where the integer kernels prefetch the weights, once for this model and machine")

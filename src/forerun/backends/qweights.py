@@ -155,7 +155,7 @@ class QPart:
         if self.kind not in PLANES:
             raise ValueError("qrows: only 5- and 6-bit codes are re-laid as bytes")
         out = object.__new__(QPart)
-        out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("many", "many_rows", "_many_c")})
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("many", "many_rows", "_many_c")})  # pf_l1 too
         out.codes, out.kind = torch.from_numpy(np.ascontiguousarray(self._code_bytes()).reshape(-1)), U8
         return out
 
@@ -240,19 +240,19 @@ class QLinear:
     def set_wide(self, rows: int) -> None:
         """The fewest activation rows from which the AVX-512 build's 512-bit tile takes this weight
         (0: the build's default; ``NEVER_WIDE``: the 256-bit tile always). The bits are the same."""
-        for i, p in enumerate(self.parts):
-            p.wide = rows
-            if p.many is not None:
-                p.many.wide = rows
-            self.structs[i] = p.struct()
+        self._set_on_parts("wide", rows)
 
     def set_prefetch(self, l1: int) -> None:
         """Whether the products prefetch this weight's stream into L1 (1: 8 KiB ahead) or L2 (0:
         16 KiB ahead; ``tune_prefetch``). The bits are the same."""
+        self._set_on_parts("pf_l1", int(l1))
+
+    def _set_on_parts(self, name: str, value: int) -> None:
+        """A kernel setting on every part and its byte copy, and the parts' C structs made again."""
         for i, p in enumerate(self.parts):
-            p.pf_l1 = int(l1)
+            setattr(p, name, value)
             if p.many is not None:
-                p.many.pf_l1 = int(l1)
+                setattr(p.many, name, value)
             self.structs[i] = p.struct()
 
     @property
@@ -269,7 +269,7 @@ class QLinear:
                 continue
             if p.many is None:
                 p.many = p.as_bytes()
-                p.many.wide, p.many.pf_l1 = p.wide, p.pf_l1
+                p.many.wide = p.wide
             p.many_rows = rows
             self.structs[i] = p.struct()
 
