@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from paired import paired_runs
 
 
 def main() -> None:
@@ -71,35 +71,8 @@ def main() -> None:
     rows = [json.loads(line) for line in open(args.prompts)][: args.limit]
     texts = [r["turns"][0] for r in rows]
     ids = [prompt_ids(target.tokenizer, t) if args.chat == "on" else target.tokenizer.encode(t) for t in texts]
-    res = {(on, m): [0, 0.0] for on in (False, True) for m in methods}
-    passes = {(on, n): [] for on in (False, True) for n in range(1, 9)}
-    outs = {}
     engines["draft"].generate(ids[0], max_new_tokens=16, params=SamplingParams(), k="auto")  # warm-up
-    be = target.backend
-    for i, p in enumerate(ids):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        for on in order:
-            setting(on)
-            for m in methods:
-                t0 = time.perf_counter()
-                r = engines[m].generate(p, max_new_tokens=args.max_new_tokens, params=SamplingParams(), k="auto")
-                res[(on, m)][0] += len(r.token_ids)
-                res[(on, m)][1] += time.perf_counter() - t0
-                outs.setdefault((i, m), r.token_ids)
-                assert r.token_ids == outs[(i, m)], f"prompt {i} {m}: the output differs between settings"
-        ctx = torch.tensor(p + outs[(i, "none")])[:-8]
-        be.reset()
-        be.forward(ctx, 0, last_only=True)
-        feed = torch.tensor(outs[(i, "none")][-8:])
-        for rep in range(3):
-            for on in order:
-                setting(on)
-                for n in range(1, 9):
-                    be.truncate(len(ctx))
-                    t0 = time.perf_counter()
-                    be.argmax_forward(feed[:n], len(ctx))
-                    passes[(on, n)].append(time.perf_counter() - t0)
-        print(f"prompt {i + 1}/{len(ids)} done", flush=True)
+    res, passes = paired_runs(engines, methods, ids, setting, (False, True), target.backend, args.max_new_tokens, "none")
     report = {"settings": {"layers_from": args.layers_from, "head_from": args.head_from,
                            "layers_wide": args.layers_wide or tuned_wide, "tuned_wide": tuned_wide},
               "tokens_per_s": {f"{m} {'bytes' if on else 'off'}": res[(on, m)][0] / res[(on, m)][1]

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from paired import paired_runs
 
 
 def main() -> None:
@@ -64,36 +65,9 @@ def main() -> None:
     rows = [json.loads(line) for line in open(args.prompts)][: args.limit]
     texts = [r["turns"][0] for r in rows]
     ids = [prompt_ids(target.tokenizer, t) if args.chat == "on" else target.tokenizer.encode(t) for t in texts]
-    res = {(l1, m): [0, 0.0] for l1 in (0, 1) for m in methods}
-    passes = {(l1, n): [] for l1 in (0, 1) for n in range(1, 9)}
-    outs = {}
     for m in methods[1:]:
         engines[m].generate(ids[0], max_new_tokens=16, params=SamplingParams(), k="auto")  # warm-up
-    be = target.backend
-    for i, p in enumerate(ids):
-        order = (0, 1) if i % 2 == 0 else (1, 0)
-        for l1 in order:
-            setting(l1)
-            for m in methods:
-                t0 = time.perf_counter()
-                r = engines[m].generate(p, max_new_tokens=args.max_new_tokens, params=SamplingParams(), k="auto")
-                res[(l1, m)][0] += len(r.token_ids)
-                res[(l1, m)][1] += time.perf_counter() - t0
-                outs.setdefault((i, m), r.token_ids)
-                assert r.token_ids == outs[(i, m)], f"prompt {i} {m}: the output differs between settings"
-        ctx = torch.tensor(p + outs[(i, methods[0])])[:-8]
-        be.reset()
-        be.forward(ctx, 0, last_only=True)
-        feed = torch.tensor(outs[(i, methods[0])][-8:])
-        for rep in range(3):
-            for l1 in order:
-                setting(l1)
-                for n in range(1, 9):
-                    be.truncate(len(ctx))
-                    t0 = time.perf_counter()
-                    be.argmax_forward(feed[:n], len(ctx))
-                    passes[(l1, n)].append(time.perf_counter() - t0)
-        print(f"prompt {i + 1}/{len(ids)} done", flush=True)
+    res, passes = paired_runs(engines, methods, ids, setting, (0, 1), target.backend, args.max_new_tokens, methods[0])
     setting(tuned)
     name = {0: "L2", 1: "L1"}
     report = {"tuned": name[tuned], "models": len(models),
